@@ -1,0 +1,160 @@
+"""Deployment config: YAML (or the same dict) -> validated dataclasses, parsed once.
+
+Example::
+
+    models:
+      small: {path: models/tiny/small, dtype: float32, device: cpu}
+    entry: small
+
+Relative model paths resolve against the YAML file's folder (or the working directory for a dict);
+`$VARS` and `~` expand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A deployment config that cannot be served: the message names the offending key."""
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclass
+class ModelConfig:
+    """One model (one subserver): where its weights are, where it runs, and how its KV cache is sized."""
+
+    name: str
+    path: str
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    load_format: Literal["auto", "dummy"] = "auto"
+    # Seed of the random weights when load_format is dummy.
+    seed: int = 0
+    # Context limit; None takes max_position_embeddings from config.json.
+    max_model_len: int | None = None
+    block_size: int = 16
+    # KV pool size: an explicit token budget wins; otherwise a fraction of the device memory left after
+    # the weights load (CUDA), or `cpu_kv_cache_tokens` on the CPU.
+    kv_cache_tokens: int | None = None
+    kv_memory_fraction: float = 0.9
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    # Token budget of one forward pass; longer prompts are prefilled in chunks.
+    max_num_batched_tokens: int = 2048
+
+    def validate(self) -> None:
+        where = f"models.{self.name}"
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"{where}.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"{where}.load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ConfigError(f"{where}.device must be 'cpu' or 'cuda:N', got {self.device!r}")
+        if not os.path.isdir(self.path):
+            raise ConfigError(f"{where}.path: model directory {self.path!r} does not exist")
+        if not os.path.isfile(os.path.join(self.path, "config.json")):
+            raise ConfigError(f"{where}.path: {self.path!r} has no config.json")
+        for key in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{where}.{key} must be >= 1, got {getattr(self, key)}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ConfigError(f"{where}.kv_cache_tokens must hold at least one block ({self.block_size})")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ConfigError(f"{where}.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"{where}.max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass
+class EngineConfig:
+    models: dict[str, ModelConfig]
+    entry: str
+    # Tokenizer directory; defaults to the entry model's directory.
+    tokenizer: str | None = None
+    # KV pool size on the CPU when kv_cache_tokens is not given.
+    cpu_kv_cache_tokens: int = 65536
+    source: str | None = field(default=None, repr=False)
+
+    def validate(self) -> None:
+        if not self.models:
+            raise ConfigError("'models' must name at least one model")
+        if self.entry not in self.models:
+            raise ConfigError(f"entry {self.entry!r} is not one of the models {sorted(self.models)}")
+        for m in self.models.values():
+            m.validate()
+        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
+            raise ConfigError(f"tokenizer directory {self.tokenizer!r} does not exist")
+
+    @property
+    def entry_model(self) -> ModelConfig:
+        return self.models[self.entry]
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.entry_model.path
+
+
+def _resolve_path(value: str, base: Path) -> str:
+    expanded = os.path.expanduser(os.path.expandvars(str(value)))
+    p = Path(expanded)
+    return str(p if p.is_absolute() else (base / p).resolve())
+
+
+def _build(cls: type, data: dict[str, Any], where: str, **fixed: Any) -> Any:
+    """Dataclass from a dict, refusing keys the dataclass does not know."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)} - set(fixed) - {"source"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown config key(s) in {where}: {unknown}; known keys: {sorted(known)}")
+    try:
+        return cls(**fixed, **data)
+    except TypeError as e:  # missing required key
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def load_config(source: str | os.PathLike | dict[str, Any] | EngineConfig) -> EngineConfig:
+    """Parse and validate a deployment config from a YAML path, a dict of the same shape, or pass one through."""
+    if isinstance(source, EngineConfig):
+        source.validate()
+        return source
+    if isinstance(source, dict):
+        data, base, origin = dict(source), Path.cwd(), None
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        base, origin = path.resolve().parent, str(path)
+    if not isinstance(data, dict):
+        raise ConfigError("config must be a mapping with 'models' and 'entry'")
+    data = dict(data)
+    raw_models = data.pop("models", None)
+    if not isinstance(raw_models, dict) or not raw_models:
+        raise ConfigError("config needs 'models': a mapping of model name -> {path, dtype, device, ...}")
+    models = {}
+    for name, m in raw_models.items():
+        m = dict(m or {})
+        if "path" in m:
+            m["path"] = _resolve_path(m["path"], base)
+        models[name] = _build(ModelConfig, m, f"models.{name}", name=str(name))
+    if "entry" not in data and len(models) == 1:
+        data["entry"] = next(iter(models))
+    if data.get("tokenizer") is not None:
+        data["tokenizer"] = _resolve_path(data["tokenizer"], base)
+    cfg = _build(EngineConfig, data, "config", models=models)
+    cfg.source = origin
+    cfg.validate()
+    return cfg

@@ -1,0 +1,1 @@
+"""Request state, scheduler, block accounting and the in-process Engine."""

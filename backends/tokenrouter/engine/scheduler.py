@@ -1,0 +1,103 @@
+"""Continuous batching with chunked prefill: decides which tokens of which sequences run next.
+
+Never touches a tensor. Every scheduled sequence runs a chunk `token_ids[num_computed : num_computed + n]`:
+a whole prompt (prefill), its next piece (chunked prefill), a suffix appended from elsewhere (extend) or
+the last sampled token (decode). Running sequences go first, in arrival order; then waiting ones are
+admitted while the token budget, the sequence cap and the KV pool allow. When the pool runs dry the most
+recently admitted sequence is preempted (its blocks freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tokenrouter.engine.block_manager import BlockManager
+from tokenrouter.engine.sequence import SeqStatus, Sequence
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the known tokens, so the next token is sampled from it."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_pending_tokens, budget)
+            if n > 0 and self._grow(seq, n):
+                chunks.append(ScheduledChunk(seq, n))
+                budget -= n
+            if seq.status is SeqStatus.RUNNING:
+                i += 1  # (a preempted `seq` left the list: index i already holds the next one)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = self.bm.match_prefix(seq.token_ids) if not seq.block_table else []
+            cached = len(prefix) * self.bm.block_size
+            n = min(seq.num_tokens - cached, budget)
+            # Blocks for the prefix we take over plus the new chunk must be available now.
+            need = self.bm.cost_of_prefix(prefix) + max(0, -(-(cached + n) // self.bm.block_size) - len(prefix))
+            if need > self.bm.num_free_blocks:
+                break
+            self.waiting.popleft()
+            self.bm.allocate_prefix(seq, prefix)
+            ok = self.bm.ensure(seq, seq.num_computed_tokens + n)
+            assert ok
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, n))
+            budget -= n
+        return chunks
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        """Blocks for `n` more tokens of `seq`, preempting from the back of the running list if needed.
+
+        The back holds sequences not yet scheduled this step (running is walked front to back), so a
+        chunk already in the batch never loses its blocks. False if `seq` itself had to go."""
+        while not self.bm.ensure(seq, seq.num_computed_tokens + n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.release(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.release(seq)
+        seq.status = SeqStatus.FINISHED

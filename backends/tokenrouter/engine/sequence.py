@@ -1,0 +1,64 @@
+"""A request as one model sees it: its tokens, its KV blocks here, and how far this model has computed."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenrouter.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # admitted, no KV blocks held (new, or preempted)
+    RUNNING = "running"  # holds KV blocks and is scheduled every step
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """Counters, not copies: a returning request only appends tokens; `num_computed_tokens` shows what
+    still needs a forward pass (prefill, extend or decode are all `token_ids[num_computed_tokens:]`)."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Prompt tokens whose KV came from the prefix cache at admission.
+    num_cached_tokens: int = 0
+    # Tokens this model actually ran through a forward pass (the no-recompute tests count these).
+    num_forwarded_tokens: int = 0
+    # Prefix-cache bookkeeping: how many leading blocks are registered, and the chain hash of the last.
+    num_hashed_blocks: int = 0
+    last_block_hash: bytes = b""
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    # Set when a stop string matched: the text is cut there.
+    stop_text_end: int | None = None
+    generator: torch.Generator | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

@@ -1,0 +1,1 @@
+"""Model code, weights, paged KV pool, attention backends and the sampler."""

@@ -1,0 +1,42 @@
+"""The tensors one forward pass needs, built once per step and shared by every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """A mixed batch: each sequence contributes `q_len` new tokens on top of `kv_len - q_len` cached ones.
+
+    Prefill (nothing cached), extend (k >= 1 known tokens appended to cached KV) and decode (one token)
+    are the same operation with different lengths, so one batch can hold all three.
+    """
+
+    input_ids: torch.Tensor  # [T] int64, all sequences' new tokens back to back
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, KV pool slot each new token is written to
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    kv_lens: torch.Tensor  # [B] int32, cached + new tokens
+    logits_indices: torch.Tensor  # [S] int64, rows of the hidden states that need logits
+    q_lens_cpu: list[int] = field(default_factory=list)
+    kv_lens_cpu: list[int] = field(default_factory=list)
+    block_size: int = 16
+    # Attention-backend-specific precomputation (e.g. per-sequence gather indices), set by `prepare`.
+    attn_state: Any = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        return all(q == 1 for q in self.q_lens_cpu)

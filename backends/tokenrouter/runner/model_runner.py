@@ -1,0 +1,146 @@
+"""Owns one model on one device: weights, the paged KV pool, and the forward pass of a scheduled batch."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tokenrouter.config import ModelConfig
+from tokenrouter.engine.scheduler import ScheduledChunk
+from tokenrouter.runner.arch import ArchConfig
+from tokenrouter.runner.attention import get_backend
+from tokenrouter.runner.forward_batch import ForwardBatch
+from tokenrouter.runner.model import CausalLM
+from tokenrouter.runner.weights import init_dummy, load_safetensors
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ForwardOutput:
+    """Per sampling sequence (rows in batch order of the chunks that sample)."""
+
+    logits: torch.Tensor  # [S, vocab] float32
+    hidden: torch.Tensor  # [S, hidden] final-norm hidden state of the last token
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, default_kv_tokens: int, attention: str = "torch") -> None:
+        self.cfg = cfg
+        self.arch = ArchConfig.from_dir(cfg.path)
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"model {cfg.name!r} asks for {cfg.device} but CUDA is not available")
+        self.dtype = _DTYPES[cfg.dtype]
+        self.max_model_len = cfg.max_model_len or self.arch.max_position_embeddings
+        self.model = self._load_model()
+        self.attn_backend = get_backend(attention)
+        self.block_size = cfg.block_size
+        self.num_blocks = self._num_kv_blocks(default_kv_tokens)
+        self._allocate_kv_cache()
+        # The pool bounds a single sequence's length too.
+        self.max_model_len = min(self.max_model_len, self.num_blocks * self.block_size)
+        self.num_forwarded_tokens = 0
+
+    def _load_model(self) -> CausalLM:
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = CausalLM(self.arch, max_positions=self.max_model_len)
+        finally:
+            torch.set_default_dtype(prev)
+        # RoPE tables stay float32 whatever the weights' dtype.
+        rope = model.model.rotary_emb
+        rope.cos, rope.sin = rope.cos.float(), rope.sin.float()
+        if self.cfg.load_format == "dummy":
+            init_dummy(model, self.cfg.seed)
+        else:
+            load_safetensors(model, self.cfg.path)
+        return model.eval()
+
+    def _bytes_per_block(self) -> int:
+        a = self.arch
+        elem = torch.finfo(self.dtype).bits // 8
+        return 2 * a.num_layers * self.cfg.block_size * a.num_kv_heads * a.head_dim * elem
+
+    def _num_kv_blocks(self, default_tokens: int) -> int:
+        if self.cfg.kv_cache_tokens is not None:
+            return self.cfg.kv_cache_tokens // self.cfg.block_size
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # A fraction of the whole card for this model, minus what it already holds; several models
+            # on one GPU split the card by giving fractions that sum to <= 1.
+            used_here = torch.cuda.memory_allocated(self.device)
+            budget = min(free, int(total * self.cfg.kv_memory_fraction) - used_here) - 512 * 2**20
+            blocks = budget // self._bytes_per_block()
+            if blocks < 1:
+                raise RuntimeError(f"model {self.cfg.name!r}: no GPU memory left for a KV cache")
+            return int(blocks)
+        return max(1, default_tokens // self.cfg.block_size)
+
+    def _allocate_kv_cache(self) -> None:
+        a = self.arch
+        slots = self.num_blocks * self.block_size
+        # [layers, 2, slots, Hkv, D]: one allocation, per-layer views bound into the attention modules.
+        self.kv_cache = torch.zeros(
+            a.num_layers, 2, slots, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device
+        )
+        self.model.bind_kv_cache(list(self.kv_cache[:, 0]), list(self.kv_cache[:, 1]))
+        log.info(
+            "model %s: %d KV blocks of %d tokens (%.1f MiB)",
+            self.cfg.name, self.num_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+        )
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
+        bs = self.block_size
+        input_ids, positions, slots, q_lens, kv_lens, logits_idx = [], [], [], [], [], []
+        max_blocks = max(len(c.seq.block_table) for c in chunks)
+        tables = []
+        for c in chunks:
+            seq, start, n = c.seq, c.seq.num_computed_tokens, c.num_new_tokens
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            q_lens.append(n)
+            kv_lens.append(start + n)
+            if c.samples:
+                logits_idx.append(len(input_ids) - 1)
+            tables.append(table + [0] * (max_blocks - len(table)))
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        dev = self.device
+
+        def t(x, dtype):
+            return torch.tensor(x, dtype=dtype, device=dev)
+
+        return ForwardBatch(
+            input_ids=t(input_ids, torch.int64),
+            positions=t(positions, torch.int64),
+            slot_mapping=t(slots, torch.int64),
+            block_tables=t(tables, torch.int32),
+            cu_seqlens_q=t(cu, torch.int32),
+            kv_lens=t(kv_lens, torch.int32),
+            logits_indices=t(logits_idx, torch.int64),
+            q_lens_cpu=q_lens,
+            kv_lens_cpu=kv_lens,
+            block_size=bs,
+        )
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[ScheduledChunk]) -> ForwardOutput:
+        """Run one mixed batch; KV of the new tokens is written to the pool; counters are NOT advanced."""
+        batch = self.prepare(chunks)
+        self.attn_backend.prepare(batch)
+        hidden = self.model(batch, self.attn_backend)
+        last = hidden[batch.logits_indices]
+        for c in chunks:
+            c.seq.num_forwarded_tokens += c.num_new_tokens
+        self.num_forwarded_tokens += batch.num_tokens
+        return ForwardOutput(logits=self.model.compute_logits(last), hidden=last)
