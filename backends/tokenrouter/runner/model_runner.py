@@ -91,10 +91,8 @@ class ModelRunner:
             a.num_layers, 2, slots, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device
         )
         self.model.bind_kv_cache(list(self.kv_cache[:, 0]), list(self.kv_cache[:, 1]))
-        log.info(
-            "model %s: %d KV blocks of %d tokens (%.1f MiB)",
-            self.cfg.name, self.num_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
-        )
+        mib = self.kv_cache.numel() * self.kv_cache.element_size() / 2**20
+        log.info("model %s: %d KV blocks of %d tokens (%.1f MiB)", self.cfg.name, self.num_blocks, self.block_size, mib)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         bs = self.block_size
