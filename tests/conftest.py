@@ -1,0 +1,25 @@
+"""Shared fixtures: the tiny model set (built once, locally) and engine configs over it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_dir() -> Path:
+    """The tiny small/medium/large models and tokenizer; built on first use (seconds), reused after."""
+    from tokenrouter.tools.make_tiny import make_tiny
+
+    out = Path(os.environ.get("TOKENROUTER_TINY_DIR", REPO / "models" / "tiny"))
+    make_tiny(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_config(tiny_dir: Path) -> dict:
+    return {"models": {"small": {"path": str(tiny_dir / "small"), "kv_cache_tokens": 8192}}, "entry": "small"}
