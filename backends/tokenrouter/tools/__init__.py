@@ -1,0 +1,1 @@
+"""Developer tools (test fixtures, helpers) that are not part of the serving path."""
