@@ -76,9 +76,47 @@ class ModelConfig:
 
 
 @dataclass
+class BatchingConfig:
+    """Delayed batching: a subserver steps once `thresholds[model]` requests are ready, or the oldest ready
+    one waited `max_wait_ms`. `auto` re-solves thresholds from measured latencies and routing rates."""
+
+    thresholds: dict[str, int] | int | str = 1
+    max_wait_ms: float = 5.0
+    # With thresholds: auto, how often the Markov-chain model is re-solved while serving.
+    auto_interval_s: float = 2.0
+
+    def validate(self, models: list[str]) -> None:
+        t = self.thresholds
+        if isinstance(t, str):
+            if t != "auto":
+                raise ConfigError(f"batching.thresholds must be an integer, a per-model mapping or 'auto', got {t!r}")
+        elif isinstance(t, dict):
+            unknown = sorted(set(t) - set(models))
+            if unknown:
+                raise ConfigError(f"batching.thresholds names unknown model(s) {unknown}; models: {models}")
+            if any(not isinstance(v, int) or v < 1 for v in t.values()):
+                raise ConfigError(f"batching.thresholds must be integers >= 1, got {t}")
+        elif isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise ConfigError(f"batching.thresholds must be >= 1, got {t!r}")
+        if self.max_wait_ms < 0:
+            raise ConfigError(f"batching.max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        if self.auto_interval_s <= 0:
+            raise ConfigError(f"batching.auto_interval_s must be > 0, got {self.auto_interval_s}")
+
+    def threshold_of(self, model: str) -> int:
+        t = self.thresholds
+        if isinstance(t, dict):
+            return t.get(model, 1)
+        return 1 if isinstance(t, str) else t
+
+
+@dataclass
 class EngineConfig:
     models: dict[str, ModelConfig]
     entry: str
+    # Routing policy: {name: <registered policy>, ...its arguments}; default: everything stays on `entry`.
+    policy: dict[str, Any] = field(default_factory=lambda: {"name": "always"})
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
     # Tokenizer directory; defaults to the entry model's directory.
     tokenizer: str | None = None
     # KV pool size on the CPU when kv_cache_tokens is not given.
@@ -92,6 +130,9 @@ class EngineConfig:
             raise ConfigError(f"entry {self.entry!r} is not one of the models {sorted(self.models)}")
         for m in self.models.values():
             m.validate()
+        if not isinstance(self.policy, dict) or not isinstance(self.policy.get("name"), str):
+            raise ConfigError("'policy' must be a mapping with a 'name' (e.g. {name: r2r, threshold: 0.5})")
+        self.batching.validate(list(self.models))
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
             raise ConfigError(f"tokenizer directory {self.tokenizer!r} does not exist")
 
@@ -152,6 +193,10 @@ def load_config(source: str | os.PathLike | dict[str, Any] | EngineConfig) -> En
         models[name] = _build(ModelConfig, m, f"models.{name}", name=str(name))
     if "entry" not in data and len(models) == 1:
         data["entry"] = next(iter(models))
+    if "batching" in data:
+        data["batching"] = _build(BatchingConfig, data["batching"] or {}, "batching")
+    if isinstance(data.get("policy"), str):
+        data["policy"] = {"name": data["policy"]}
     if data.get("tokenizer") is not None:
         data["tokenizer"] = _resolve_path(data["tokenizer"], base)
     cfg = _build(EngineConfig, data, "config", models=models)

@@ -1,68 +1,112 @@
-"""The in-process engine: `Engine.from_config(...).generate(prompts, params)`.
+"""The in-process engine: one subserver per model plus a coordinator that moves handoffs between them.
 
-One model for now (the config's `entry`); the routing engine grows this into one subserver per model.
-`step()` is schedule -> forward -> sample -> postprocess, with one host sync (the sampled ids).
+    engine = Engine.from_config("config/r2r/tiny.yaml")
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=64))
+
+Two ways to run the same subservers:
+- stepped (default): `step()` runs every subserver whose batching condition holds, in this thread; handy
+  for tests and scripts, deterministic.
+- background (`start()`, or any streaming call): one decoding-loop thread per subserver and one
+  coordinator thread; `generate` and `generate_stream` are then thread-safe.
+The coordinator never touches a tensor: it forwards handoff messages, collects commits, and finalizes a
+request once every model that held it has freed its KV.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from tokenrouter.config import EngineConfig, load_config
-from tokenrouter.engine.block_manager import BlockManager
-from tokenrouter.engine.scheduler import Scheduler
-from tokenrouter.engine.sequence import SeqStatus, Sequence
-from tokenrouter.engine.tokenizer import decode, find_stop, load_tokenizer
-from tokenrouter.runner.model_runner import ModelRunner
-from tokenrouter.runner.sampler import sample
+from tokenrouter.engine.outputs import RequestOutput, RequestState
+from tokenrouter.engine.stop import StopChecker
+from tokenrouter.engine.subserver import Subserver
+from tokenrouter.engine.tokenizer import load_tokenizer
+from tokenrouter.routing.policy import make_policy
 from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.transport.messages import Append, Arrive, Commit, Event, Failed, Handoff, Release, Released
 
 Prompt = str | list[int]
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
-    stats: dict[str, Any] = field(default_factory=dict)
 
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        mcfg = config.entry_model
         self.tokenizer = load_tokenizer(config.tokenizer_path)
-        self.runner = ModelRunner(mcfg, default_kv_tokens=config.cpu_kv_cache_tokens)
-        self.block_manager = BlockManager(self.runner.num_blocks, mcfg.block_size, mcfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, mcfg.max_num_seqs, mcfg.max_num_batched_tokens)
-        self.eos_token_ids = set(self.runner.arch.eos_token_ids)
-        self.requests: dict[str, Sequence] = {}
+        self.model_names = list(config.models)
+        pol = dict(config.policy)
+        pol_name = pol.pop("name")
+        if pol_name == "always" and "model" not in pol:
+            pol["model"] = config.entry
+        self._events: list[Event] = []
+        self._event_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._stop_event = threading.Event()
+        self._lock = threading.RLock()
+        self.subservers: dict[str, Subserver] = {}
+        for name, mcfg in config.models.items():
+            policy = make_policy(pol_name, self.model_names, name, pol)
+            sub = Subserver(
+                mcfg,
+                policy,
+                StopChecker(self.tokenizer, set(), 0),  # filled in below, once every model is loaded
+                self._emit,
+                default_kv_tokens=config.cpu_kv_cache_tokens,
+                threshold=config.batching.threshold_of(name),
+                max_wait_s=config.batching.max_wait_ms / 1000.0,
+            )
+            sub.arrivals_possible = self._arrivals_possible_for(name)
+            self.subservers[name] = sub
+        vocab = {n: s.runner.arch.vocab_size for n, s in self.subservers.items()}
+        if len(set(vocab.values())) > 1:
+            raise ValueError(f"routed models must share one vocabulary; vocab sizes: {vocab}")
+        entry = self.subservers[config.entry]
+        self.max_model_len = min(s.runner.max_model_len for s in self.subservers.values())
+        for sub in self.subservers.values():
+            sub.stop = StopChecker(self.tokenizer, set(entry.runner.arch.eos_token_ids), self.max_model_len)
+        self.requests: dict[str, RequestState] = {}
+        self._outputs: list[RequestOutput] = []
         self._ids = itertools.count()
         self._closed = False
+        self._update_thresholds()
 
     @classmethod
     def from_config(cls, source: str | os.PathLike | dict[str, Any] | EngineConfig) -> Engine:
         return cls(load_config(source))
 
-    # -- input ----------------------------------------------------------------------------------------
+    # -- the entry model's parts (single-model use and tests) ---------------------------------------
+
+    @property
+    def entry(self) -> Subserver:
+        return self.subservers[self.config.entry]
+
+    @property
+    def runner(self):
+        return self.entry.runner
+
+    @property
+    def scheduler(self):
+        return self.entry.scheduler
+
+    @property
+    def block_manager(self):
+        return self.entry.block_manager
 
     @property
     def vocab_size(self) -> int:
-        return self.runner.arch.vocab_size
+        return self.entry.runner.arch.vocab_size
 
     @property
-    def max_model_len(self) -> int:
-        return self.runner.max_model_len
+    def running_in_background(self) -> bool:
+        return bool(self._threads)
+
+    # -- input ----------------------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt, validated against the vocabulary and the context limit."""
@@ -96,104 +140,168 @@ class Engine:
                 )
 
     def add_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        listener: Callable[[RequestOutput], None] | None = None,
     ) -> str:
-        """Validate and queue one request; raises ValueError (and queues nothing) on bad input."""
+        """Validate and queue one request; raises ValueError (and queues nothing) on bad input.
+
+        `listener`, if given, is called (from the engine's thread) with every output delta."""
         self._check_open()
         params = params or SamplingParams()
         params.validate()
         self._check_token_ids(params.stop_token_ids, "stop_token_ids")
         ids = self.tokenize(prompt)
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self.requests:
-            raise ValueError(f"request id {rid!r} is already in use")
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        seq = Sequence(rid, list(ids), len(ids), params, generator=gen)
-        self.requests[rid] = seq
-        self.scheduler.add(seq)
+        with self._lock:
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if rid in self.requests:
+                raise ValueError(f"request id {rid!r} is already in use")
+            state = self.entry.policy.initial_state(ids)
+            req = RequestState(rid, ids, params, self.config.entry, listener, self.model_names)
+            req.holders.add(self.config.entry)
+            self.requests[rid] = req
+            self._update_thresholds()
+        arrive = Arrive(rid, list(ids), True, len(ids), params, state, None, {})
+        self._deliver(self.config.entry, arrive)
         return rid
 
     def append_tokens(self, request_id: str, token_ids: list[int]) -> None:
         """Append known tokens to a live request; its next step *extends* the KV by them (no recompute)."""
-        seq = self._live(request_id)
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            raise KeyError(f"no live request {request_id!r}")
         if not token_ids:
             raise ValueError("append_tokens needs at least one token")
         self._check_token_ids(list(token_ids), "appended")
-        if seq.num_tokens + len(token_ids) >= self.max_model_len:
+        if len(req.prompt_ids) + len(req.output_ids) + len(token_ids) >= self.max_model_len:
             raise ValueError(f"request {request_id!r} would exceed the context limit {self.max_model_len}")
-        seq.token_ids.extend(token_ids)
+        req.output_ids.extend(token_ids)
+        self._deliver(req.owner, Append(request_id, list(token_ids)))
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request and free its KV blocks; returns its final output, or None if it is unknown."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
-            return None
-        if not seq.is_finished:
-            self.scheduler.finish(seq)
-            seq.finish_reason = "abort"
-        return self._output(seq)
+        """Cancel a request on every model and free its KV; returns its final output if it was live."""
+        with self._lock:
+            req = self.requests.get(request_id)
+            if req is None or req.finished:
+                return None
+            req.finish_reason = "abort"
+            for model in list(req.holders):
+                self._deliver(model, Release(request_id, "abort"))
+            self._maybe_finalize(req)
+        self._pump()
+        return req.output(self.tokenizer, final=True)
 
-    # -- the loop -------------------------------------------------------------------------------------
+    # -- events (the coordinator) ---------------------------------------------------------------------
+
+    def _emit(self, ev: Event) -> None:
+        if self.running_in_background:
+            self._event_queue.put(ev)
+        else:
+            self._events.append(ev)
+
+    def _deliver(self, model: str, msg: Arrive | Append | Release) -> None:
+        sub = self.subservers[model]
+        if self.running_in_background:
+            sub.submit(msg)
+        else:
+            sub.handle(msg)
+            self._pump()
+
+    def _pump(self) -> None:
+        """Stepped mode: handle events until none are left (handling one may deliver more)."""
+        while self._events and not self.running_in_background:
+            self._on_event(self._events.pop(0))
+
+    def _on_event(self, ev: Event) -> None:
+        with self._lock:
+            req = self.requests.get(ev.request_id if not isinstance(ev, Handoff) else ev.arrive.request_id)
+            if req is None:
+                return
+            if isinstance(ev, Commit):
+                req.on_commit(ev)
+                if ev.finish_reason is not None:
+                    for model in req.holders - {ev.model}:
+                        self._deliver(model, Release(req.request_id))
+                self._notify(req)
+            elif isinstance(ev, Handoff):
+                if req.finished:
+                    return  # cancelled in flight: the source was already told to release
+                req.handoffs += 1
+                req.owner = ev.target
+                req.holders.add(ev.target)
+                self._deliver(ev.target, ev.arrive)
+            elif isinstance(ev, Released):
+                req.holders.discard(ev.model)
+                req.forwarded[ev.model] = ev.num_forwarded_tokens
+                req.cached[ev.model] = ev.num_cached_tokens
+            elif isinstance(ev, Failed):
+                if not req.finished:
+                    req.finish_reason, req.error = "error", ev.error
+                    for model in req.holders - {ev.model}:
+                        self._deliver(model, Release(req.request_id, "error"))
+            self._maybe_finalize(req)
+
+    def _maybe_finalize(self, req: RequestState) -> None:
+        """A request ends (one final output) once it finished and every model freed its KV."""
+        if req.finished and not req.holders and not req.finalized:
+            req.finalized = True
+            del self.requests[req.request_id]
+            self._update_thresholds()
+            self._notify(req)
+
+    def _notify(self, req: RequestState) -> None:
+        out = req.output(self.tokenizer, final=req.finalized)
+        if out.finished or out.delta_token_ids:
+            if req.listener is not None:
+                req.listener(out)
+            if not self.running_in_background:
+                self._outputs.append(out)
+
+    # -- delayed batching ------------------------------------------------------------------------------
+
+    def _arrivals_possible_for(self, model: str) -> Callable[[], bool]:
+        def possible() -> bool:
+            # Something can still come to `model` only if a live request is currently elsewhere.
+            return any(r.owner != model for r in list(self.requests.values()) if not r.finished)
+
+        return possible
+
+    def _update_thresholds(self) -> None:
+        """Keep sum(B_i - 1) < N for the N requests in the system, so they can never all wait in queues."""
+        want = {m: self.config.batching.threshold_of(m) for m in self.model_names}
+        n = max(1, len(self.requests))
+        while sum(b - 1 for b in want.values()) >= n:
+            biggest = max(want, key=lambda m: want[m])
+            want[biggest] -= 1
+        for m, b in want.items():
+            self.subservers[m].threshold = b
+
+    # -- stepped mode ---------------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return bool(self.requests)
 
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass; returns an output for every request that gained a token this step."""
+        """Stepped mode: one forward pass on each subserver whose batching condition holds (if none
+        holds yet, the one with the most ready requests runs, as when its bounded wait expires)."""
         self._check_open()
-        chunks = self.scheduler.schedule()
-        if not chunks:
-            return []
-        out = self.runner.forward(chunks)
-        sampling = [c.seq for c in chunks if c.samples]
-        tokens = sample(out.logits, [s.params for s in sampling], [s.generator for s in sampling]).tolist()
-        for c in chunks:
-            c.seq.num_computed_tokens += c.num_new_tokens
-            self.block_manager.register_full_blocks(c.seq)
-        outputs = []
-        for seq, tok in zip(sampling, tokens):
-            seq.token_ids.append(tok)
-            reason = self._stop_reason(seq, tok)
-            if reason is not None:
-                seq.finish_reason = reason
-                self.scheduler.finish(seq)
-                del self.requests[seq.request_id]
-            outputs.append(self._output(seq))
+        if self.running_in_background:
+            raise RuntimeError("the engine runs in the background: use generate / generate_stream")
+        self._pump()
+        ran = False
+        for sub in self.subservers.values():
+            if sub.should_step():
+                ran = sub.step() > 0 or ran
+                self._pump()
+        if not ran:
+            ready = [s for s in self.subservers.values() if s.scheduler.num_ready > 0]
+            if ready:
+                max(ready, key=lambda s: s.scheduler.num_ready).step()
+                self._pump()
+        outputs, self._outputs = self._outputs, []
         return outputs
-
-    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
-        p = seq.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
-            return "stop"
-        if p.stop and self.tokenizer is not None:
-            text = decode(self.tokenizer, seq.output_token_ids)
-            prev = decode(self.tokenizer, seq.output_token_ids[:-1])
-            at = find_stop(text, p.stop, len(prev))
-            if at is not None:
-                seq.stop_text_end = at
-                return "stop"
-        if seq.num_output_tokens >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        text = decode(self.tokenizer, seq.output_token_ids)
-        if seq.stop_text_end is not None:
-            text = text[: seq.stop_text_end]
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            token_ids=seq.output_token_ids,
-            text=text,
-            finished=seq.finish_reason is not None,
-            finish_reason=seq.finish_reason,
-            stats={
-                "num_cached_tokens": seq.num_cached_tokens,
-                "num_forwarded_tokens": seq.num_forwarded_tokens,
-            },
-        )
 
     def generate(
         self,
@@ -214,45 +322,90 @@ class Engine:
                 self.tokenize(prompt)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
         results: dict[str, RequestOutput] = {}
+        done = threading.Event()
+
+        def on_output(out: RequestOutput) -> None:
+            if out.finished:
+                results[out.request_id] = out
+                if len(results) == len(prompts):
+                    done.set()
+
+        ids = [self.add_request(p, sp, listener=on_output) for p, sp in zip(prompts, sampling_params)]
         try:
-            while len(results) < len(ids):
-                for o in self.step():
-                    if o.finished:
-                        results[o.request_id] = o
+            if self.running_in_background:
+                done.wait()
+            else:
+                while len(results) < len(ids):
+                    self.step()
         except BaseException:
             for rid in ids:
                 self.abort(rid)
             raise
         return [results[rid] for rid in ids]
 
-    # -- lifecycle ------------------------------------------------------------------------------------
+    # -- background mode ------------------------------------------------------------------------------
 
-    def _live(self, request_id: str) -> Sequence:
-        seq = self.requests.get(request_id)
-        if seq is None or seq.is_finished:
-            raise KeyError(f"no live request {request_id!r}")
-        return seq
+    def start(self) -> None:
+        """Switch to background mode: one decoding-loop thread per subserver plus the coordinator."""
+        self._check_open()
+        if self._threads:
+            return
+        self._pump()
+        for sub in self.subservers.values():
+            t = threading.Thread(target=sub.serve_forever, args=(self._stop_event,), name=f"tr-{sub.name}", daemon=True)
+            self._threads.append(t)
+        self._threads.append(threading.Thread(target=self._coordinate, name="tr-coordinator", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    def _coordinate(self) -> None:
+        while not self._stop_event.is_set():
+            try:
+                ev = self._event_queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self._on_event(ev)
+
+    async def generate_stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield an output (with `delta_text` / `delta_token_ids`) as tokens commit; the last is final.
+        Cancelling the consumer aborts the request on every model."""
+        self.start()
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        rid = self.add_request(prompt, params, request_id, lambda o: loop.call_soon_threadsafe(q.put_nowait, o))
+        finished = False
+        try:
+            while not finished:
+                out = await q.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    # -- lifecycle ------------------------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("engine is shut down")
 
     def check_integrity(self) -> None:
-        """KV accounting invariants; when idle, every block must be free."""
-        live = [s for s in self.requests.values() if s.status is SeqStatus.RUNNING]
-        self.block_manager.check_integrity(live)
-        if not self.has_unfinished() and self.block_manager.num_free_blocks != self.block_manager.num_blocks:
-            raise AssertionError(
-                f"idle engine holds {self.block_manager.num_blocks - self.block_manager.num_free_blocks} KV blocks"
-            )
+        """KV accounting invariants on every model; when idle, every block must be free."""
+        for sub in self.subservers.values():
+            sub.check_integrity()
 
     def shutdown(self) -> None:
+        if self._closed:
+            return
         for rid in list(self.requests):
             self.abort(rid)
+        self._stop_event.set()
+        for t in self._threads:
+            t.join(timeout=5)
         self._closed = True
-        self.runner = None  # type: ignore[assignment]  # drop weights and KV pool
 
     def __enter__(self) -> Engine:
         return self

@@ -9,7 +9,7 @@ recently admitted sequence is preempted (its blocks freed, recomputed later).
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from tokenrouter.engine.block_manager import BlockManager
@@ -34,6 +34,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Requests decoding elsewhere, oldest first: their blocks are the first to go under pressure.
+        self.parked: OrderedDict[str, Sequence] = OrderedDict()
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -42,6 +44,26 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_ready(self) -> int:
+        """Requests a step would serve now (the delayed-batching count)."""
+        return len(self.waiting) + sum(1 for s in self.running if s.num_pending_tokens > 0)
+
+    def park(self, seq: Sequence) -> None:
+        """The request left for another model: stop scheduling it but keep its KV for its return."""
+        self.running.remove(seq)
+        seq.status = SeqStatus.PARKED
+        self.parked[seq.request_id] = seq
+
+    def resume(self, seq: Sequence) -> None:
+        """The request is back (its new suffix already appended): extend where its KV is."""
+        del self.parked[seq.request_id]
+        if seq.block_table:
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+        else:  # its blocks were reclaimed while parked: prefill again
+            self.add(seq)
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
@@ -61,8 +83,10 @@ class Scheduler:
             cached = len(prefix) * self.bm.block_size
             n = min(seq.num_tokens - cached, budget)
             # Blocks for the prefix we take over plus the new chunk must be available now.
-            need = self.bm.cost_of_prefix(prefix) + max(0, -(-(cached + n) // self.bm.block_size) - len(prefix))
-            if need > self.bm.num_free_blocks:
+            while self._admission_cost(prefix, cached + n) > self.bm.num_free_blocks:
+                if not self._reclaim_parked():
+                    break
+            if self._admission_cost(prefix, cached + n) > self.bm.num_free_blocks:
                 break
             self.waiting.popleft()
             self.bm.allocate_prefix(seq, prefix)
@@ -80,11 +104,26 @@ class Scheduler:
         The back holds sequences not yet scheduled this step (running is walked front to back), so a
         chunk already in the batch never loses its blocks. False if `seq` itself had to go."""
         while not self.bm.ensure(seq, seq.num_computed_tokens + n):
+            if self._reclaim_parked():
+                continue
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
                 return False
         return True
+
+    def _admission_cost(self, prefix: list[int], num_tokens: int) -> int:
+        new_blocks = max(0, -(-num_tokens // self.bm.block_size) - len(prefix))
+        return self.bm.cost_of_prefix(prefix) + new_blocks
+
+    def _reclaim_parked(self) -> bool:
+        """Free the blocks of the longest-parked request that still holds some (it re-prefills on return)."""
+        for seq in self.parked.values():
+            if seq.block_table:
+                self.bm.release(seq)
+                self.num_preemptions += 1
+                return True
+        return False
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -99,5 +138,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.parked.pop(seq.request_id, None)
         self.bm.release(seq)
         seq.status = SeqStatus.FINISHED

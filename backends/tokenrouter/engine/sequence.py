@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenrouter.routing.policy import Lease
 from tokenrouter.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # admitted, no KV blocks held (new, or preempted)
     RUNNING = "running"  # holds KV blocks and is scheduled every step
+    PARKED = "parked"  # decoding on another model; KV kept here (unless preempted) for its return
     FINISHED = "finished"
 
 
@@ -40,6 +42,10 @@ class Sequence:
     # Set when a stop string matched: the text is cut there.
     stop_text_end: int | None = None
     generator: torch.Generator | None = None
+    # Routing: the policy's per-request state, the lease it resumes under here, tokens each model has seen.
+    state: dict = field(default_factory=dict)
+    lease: Lease | None = None
+    seen: dict[str, int] = field(default_factory=dict)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 

@@ -1,0 +1,102 @@
+"""What a client gets back, and the coordinator's record of a request across models."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from tokenrouter.engine.tokenizer import decode
+from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.transport.messages import Commit
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort", "error"; None while running
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""
+    error: str | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    owner: str  # the model that decodes it now (or was last sent it)
+    listener: Callable[[RequestOutput], None] | None = None
+    models_order: list[str] | None = None  # config order: the last is "the large model" in stats
+    output_ids: list[int] = field(default_factory=list)
+    holders: set[str] = field(default_factory=set)  # models holding its state / KV
+    tokens_per_model: dict[str, int] = field(default_factory=dict)
+    handoffs: int = 0
+    forwarded: dict[str, int] = field(default_factory=dict)
+    cached: dict[str, int] = field(default_factory=dict)
+    finish_reason: str | None = None
+    stop_text_end: int | None = None
+    error: str | None = None
+    finalized: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    # What has been sent to the listener already.
+    sent_tokens: int = 0
+    sent_text: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def on_commit(self, ev: Commit) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.output_ids.extend(ev.token_ids)
+        self.tokens_per_model[ev.model] = self.tokens_per_model.get(ev.model, 0) + len(ev.token_ids)
+        if ev.finish_reason is not None and self.finish_reason is None:
+            self.finish_reason = ev.finish_reason
+            self.stop_text_end = ev.stop_text_end
+
+    def stats(self, models_order: list[str] | None = None) -> dict[str, Any]:
+        produced = sum(self.tokens_per_model.values())
+        last = models_order[-1] if models_order else None
+        return {
+            "tokens_per_model": dict(self.tokens_per_model),
+            "handoffs": self.handoffs,
+            "large_token_share": (self.tokens_per_model.get(last, 0) / produced) if produced and last else 0.0,
+            "num_cached_tokens": sum(self.cached.values()),
+            "num_forwarded_tokens": sum(self.forwarded.values()),
+            "forwarded_per_model": dict(self.forwarded),
+            "cached_per_model": dict(self.cached),
+        }
+
+    def output(self, tokenizer: PreTrainedTokenizerBase | None, final: bool) -> RequestOutput:
+        """The cumulative output plus the delta since the previous call (which it consumes)."""
+        text = decode(tokenizer, self.output_ids)
+        if self.stop_text_end is not None:
+            text = text[: self.stop_text_end]
+        elif not final and text.endswith("\ufffd"):
+            text = text[: len(text.rstrip("\ufffd"))]  # hold back an incomplete UTF-8 character
+        delta_ids = self.output_ids[self.sent_tokens :]
+        delta_text = text[len(self.sent_text) :] if text.startswith(self.sent_text) else text
+        self.sent_tokens, self.sent_text = len(self.output_ids), text
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=list(self.prompt_ids),
+            token_ids=list(self.output_ids),
+            text=text,
+            finished=final,
+            finish_reason=self.finish_reason if final else None,
+            delta_token_ids=delta_ids,
+            delta_text=delta_text,
+            error=self.error,
+            stats=self.stats(self.models_order),
+        )

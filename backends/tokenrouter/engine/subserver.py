@@ -1,0 +1,249 @@
+"""One model's subserver: its runner, KV blocks, scheduler, local router and decoding loop.
+
+The loop never waits on another model: admit -> (delayed batching) -> schedule -> forward -> sample ->
+route locally -> commit, or park and hand off. Everything that crosses to another model leaves as an
+event through `emit`; everything that arrives comes through `handle` (directly, or via the inbox from
+another thread). Nothing here assumes the other models live in this process.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from tokenrouter.config import ModelConfig
+from tokenrouter.engine.block_manager import BlockManager
+from tokenrouter.engine.scheduler import Scheduler
+from tokenrouter.engine.sequence import SeqStatus, Sequence
+from tokenrouter.engine.stop import StopChecker
+from tokenrouter.routing.policy import Policy, RouteRequest, StepResult, resolve
+from tokenrouter.runner.model_runner import ModelRunner
+from tokenrouter.runner.sampler import sample
+from tokenrouter.transport.messages import Append, Arrive, Commit, Event, Failed, Handoff, Release, Released
+
+log = logging.getLogger(__name__)
+
+
+class Subserver:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        policy: Policy,
+        stop: StopChecker,
+        emit: Callable[[Event], None],
+        default_kv_tokens: int,
+        threshold: int = 1,
+        max_wait_s: float = 0.005,
+    ) -> None:
+        self.name = cfg.name
+        self.runner = ModelRunner(cfg, default_kv_tokens=default_kv_tokens)
+        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.policy = policy
+        a = self.runner.arch
+        policy.setup(self.runner.device, self.runner.dtype, a.hidden_size, a.vocab_size)
+        self.stop = stop
+        self.emit = emit
+        self.seqs: dict[str, Sequence] = {}
+        # Delayed batching: step when >= threshold requests are ready, or the oldest waited max_wait_s,
+        # or `arrivals_possible()` says nothing else can come (set by whoever knows the whole system).
+        self.threshold = threshold
+        self.max_wait_s = max_wait_s
+        self.arrivals_possible: Callable[[], bool] = lambda: True
+        self._ready_since: float | None = None
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self.num_steps = 0
+        self.busy_s = 0.0
+        self.last_batch_size = 0
+
+    # -- messages in ------------------------------------------------------------------------------------
+
+    def submit(self, msg: Arrive | Append | Release) -> None:
+        """Thread-safe: queue a message for the loop thread."""
+        self.inbox.put(msg)
+        self._wake.set()
+
+    def drain(self) -> None:
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            self.handle(msg)
+
+    def handle(self, msg: Arrive | Append | Release) -> None:
+        if isinstance(msg, Arrive):
+            self._arrive(msg)
+        elif isinstance(msg, Append):
+            seq = self.seqs.get(msg.request_id)
+            if seq is not None:
+                seq.token_ids.extend(msg.tokens)
+        elif isinstance(msg, Release):
+            self._release(msg.request_id)
+
+    def _arrive(self, msg: Arrive) -> None:
+        seq = self.seqs.get(msg.request_id)
+        if msg.first_visit:
+            if seq is not None:
+                raise RuntimeError(f"{self.name}: request {msg.request_id} arrived twice as new")
+            gen = None
+            if msg.params.seed is not None:
+                # Seeded per model, so a request's draws do not depend on where else it has been.
+                gen = torch.Generator(device=self.runner.device).manual_seed(msg.params.seed)
+            seq = Sequence(msg.request_id, list(msg.tokens), msg.num_prompt_tokens, msg.params, generator=gen)
+            self.seqs[msg.request_id] = seq
+        else:
+            if seq is None or seq.status is not SeqStatus.PARKED:
+                raise RuntimeError(f"{self.name}: request {msg.request_id} returned but is not parked here")
+            seq.token_ids.extend(msg.tokens)
+        seq.state, seq.seen = msg.state, msg.seen
+        seq.lease = None
+        if msg.source is not None:
+            lease = self.policy.receive(self._route_view(seq), msg.source)
+            if lease is not None:
+                lease.return_to = lease.return_to or msg.source
+                lease.produced, lease.start = 0, len(seq.token_ids)
+            seq.lease = lease
+        if msg.first_visit:
+            self.scheduler.add(seq)
+        else:
+            self.scheduler.resume(seq)
+
+    def _release(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return
+        self.scheduler.finish(seq)
+        self.emit(Released(request_id, self.name, seq.num_forwarded_tokens, seq.num_cached_tokens))
+
+    # -- the loop ---------------------------------------------------------------------------------------
+
+    def should_step(self, now: float | None = None) -> bool:
+        ready = self.scheduler.num_ready
+        if ready == 0:
+            self._ready_since = None
+            return False
+        now = time.monotonic() if now is None else now
+        if self._ready_since is None:
+            self._ready_since = now
+        if ready >= self.threshold or not self.arrivals_possible():
+            return True
+        return now - self._ready_since >= self.max_wait_s
+
+    def step(self) -> int:
+        """One forward pass over what is scheduled; returns the number of sequences it ran."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return 0
+        self._ready_since = None
+        t0 = time.perf_counter()
+        out = self.runner.forward(chunks)
+        sampling = [c.seq for c in chunks if c.samples]
+        tokens_dev = sample(out.logits, [s.params for s in sampling], [s.generator for s in sampling])
+        for c in chunks:
+            c.seq.num_computed_tokens += c.num_new_tokens
+            self.block_manager.register_full_blocks(c.seq)
+        if sampling:
+            views = [self._route_view(s) for s in sampling]
+            result = StepResult(out.logits, out.hidden, tokens_dev, self.runner.model.model.embed_tokens)
+            targets = self._route(views, result)
+            for seq, view, tok, target in zip(sampling, views, tokens_dev.tolist(), targets):
+                self._postprocess(seq, view, tok, target)
+        self.num_steps += 1
+        self.last_batch_size = len(chunks)
+        self.busy_s += time.perf_counter() - t0
+        return len(chunks)
+
+    def _route(self, views: list[RouteRequest], result: StepResult) -> list[str]:
+        # Requests under a fixed lease are decided by it; `route` still sees the whole batch (one call,
+        # tensors stay batched) and its answers for those rows are ignored.
+        if len(self.policy.models) == 1:
+            return [self.name] * len(views)
+        return resolve(self.policy, self.policy.route(views, result))
+
+    def _route_view(self, seq: Sequence) -> RouteRequest:
+        return RouteRequest(seq.request_id, self.name, seq.token_ids, seq.num_prompt_tokens, seq.state, seq.lease)
+
+    def _postprocess(self, seq: Sequence, view: RouteRequest, tok: int, target: str) -> None:
+        lease = seq.lease
+        if lease is not None and not lease.until_route:
+            lease.produced += 1
+            done = lease.max_tokens is not None and lease.produced >= lease.max_tokens
+            if lease.stop_pattern is not None and not done:
+                done = self.stop.text_of(seq.token_ids[lease.start :] + [tok]).endswith(lease.stop_pattern)
+            target = lease.return_to if done else self.name
+            commit = True
+        else:
+            commit = target == self.name or self.policy.send(view, target, tok)
+        if commit:
+            seq.token_ids.append(tok)
+            reason, stop_at = self.stop.check(seq, tok)
+            self.emit(Commit(seq.request_id, self.name, [tok], reason, stop_at))
+            if reason is not None:
+                seq.finish_reason = reason
+                self._finish(seq)
+                return
+        if target != self.name:
+            self._handoff(seq, target)
+
+    def _handoff(self, seq: Sequence, target: str) -> None:
+        seen = dict(seq.seen)
+        first = seen.get(target, 0) == 0
+        suffix = list(seq.token_ids) if first else seq.token_ids[seen[target] :]
+        seen[self.name] = seen[target] = len(seq.token_ids)
+        seq.seen, seq.lease = seen, None
+        self.scheduler.park(seq)
+        arrive = Arrive(
+            seq.request_id, suffix, first, seq.num_prompt_tokens, seq.params, seq.state, self.name, seen
+        )
+        self.emit(Handoff(self.name, target, arrive))
+
+    def _finish(self, seq: Sequence) -> None:
+        del self.seqs[seq.request_id]
+        self.scheduler.finish(seq)
+        self.emit(Released(seq.request_id, self.name, seq.num_forwarded_tokens, seq.num_cached_tokens))
+
+    def fail_all(self, error: str) -> None:
+        """After an internal error: fail every request here and free everything."""
+        for rid in list(self.seqs):
+            seq = self.seqs.pop(rid)
+            self.scheduler.finish(seq)
+            self.emit(Failed(rid, self.name, error))
+            self.emit(Released(rid, self.name, seq.num_forwarded_tokens, seq.num_cached_tokens))
+
+    # -- background thread ------------------------------------------------------------------------------
+
+    def serve_forever(self, stop_event: threading.Event) -> None:
+        """The independent decoding loop (one thread per subserver)."""
+        while not stop_event.is_set():
+            self.drain()
+            if self.should_step():
+                try:
+                    self.step()
+                except Exception as e:  # keep serving: fail this batch's requests, not the process
+                    log.exception("%s: step failed", self.name)
+                    self.fail_all(f"internal error on model {self.name}: {e}")
+                continue
+            timeout = self.max_wait_s if self.scheduler.num_ready else 0.05
+            self._wake.wait(timeout)
+            self._wake.clear()
+
+    # -- introspection ----------------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        live = [s for s in self.seqs.values() if s.block_table]
+        self.block_manager.check_integrity(live)
+        if not self.seqs and self.block_manager.num_free_blocks != self.block_manager.num_blocks:
+            held = self.block_manager.num_blocks - self.block_manager.num_free_blocks
+            raise AssertionError(f"idle subserver {self.name} holds {held} KV blocks")
+
+    def kv_usage(self) -> float:
+        bm = self.block_manager
+        return 1.0 - bm.num_free_blocks / bm.num_blocks
+

@@ -1,0 +1,1 @@
+"""Routing: the policy interface (policy.py) and the built-in policies (policies/)."""

@@ -1,0 +1,190 @@
+"""The policy interface: `route`, `send`, `receive` (what a routing-policy author writes).
+
+After every forward pass of a model, its subserver calls `route(batch, result)` once for the requests that
+sampled a token; it returns one model name per request (the current model's name continues locally; a
+two-model policy may return booleans, True meaning "the peer"). For each request that leaves, `send`
+decides whether the token that triggered the switch is committed or dropped (the target then produces its
+own), and `receive` decides how the target resumes: a fixed number of tokens then back, until a stop
+pattern, or until the target's own `route` says otherwise.
+
+One policy object lives in each subserver (in Triton, each its own process): per-request state that must
+follow the request goes in `RouteRequest.state`, a JSON-serializable dict carried by every handoff.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass
+class Lease:
+    """How a request resumes on the model it was sent to; None fields do not apply."""
+
+    return_to: str | None = None  # where to hand back when the lease ends (the sender by default)
+    max_tokens: int | None = None  # hand back after producing this many tokens here
+    stop_pattern: str | None = None  # ... or as soon as the text produced here ends with this
+    until_route: bool = False  # keep decoding until this model's own `route` hands it on
+    produced: int = 0  # tokens produced here under this lease so far (kept by the engine)
+    start: int = 0  # len(token_ids) when the lease began (kept by the engine, for stop_pattern)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> Lease | None:
+        return None if d is None else cls(**d)
+
+
+@dataclass
+class RouteRequest:
+    """What a policy sees of one request in the batch (the sampled token is not yet in `token_ids`)."""
+
+    request_id: str
+    model: str  # the model that just ran it
+    token_ids: list[int]  # prompt + committed output
+    num_prompt_tokens: int
+    state: dict[str, Any]
+    lease: Lease | None = None
+
+    @property
+    def output_len(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class StepResult:
+    """One forward pass's outputs for the sampled rows, on the model's device (no host copies)."""
+
+    def __init__(
+        self,
+        logits: torch.Tensor,  # [S, V] float32
+        hidden: torch.Tensor,  # [S, H] final-norm hidden state of the last token
+        token_ids: torch.Tensor,  # [S] sampled ids
+        embed_tokens: torch.nn.Module,
+    ) -> None:
+        self.logits, self.hidden, self.token_ids = logits, hidden, token_ids
+        self._embed_tokens = embed_tokens
+
+    @cached_property
+    def log_probs(self) -> torch.Tensor:  # [S, V]
+        return torch.log_softmax(self.logits, dim=-1)
+
+    @cached_property
+    def entropy(self) -> torch.Tensor:  # [S], nats
+        lp = self.log_probs
+        return -(lp.exp() * lp).sum(-1)
+
+    @cached_property
+    def normalized_entropy(self) -> torch.Tensor:  # [S] in [0, 1]: H / log(V)
+        return self.entropy / torch.log(torch.tensor(float(self.logits.shape[-1])))
+
+    @cached_property
+    def token_embeddings(self) -> torch.Tensor:  # [S, H] embedding of each sampled token
+        return self._embed_tokens(self.token_ids)
+
+
+RouteDecision = str | bool
+
+
+class Policy(ABC):
+    """A routing policy instance bound to one subserver (`self.model`) of a deployment with `self.models`.
+
+    Subclasses set `name`, read their arguments from the YAML `policy:` section (passed as `args`; unknown
+    arguments are an error), and implement `route`; `send` / `receive` defaults follow R2R: drop the
+    triggering token, the target produces one token, then hands back.
+    """
+
+    name: ClassVar[str] = ""
+    # Arguments every policy accepts; subclasses add theirs in `ARGS` (name -> default).
+    COMMON_ARGS: ClassVar[dict[str, Any]] = {"seed": 0}
+    ARGS: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, models: list[str], model: str, args: dict[str, Any] | None = None) -> None:
+        self.models = list(models)
+        self.model = model
+        defaults = {**self.COMMON_ARGS, **self.ARGS}
+        args = dict(args or {})
+        unknown = sorted(set(args) - set(defaults))
+        if unknown:
+            raise ValueError(f"policy {self.name!r}: unknown argument(s) {unknown}; known: {sorted(defaults)}")
+        self.args = {**defaults, **args}
+        self.seed = int(self.args["seed"])
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+
+    def setup(self, device: torch.device, dtype: torch.dtype, hidden_size: int, vocab_size: int) -> None:
+        """Called once in the subserver after its model loaded (e.g. build the router network there)."""
+
+    def initial_state(self, prompt_ids: list[int]) -> dict[str, Any]:
+        """Per-request state at admission (travels with the request)."""
+        return {}
+
+    # -- the three functions --------------------------------------------------------------------------
+
+    @abstractmethod
+    def route(self, batch: list[RouteRequest], result: StepResult) -> list[RouteDecision]:
+        """One decision per request: a model name, or for two-model policies a bool (True = the peer)."""
+
+    def send(self, req: RouteRequest, target: str, token: int) -> bool:
+        """Commit the token that triggered the switch (True) or drop it and let the target produce one."""
+        return False
+
+    def receive(self, req: RouteRequest, source: str) -> Lease | None:
+        """How `req`, arriving from `source`, resumes on `self.model`; None: as usual, `route` decides.
+
+        Default (R2R): the first model (the small one) resumes as usual; any other produces one token and
+        hands back."""
+        if self.model == self.models[0]:
+            return None
+        return Lease(return_to=source, max_tokens=1)
+
+    # -- helpers --------------------------------------------------------------------------------------
+
+    @property
+    def peer(self) -> str:
+        if len(self.models) != 2:
+            raise ValueError(f"policy {self.name!r}: 'the peer' is only defined for two models, got {self.models}")
+        return self.models[1] if self.model == self.models[0] else self.models[0]
+
+    def uniform(self, req: RouteRequest, salt: str = "") -> float:
+        """A reproducible U[0, 1) draw for this request at its current length: the same in any batch, any
+        deployment, and in a naive reference that follows the same rule."""
+        key = f"{self.seed}|{salt}|{len(req.token_ids)}|{req.token_ids[: req.num_prompt_tokens]}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") / 2**64
+
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    """Class decorator: make a policy findable by its `name` from YAML."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a `name`")
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def make_policy(name: str, models: list[str], model: str, args: dict[str, Any] | None = None) -> Policy:
+    import tokenrouter.routing.policies  # noqa: F401  (registers the built-in policies)
+
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; available: {sorted(POLICIES)}")
+    return POLICIES[name](models, model, args)
+
+
+def resolve(policy: Policy, decisions: list[RouteDecision]) -> list[str]:
+    """Model names from `route`'s answers, with clear errors for anything else."""
+    out = []
+    for d in decisions:
+        if isinstance(d, bool):
+            out.append(policy.peer if d else policy.model)
+        elif isinstance(d, str) and d in policy.models:
+            out.append(d)
+        else:
+            raise ValueError(f"policy {policy.name!r} routed to {d!r}, which is not one of the models {policy.models}")
+    return out

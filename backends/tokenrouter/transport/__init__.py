@@ -1,0 +1,1 @@
+"""How requests move between subservers: typed messages, and the transports that carry them."""

@@ -1,0 +1,88 @@
+"""Typed messages between the coordinator and the subservers. Only what the receiver lacks travels:
+a returning request carries the token suffix its target has not seen, never the whole sequence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenrouter.sampling_params import SamplingParams
+
+# -- to a subserver --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Arrive:
+    """A request comes to a model: on a first visit `tokens` is everything known (prompt + committed
+    output, prefilled once); on a return it is exactly the suffix that model has not seen (an extend)."""
+
+    request_id: str
+    tokens: list[int]
+    first_visit: bool
+    num_prompt_tokens: int
+    params: SamplingParams
+    state: dict[str, Any] = field(default_factory=dict)
+    source: str | None = None  # None: a new request from the client
+    # Tokens each model has seen, so the next handoff can cut its suffix.
+    seen: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Append:
+    """Known tokens appended to a request owned by this model (extend without a model switch)."""
+
+    request_id: str
+    tokens: list[int]
+
+
+@dataclass
+class Release:
+    """Drop the request's state and KV here (it finished elsewhere, or was cancelled)."""
+
+    request_id: str
+    reason: str = "finished"
+
+
+# -- from a subserver ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Commit:
+    """Tokens committed to the response by `model`; `finish_reason` set on the last one."""
+
+    request_id: str
+    model: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_text_end: int | None = None  # where a matched stop string starts in the output text
+
+
+@dataclass
+class Handoff:
+    """`model` parked the request and hands it to `target`."""
+
+    model: str
+    target: str
+    arrive: Arrive
+
+
+@dataclass
+class Released:
+    """`model` freed the request's KV; its counters for the request's stats."""
+
+    request_id: str
+    model: str
+    num_forwarded_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class Failed:
+    """The request failed on `model` (bad input discovered late, or an internal error)."""
+
+    request_id: str
+    model: str
+    error: str
+
+
+Event = Commit | Handoff | Released | Failed
