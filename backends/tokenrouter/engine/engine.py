@@ -293,12 +293,12 @@ class Engine:
         ran = False
         for sub in self.subservers.values():
             if sub.should_step():
-                ran = sub.step() > 0 or ran
+                ran = sub.safe_step() > 0 or ran
                 self._pump()
         if not ran:
             ready = [s for s in self.subservers.values() if s.scheduler.num_ready > 0]
             if ready:
-                max(ready, key=lambda s: s.scheduler.num_ready).step()
+                max(ready, key=lambda s: s.scheduler.num_ready).safe_step()
                 self._pump()
         outputs, self._outputs = self._outputs, []
         return outputs

@@ -160,6 +160,17 @@ class Subserver:
         self.busy_s += time.perf_counter() - t0
         return len(chunks)
 
+    def safe_step(self) -> int:
+        """`step`, but an error (a policy routing to an unknown model, an internal failure) fails the
+        requests on this model with a clear message instead of taking the loop down."""
+        try:
+            return self.step()
+        except Exception as e:
+            log.exception("%s: step failed", self.name)
+            msg = str(e) if isinstance(e, ValueError) else f"internal error on model {self.name}: {e!r}"
+            self.fail_all(msg)
+            return 0
+
     def _route(self, views: list[RouteRequest], result: StepResult) -> list[str]:
         # Requests under a fixed lease are decided by it; `route` still sees the whole batch (one call,
         # tensors stay batched) and its answers for those rows are ignored.
@@ -224,11 +235,7 @@ class Subserver:
         while not stop_event.is_set():
             self.drain()
             if self.should_step():
-                try:
-                    self.step()
-                except Exception as e:  # keep serving: fail this batch's requests, not the process
-                    log.exception("%s: step failed", self.name)
-                    self.fail_all(f"internal error on model {self.name}: {e}")
+                self.safe_step()
                 continue
             timeout = self.max_wait_s if self.scheduler.num_ready else 0.05
             self._wake.wait(timeout)

@@ -69,7 +69,11 @@ class TorchAttention(AttentionBackend):
                 # Query j sits at absolute position kv_len - q_len + j and sees keys up to it.
                 qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)
                 mask = torch.arange(kv_len, device=q.device)[None, :] <= qpos[:, None]
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+            if ki.shape[0] != qi.shape[0]:
+                # Expanding K/V to every query head is much faster on the CPU than SDPA's enable_gqa path.
+                group = qi.shape[0] // ki.shape[0]
+                ki, vi = ki.repeat_interleave(group, 0), vi.repeat_interleave(group, 0)
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
             out[start : start + q_len] = oi.transpose(0, 1)
             start += q_len
         return out

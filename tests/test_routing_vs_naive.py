@@ -1,0 +1,236 @@
+"""Routed generation equals a naive reference: one process, no batching, no KV cache, every model
+recomputing its whole sequence with Hugging Face transformers at every step, following the same policy
+rules (route / send / receive, leases). Also: no recompute, all KV free afterwards, clear routing errors."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from tokenrouter import Engine, SamplingParams
+from tokenrouter.routing.policy import POLICIES, Policy, RouteRequest, StepResult, make_policy, register, resolve
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+MAX_NEW = 20
+PROMPT_LENS = [3, 5, 8, 11, 13, 17, 21, 30]
+
+# Thresholds picked so that, on the tiny random models, both models really produce tokens.
+CASES: dict[str, tuple[list[str], dict]] = {
+    "always-small": (["small", "large"], {"name": "always", "model": "small"}),
+    "always-large": (["small", "large"], {"name": "always", "model": "large"}),
+    "random": (["small", "large"], {"name": "random", "p": 0.3, "seed": 7}),
+    "r2r": (["small", "large"], {"name": "r2r", "threshold": 0.5, "hidden_dim": 64, "seed": 3}),
+    "citer": (["small", "large"], {"name": "citer", "threshold": 0.5, "seed": 1}),
+    "collm": (["small", "large"], {"name": "collm", "threshold": 0.5, "seed": 2}),
+    "rstitch": (["small", "large"], {"name": "rstitch", "tau_high": 0.9886, "tau_low": 0.9772}),
+    "glimprouter": (["small", "large"], {"name": "glimprouter", "threshold": 2.9, "max_step_tokens": 4}),
+    "query": (["small", "large"], {"name": "query", "by": "length", "max_prompt_tokens": 12}),
+    "mixture": (["small", "medium", "large"], {"name": "mixture", "weights": [0.5, 0.3, 0.2], "seed": 5}),
+}
+
+
+@functools.cache
+def hf_model(path: str):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def naive_generate(tiny: Path, models: list[str], policy_cfg: dict, prompt: list[int], max_new: int):
+    """The reference: full recompute of the current model's whole sequence for every token."""
+    tok = AutoTokenizer.from_pretrained(tiny / "small")
+    args = {k: v for k, v in policy_cfg.items() if k != "name"}
+    if policy_cfg["name"] == "always" and "model" not in args:
+        args["model"] = models[0]
+    pols = {m: make_policy(policy_cfg["name"], models, m, args) for m in models}
+    hf = {m: hf_model(str(tiny / m)) for m in models}
+    for m, p in pols.items():
+        p.setup(torch.device("cpu"), torch.float32, hf[m].config.hidden_size, hf[m].config.vocab_size)
+    tokens, n_prompt, owner, lease = list(prompt), len(prompt), models[0], None
+    state = pols[owner].initial_state(tokens)
+    per_model: Counter[str] = Counter()
+    with torch.no_grad():
+        while len(tokens) - n_prompt < max_new:
+            out = hf[owner](torch.tensor([tokens]), output_hidden_states=True)
+            logits, hidden = out.logits[0, -1:].float(), out.hidden_states[-1][0, -1:]
+            t = int(logits.argmax(-1))
+            view = RouteRequest("r", owner, tokens, n_prompt, state, lease)
+            result = StepResult(logits, hidden, torch.tensor([t]), hf[owner].get_input_embeddings())
+            decision = resolve(pols[owner], pols[owner].route([view], result))[0]
+            if lease is not None and not lease.until_route:
+                lease.produced += 1
+                done = lease.max_tokens is not None and lease.produced >= lease.max_tokens
+                if lease.stop_pattern is not None and not done:
+                    text = tok.decode(tokens[lease.start :] + [t], skip_special_tokens=True)
+                    done = text.endswith(lease.stop_pattern)
+                target, commit = (lease.return_to if done else owner), True
+            else:
+                target = decision
+                commit = target == owner or pols[owner].send(view, target, t)
+            if commit:
+                tokens.append(t)
+                per_model[owner] += 1
+            if target != owner:
+                source, owner = owner, target
+                lease = pols[owner].receive(RouteRequest("r", owner, tokens, n_prompt, state, None), source)
+                if lease is not None:
+                    lease.return_to = lease.return_to or source
+                    lease.produced, lease.start = 0, len(tokens)
+    return tokens[n_prompt:], dict(per_model)
+
+
+def make_engine(tiny: Path, models: list[str], policy: dict, thresholds: dict | int = 1) -> Engine:
+    cfg = {
+        "models": {m: {"path": str(tiny / m), "kv_cache_tokens": 2048, "block_size": 4} for m in models},
+        "entry": models[0],
+        "policy": policy,
+        "batching": {"thresholds": thresholds, "max_wait_ms": 2.0},
+    }
+    return Engine.from_config(cfg)
+
+
+def prompts_for(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def record_chunks(engine: Engine) -> dict[tuple[str, str], list[tuple[int, int]]]:
+    """Wrap every runner to log which token positions of which request each model computes."""
+    log: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for name, sub in engine.subservers.items():
+        orig = sub.runner.forward
+
+        def forward(chunks, orig=orig, name=name):
+            for c in chunks:
+                log.setdefault((name, c.seq.request_id), []).append((c.seq.num_computed_tokens, c.num_new_tokens))
+            return orig(chunks)
+
+        sub.runner.forward = forward
+    return log
+
+
+def assert_all_free(engine: Engine) -> None:
+    engine.check_integrity()
+    for sub in engine.subservers.values():
+        assert sub.block_manager.num_free_blocks == sub.block_manager.num_blocks, sub.name
+        assert not sub.seqs, sub.name
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_routed_equals_naive_reference(tiny_dir: Path, case: str) -> None:
+    models, policy = CASES[case]
+    engine = make_engine(tiny_dir, models, policy, thresholds={models[0]: 3, models[-1]: 2})
+    prompts = prompts_for(engine.vocab_size)
+    chunks = record_chunks(engine)
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    total_handoffs = 0
+    for prompt, out in zip(prompts, outs):
+        ref_tokens, ref_per_model = naive_generate(tiny_dir, models, policy, prompt, MAX_NEW)
+        assert out.token_ids == ref_tokens, f"{case}: prompt of {len(prompt)} tokens diverged"
+        assert out.stats["tokens_per_model"] == ref_per_model
+        total_handoffs += out.stats["handoffs"]
+        # No recompute: on each model, the positions computed form one contiguous run from 0.
+        for m in models:
+            runs = chunks.get((m, out.request_id), [])
+            pos = 0
+            for start, n in runs:
+                assert start == pos, f"{case}/{m}: recomputed or skipped at {start} (expected {pos})"
+                pos += n
+            assert out.stats["forwarded_per_model"].get(m, 0) == pos
+    if case == "always-small":
+        assert total_handoffs == 0
+    else:
+        assert total_handoffs > 0, f"{case}: no request was ever routed; the test would prove nothing"
+    assert_all_free(engine)
+    engine.shutdown()
+
+
+def test_always_small_and_large_equal_single_model(tiny_dir: Path) -> None:
+    prompts = prompts_for(1024)[:4]
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    for target in ("small", "large"):
+        routed = make_engine(tiny_dir, ["small", "large"], {"name": "always", "model": target})
+        single = Engine.from_config({"models": {target: {"path": str(tiny_dir / target), "kv_cache_tokens": 2048}}})
+        a = [o.token_ids for o in routed.generate(prompts, params)]
+        b = [o.token_ids for o in single.generate(prompts, params)]
+        assert a == b
+        assert_all_free(routed)
+        routed.shutdown()
+        single.shutdown()
+
+
+def test_background_threads_equal_stepped(tiny_dir: Path) -> None:
+    models, policy = CASES["r2r"]
+    prompts = prompts_for(1024)
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    stepped = make_engine(tiny_dir, models, policy)
+    expected = [o.token_ids for o in stepped.generate(prompts, params)]
+    stepped.shutdown()
+    bg = make_engine(tiny_dir, models, policy, thresholds={"small": 4, "large": 2})
+    bg.start()
+    got = [o.token_ids for o in bg.generate(prompts, params)]
+    assert got == expected
+    assert_all_free(bg)
+    bg.shutdown()
+
+
+def test_cancel_frees_kv_on_every_model(tiny_dir: Path) -> None:
+    engine = make_engine(tiny_dir, *CASES["random"])
+    prompts = prompts_for(1024)
+    params = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    for _ in range(30):
+        engine.step()
+    assert any(len(r.holders) > 1 for r in engine.requests.values()), "expected requests parked on both models"
+    for rid in ids:
+        out = engine.abort(rid)
+        assert out is not None and out.finish_reason == "abort" and out.finished
+    assert not engine.has_unfinished()
+    assert_all_free(engine)
+    engine.shutdown()
+
+
+class _BoolPolicy(Policy):
+    """Every third output position goes to the peer, answered as a boolean."""
+
+    name = "test-bool"
+
+    def route(self, batch, result):
+        return [self.model == self.models[0] and r.output_len % 3 == 2 for r in batch]
+
+
+class _BadPolicy(Policy):
+    name = "test-bad"
+
+    def route(self, batch, result):
+        return ["nonexistent-model"] * len(batch)
+
+
+def test_boolean_route_results(tiny_dir: Path) -> None:
+    if "test-bool" not in POLICIES:
+        register(_BoolPolicy)
+    engine = make_engine(tiny_dir, ["small", "large"], {"name": "test-bool"})
+    prompt = prompts_for(1024)[2]
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    ref, per_model = naive_generate(tiny_dir, ["small", "large"], {"name": "test-bool"}, prompt, 12)
+    assert out.token_ids == ref
+    assert out.stats["handoffs"] > 0 and per_model.get("large", 0) > 0
+    assert_all_free(engine)
+    engine.shutdown()
+
+
+def test_unknown_model_in_route_is_a_clear_error(tiny_dir: Path) -> None:
+    if "test-bad" not in POLICIES:
+        register(_BadPolicy)
+    engine = make_engine(tiny_dir, ["small", "large"], {"name": "test-bad"})
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4))[0]
+    assert out.finish_reason == "error"
+    assert "nonexistent-model" in out.error and "not one of the models" in out.error
+    assert_all_free(engine)
+    # The engine is still up: the next request gets the same clear error, nothing hangs or leaks.
+    again = engine.generate([[8, 9]], SamplingParams(max_new_tokens=2))[0]
+    assert again.finish_reason == "error"
+    assert_all_free(engine)
+    engine.shutdown()
