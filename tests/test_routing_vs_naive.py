@@ -46,6 +46,7 @@ def naive_generate(tiny: Path, models: list[str], policy_cfg: dict, prompt: list
     pols = {m: make_policy(policy_cfg["name"], models, m, args) for m in models}
     hf = {m: hf_model(str(tiny / m)) for m in models}
     for m, p in pols.items():
+        p.tokenizer = tok
         p.setup(torch.device("cpu"), torch.float32, hf[m].config.hidden_size, hf[m].config.vocab_size)
     tokens, n_prompt, owner, lease = list(prompt), len(prompt), models[0], None
     state = pols[owner].initial_state(tokens)

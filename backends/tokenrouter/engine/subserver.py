@@ -45,6 +45,7 @@ class Subserver:
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.policy = policy
+        policy.tokenizer = stop.tokenizer
         a = self.runner.arch
         policy.setup(self.runner.device, self.runner.dtype, a.hidden_size, a.vocab_size)
         self.stop = stop

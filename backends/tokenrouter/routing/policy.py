@@ -117,6 +117,10 @@ class Policy(ABC):
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
+    # The deployment's tokenizer (None for token-id-only models), set by the subserver before `setup`,
+    # for policies whose rule depends on text (e.g. a step delimiter).
+    tokenizer: Any = None
+
     def setup(self, device: torch.device, dtype: torch.dtype, hidden_size: int, vocab_size: int) -> None:
         """Called once in the subserver after its model loaded (e.g. build the router network there)."""
 

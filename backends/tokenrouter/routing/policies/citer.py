@@ -1,0 +1,73 @@
+"""`citer` (CITER): an MLP router on the small model's last hidden state scores whether the small model's
+token is good enough.
+
+Rule: score = sigmoid(MLP(h)), MLP = Linear(H, 2H) -> ReLU -> Linear(2H, H) -> ReLU -> Linear(H, 1), on the
+small model's final hidden state h of the last token; when score < `threshold` the small model's token
+is dropped and the large model (models[1]) produces one token, then hands back (the base default lease).
+Note the direction: a high score means "the small model is fine", so threshold 0 routes nothing and
+threshold 1 routes every token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenrouter.routing.policies._common import (
+    build_router,
+    check_models,
+    home_or_default_receive,
+    number_arg,
+    sigmoid_rule,
+)
+from tokenrouter.routing.policy import Lease, Policy, RouteDecision, RouteRequest, StepResult, register
+
+
+class CiterRouter(nn.Module):
+    """CITER's token router: Linear(H, 2H) ReLU Linear(2H, H) ReLU Linear(H, 1)."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        h = hidden_size
+        self.mlp = nn.Sequential(nn.Linear(h, 2 * h), nn.ReLU(), nn.Linear(2 * h, h), nn.ReLU(), nn.Linear(h, 1))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S] logits
+        return self.mlp(hidden).squeeze(-1)
+
+
+@register
+class CiterPolicy(Policy):
+    """Route one token to the large model when the router's score is below `threshold`."""
+
+    name = "citer"
+    ARGS = {"threshold": 0.5, "checkpoint": None}
+
+    def __init__(self, models: list[str], model: str, args: dict[str, Any] | None = None) -> None:
+        super().__init__(models, model, args)
+        check_models(self, exactly=2)
+        self.threshold: float = number_arg(self, "threshold", lo=0.0, hi=1.0)
+        self.net: nn.Module | None = None
+
+    def setup(self, device: torch.device, dtype: torch.dtype, hidden_size: int, vocab_size: int) -> None:
+        if self.model == self.models[0]:
+            self.net = build_router(self, lambda: CiterRouter(hidden_size), device, self.args["checkpoint"])
+
+    def logits(self, result: StepResult) -> torch.Tensor:
+        """[S] router logits (score = sigmoid of these)."""
+        if self.net is None:
+            raise RuntimeError("policy 'citer': setup() must run on the small model before route()")
+        with torch.inference_mode():
+            return self.net(result.hidden.float())
+
+    def route(self, batch: list[RouteRequest], result: StepResult) -> list[RouteDecision]:
+        small, large = self.models
+        if self.model != small or not batch:
+            return [self.model] * len(batch)
+        # The rule sigmoid(z) < t, as one device op and one host copy for the whole step.
+        flags = sigmoid_rule(self.logits(result), "<", self.threshold).tolist()
+        return [large if f else small for f in flags]
+
+    def receive(self, req: RouteRequest, source: str) -> Lease:
+        return home_or_default_receive(self, req, source)

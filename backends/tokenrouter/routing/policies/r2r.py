@@ -1,0 +1,117 @@
+"""`r2r` (R2R, "Roads to Rome"): a neural token router on the small model.
+
+Rule: for every token the small model (models[0]) samples, the router reads
+
+- h: the small model's final hidden state of the last token, [S, H];
+- the top-k raw logits (values sorted in descending order, k = `top_k_logits` clamped to the vocabulary size),
+  projected by Linear(k, H);
+- e: the input embedding of the sampled token, [S, H] (`StepResult.token_embeddings`),
+
+concatenates [h, proj(top-k), e] -> [S, 3H] -> Linear(3H, d) -> Linear(d, d) -> 6 residual blocks
+(x + Linear(4d, d)(GELU(Linear(d, 4d)(LayerNorm(x))))) -> LayerNorm -> Linear(d, 1) = z, and routes to the
+large model (models[1]) when sigmoid(z) >= `threshold`. The small model's token is then dropped and the large
+model produces exactly one token and hands back (the base default lease); the large model's `route` answers
+"stay".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenrouter.routing.policies._common import (
+    build_router,
+    check_models,
+    home_or_default_receive,
+    number_arg,
+    sigmoid_rule,
+)
+from tokenrouter.routing.policy import Lease, Policy, RouteDecision, RouteRequest, StepResult, register
+
+NUM_BLOCKS = 6
+
+
+class ResidualBlock(nn.Module):
+    """Pre-LayerNorm MLP block: x + Linear(4d, d)(GELU(Linear(d, 4d)(LayerNorm(x))))."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class R2RRouter(nn.Module):
+    """R2R's router network (see the module docstring); `forward` returns [S] logits."""
+
+    def __init__(self, hidden_size: int, top_k: int, d: int, num_blocks: int = NUM_BLOCKS) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.logits_proj = nn.Linear(top_k, hidden_size)
+        self.in_proj = nn.Linear(3 * hidden_size, d)
+        # As specified: a second linear map straight after the input projection (no nonlinearity between).
+        self.mix = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(ResidualBlock(d) for _ in range(num_blocks))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, hidden: torch.Tensor, top_logits: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([hidden, self.logits_proj(top_logits), token_emb], dim=-1)
+        x = self.mix(self.in_proj(x))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)).squeeze(-1)
+
+
+@register
+class R2RPolicy(Policy):
+    """R2R: the large model writes one token whenever the router's probability is >= threshold."""
+
+    name = "r2r"
+    ARGS = {"threshold": 0.5, "checkpoint": None, "hidden_dim": 1024, "top_k_logits": 100}
+
+    def __init__(self, models: list[str], model: str, args: dict[str, Any] | None = None) -> None:
+        super().__init__(models, model, args)
+        check_models(self, exactly=2)
+        self.threshold: float = number_arg(self, "threshold", lo=0.0, hi=1.0)
+        self.hidden_dim: int = number_arg(self, "hidden_dim", lo=1, integer=True)
+        self.top_k_logits: int = number_arg(self, "top_k_logits", lo=1, integer=True)
+        self.net: R2RRouter | None = None
+
+    def setup(self, device: torch.device, dtype: torch.dtype, hidden_size: int, vocab_size: int) -> None:
+        # Only the small model routes. float32 whatever the model's dtype: the router is small, and a
+        # bf16 router would shift decisions near the threshold between deployments.
+        if self.model != self.models[0]:
+            return
+        k = min(self.top_k_logits, vocab_size)
+        self.net = build_router(
+            self, lambda: R2RRouter(hidden_size, k, self.hidden_dim), device, self.args["checkpoint"]
+        )
+
+    def logits(self, result: StepResult) -> torch.Tensor:
+        """[S] router logits for the step, one batched call on the model's device."""
+        if self.net is None:
+            raise RuntimeError("policy 'r2r': setup() must run on the small model before route()")
+        k = self.net.top_k
+        if result.logits.shape[-1] < k:
+            raise ValueError(f"policy 'r2r': router expects the top {k} logits, the step has {result.logits.shape[-1]}")
+        with torch.inference_mode():
+            top = torch.topk(result.logits.float(), k, dim=-1, sorted=True).values
+            return self.net(result.hidden.float(), top, result.token_embeddings.float())
+
+    def route(self, batch: list[RouteRequest], result: StepResult) -> list[RouteDecision]:
+        small, large = self.models
+        if self.model != small or not batch:
+            return [self.model] * len(batch)
+        # The rule sigmoid(z) >= t, as one device op and one host copy for the whole step.
+        flags = sigmoid_rule(self.logits(result), ">=", self.threshold).tolist()
+        return [large if f else small for f in flags]
+
+    def receive(self, req: RouteRequest, source: str) -> Lease:
+        return home_or_default_receive(self, req, source)
