@@ -37,7 +37,10 @@ class ModelRunner:
             raise RuntimeError(f"model {cfg.name!r} asks for {cfg.device} but CUDA is not available")
         self.dtype = _DTYPES[cfg.dtype]
         self.max_model_len = cfg.max_model_len or self.arch.max_position_embeddings
+        before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.model = self._load_model()
+        # What this model's weights took, whatever else shares the device (other models, other processes).
+        self.weight_bytes = (torch.cuda.memory_allocated(self.device) - before) if self.device.type == "cuda" else 0
         self.attn_backend = get_backend(attention)
         self.block_size = cfg.block_size
         self.num_blocks = self._num_kv_blocks(default_kv_tokens)
@@ -73,10 +76,9 @@ class ModelRunner:
             return self.cfg.kv_cache_tokens // self.cfg.block_size
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            # A fraction of the whole card for this model, minus what it already holds; several models
-            # on one GPU split the card by giving fractions that sum to <= 1.
-            used_here = torch.cuda.memory_allocated(self.device)
-            budget = min(free, int(total * self.cfg.kv_memory_fraction) - used_here) - 512 * 2**20
+            # A fraction of the whole card for this model (weights + KV); models sharing one GPU split it
+            # by giving fractions that sum to <= 1. Keep headroom for activations and CUDA graphs.
+            budget = min(free - 2 * 2**30, int(total * self.cfg.kv_memory_fraction) - self.weight_bytes)
             blocks = budget // self._bytes_per_block()
             if blocks < 1:
                 raise RuntimeError(f"model {self.cfg.name!r}: no GPU memory left for a KV cache")
