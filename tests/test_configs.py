@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from tokenrouter import Engine, SamplingParams, load_config
 from tokenrouter.cli import main
 

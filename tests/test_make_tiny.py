@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenrouter.tools.make_tiny import GENERATOR_VERSION, make_tiny
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from tokenrouter.tools.make_tiny import GENERATOR_VERSION, make_tiny
 
 MODELS = ("small", "medium", "large")
 

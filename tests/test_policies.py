@@ -14,13 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from torch import nn
+
 from tokenrouter.routing.policies.citer import CiterPolicy
 from tokenrouter.routing.policies.collm import CoLLMPolicy
 from tokenrouter.routing.policies.glimprouter import top_k_entropy
 from tokenrouter.routing.policies.query import QueryPolicy
 from tokenrouter.routing.policies.r2r import R2RPolicy
 from tokenrouter.routing.policy import POLICIES, Lease, Policy, RouteRequest, StepResult, make_policy, resolve
-from torch import nn
 
 # Deliberately not "small"/"large": policies must read the names from `models`.
 S, L = "draft", "target"

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from tokenrouter import Engine, SamplingParams
 from tokenrouter.routing.policy import POLICIES, Policy, RouteRequest, StepResult, make_policy, register, resolve
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 MAX_NEW = 20
 PROMPT_LENS = [3, 5, 8, 11, 13, 17, 21, 30]

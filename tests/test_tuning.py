@@ -10,6 +10,7 @@ import itertools
 import math
 
 import pytest
+
 from tokenrouter.tuning import (
     SystemModel,
     best_thresholds,

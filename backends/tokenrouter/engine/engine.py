@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -24,6 +25,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from tokenrouter.config import EngineConfig, load_config
+from tokenrouter.engine.autotune import solve_thresholds
 from tokenrouter.engine.outputs import RequestOutput, RequestState
 from tokenrouter.engine.stop import StopChecker
 from tokenrouter.engine.subserver import Subserver
@@ -33,6 +35,8 @@ from tokenrouter.sampling_params import SamplingParams
 from tokenrouter.transport.messages import Append, Arrive, Commit, Event, Failed, Handoff, Release, Released
 
 Prompt = str | list[int]
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -74,6 +78,7 @@ class Engine:
         self._outputs: list[RequestOutput] = []
         self._ids = itertools.count()
         self._closed = False
+        self._tuned: dict[str, int] | None = None
         self._update_thresholds()
 
     @classmethod
@@ -268,9 +273,34 @@ class Engine:
 
         return possible
 
+    @property
+    def auto_thresholds(self) -> bool:
+        return self.config.batching.thresholds == "auto"
+
+    def retune(self, concurrency: int | None = None) -> dict[str, int] | None:
+        """`thresholds: auto`: solve B* for the current (or given) concurrency from measured step latencies
+        and routing rates, and apply it. Returns the thresholds, or None before enough was measured."""
+        n = concurrency if concurrency is not None else max(1, len(self.requests))
+        stats = {m: s.stats for m, s in self.subservers.items()}
+        best = solve_thresholds(self.model_names, stats, n)
+        if best is not None:
+            self._tuned = best
+            self._update_thresholds()
+        return best
+
+    def _tune_forever(self) -> None:
+        interval = self.config.batching.auto_interval_s
+        while not self._stop_event.wait(interval):
+            if self.requests:
+                try:
+                    self.retune()
+                except Exception:  # tuning is an optimization: never let it take serving down
+                    log.exception("threshold tuning failed")
+
     def _update_thresholds(self) -> None:
         """Keep sum(B_i - 1) < N for the N requests in the system, so they can never all wait in queues."""
-        want = {m: self.config.batching.threshold_of(m) for m in self.model_names}
+        tuned = self._tuned or {}
+        want = {m: tuned.get(m, self.config.batching.threshold_of(m)) for m in self.model_names}
         n = max(1, len(self.requests))
         while sum(b - 1 for b in want.values()) >= n:
             biggest = max(want, key=lambda m: want[m])
@@ -356,6 +386,8 @@ class Engine:
             t = threading.Thread(target=sub.serve_forever, args=(self._stop_event,), name=f"tr-{sub.name}", daemon=True)
             self._threads.append(t)
         self._threads.append(threading.Thread(target=self._coordinate, name="tr-coordinator", daemon=True))
+        if self.auto_thresholds:
+            self._threads.append(threading.Thread(target=self._tune_forever, name="tr-tuner", daemon=True))
         for t in self._threads:
             t.start()
 

@@ -20,6 +20,7 @@ from tokenrouter.config import ModelConfig
 from tokenrouter.engine.block_manager import BlockManager
 from tokenrouter.engine.scheduler import Scheduler
 from tokenrouter.engine.sequence import SeqStatus, Sequence
+from tokenrouter.engine.step_stats import StepStats
 from tokenrouter.engine.stop import StopChecker
 from tokenrouter.routing.policy import Policy, RouteRequest, StepResult, resolve
 from tokenrouter.runner.model_runner import ModelRunner
@@ -59,6 +60,7 @@ class Subserver:
         self._ready_since: float | None = None
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
+        self.stats = StepStats()
         self.num_steps = 0
         self.busy_s = 0.0
         self.last_batch_size = 0
@@ -156,9 +158,11 @@ class Subserver:
             targets = self._route(views, result)
             for seq, view, tok, target in zip(sampling, views, tokens_dev.tolist(), targets):
                 self._postprocess(seq, view, tok, target)
+        dt = time.perf_counter() - t0
         self.num_steps += 1
         self.last_batch_size = len(chunks)
-        self.busy_s += time.perf_counter() - t0
+        self.busy_s += dt
+        self.stats.record_step(len(chunks), dt)
         return len(chunks)
 
     def safe_step(self) -> int:
@@ -193,6 +197,7 @@ class Subserver:
             commit = True
         else:
             commit = target == self.name or self.policy.send(view, target, tok)
+        self.stats.record_route(None if target == self.name else target, commit)
         if commit:
             seq.token_ids.append(tok)
             reason, stop_at = self.stop.check(seq, tok)
