@@ -192,6 +192,7 @@ class Engine:
             if req is None or req.finished:
                 return None
             req.finish_reason = "abort"
+            req.result_taken = True  # the caller gets the final output from this call
             for model in list(req.holders):
                 self._deliver(model, Release(request_id, "abort"))
             self._maybe_finalize(req)
@@ -260,8 +261,12 @@ class Engine:
         out = req.output(self.tokenizer, final=req.finalized)
         if out.finished or out.delta_token_ids:
             if req.listener is not None:
-                req.listener(out)
-            if not self.running_in_background:
+                try:
+                    req.listener(out)
+                except Exception:  # a consumer that went away must not stop the others
+                    log.exception("request %s: output listener failed; detaching it", req.request_id)
+                    req.listener = None
+            if not self.running_in_background and not req.result_taken:
                 self._outputs.append(out)
 
     # -- delayed batching ------------------------------------------------------------------------------
@@ -341,6 +346,8 @@ class Engine:
         """Run prompts to completion together; all inputs are validated before any is queued."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, list | tuple):
+            raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; got {prompts!r}")
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
@@ -362,16 +369,20 @@ class Engine:
                     done.set()
 
         ids = [self.add_request(p, sp, listener=on_output) for p, sp in zip(prompts, sampling_params)]
+        own, others = set(ids), []
         try:
             if self.running_in_background:
                 done.wait()
             else:
                 while len(results) < len(ids):
-                    self.step()
+                    # Outputs of requests added by `add_request` stay for the caller's next `step()`.
+                    others.extend(o for o in self.step() if o.request_id not in own)
         except BaseException:
             for rid in ids:
                 self.abort(rid)
             raise
+        finally:
+            self._outputs[:0] = others
         return [results[rid] for rid in ids]
 
     # -- background mode ------------------------------------------------------------------------------
@@ -397,7 +408,10 @@ class Engine:
                 ev = self._event_queue.get(timeout=0.1)
             except queue.Empty:
                 continue
-            self._on_event(ev)
+            try:
+                self._on_event(ev)
+            except Exception:  # the coordinator must outlive any one request's failure
+                log.exception("coordinator: failed to handle %r", ev)
 
     async def generate_stream(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
@@ -416,6 +430,9 @@ class Engine:
                 yield out
         finally:
             if not finished:
+                req = self.requests.get(rid)
+                if req is not None:
+                    req.listener = None  # nobody is reading any more
                 self.abort(rid)
 
     # -- lifecycle ------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ class RequestState:
     stop_text_end: int | None = None
     error: str | None = None
     finalized: bool = False
+    result_taken: bool = False  # the final output was handed out directly (abort), not via step()
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     # What has been sent to the listener already.

@@ -83,6 +83,11 @@ BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}
 
 
 def get_backend(name: str) -> AttentionBackend:
+    if name == "triton" and name not in BACKENDS:
+        # Imported on demand: triton is only needed where its kernels run (GPU, or the interpreter in CI).
+        from tokenrouter.runner.triton_attention import TritonAttention
+
+        BACKENDS[name] = TritonAttention
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(BACKENDS)}")
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(BACKENDS | {'triton': None})}")
     return BACKENDS[name]()

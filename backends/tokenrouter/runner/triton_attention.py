@@ -1,0 +1,492 @@
+"""Paged attention in Triton: a split-K decode kernel and a tiled causal extend/prefill kernel.
+
+Both read K/V straight from the paged pool ([num_slots, Hkv, D], slot = block_id * block_size + offset) through
+the block tables, so no per-sequence gather is materialised. Both are GQA-aware: one program owns one KV head
+and all the query heads that share it, so each K/V tile is loaded once per group rather than once per query head.
+
+Softmax runs online in float32 in the base-2 domain (scores are pre-multiplied by scale * log2(e) so `exp2` can
+be used); the output is written in q's dtype. Everything here uses only long-standing `tl` APIs (pointer loads
+and stores with masks, `tl.dot`, `tl.exp2`, reductions) so it compiles on triton >= 3.0 and also runs on the CPU
+under TRITON_INTERPRET=1, which is how CI tests it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenrouter.runner.attention import AttentionBackend
+from tokenrouter.runner.forward_batch import ForwardBatch
+
+_LOG2E = math.log2(math.e)
+# Cap on KV splits per (sequence, KV head) in decode: more splits than this only grow the reduction.
+_MAX_KV_SPLITS = 64
+# A split shorter than this does too little work to pay for its share of the reduction.
+_MIN_TOKENS_PER_SPLIT = 256
+# Decode programs to aim for per SM: a few resident programs per SM hide the block-table -> K/V load latency.
+_PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _attend_tile(
+    acc,  # [M, D_PAD] float32 running sum of p @ v (unnormalised)
+    l_i,  # [M] float32 running softmax denominator
+    m_i,  # [M] float32 running max of the base-2 scores
+    q,  # [M, D_PAD] in the cache dtype
+    q_pos,  # [M] absolute position of each row's query (only read when CAUSAL)
+    k_ptr,
+    v_ptr,
+    bt_row_ptr,  # this sequence's row of the block table
+    start,  # first key position of the tile
+    end,  # keys at positions >= end are out of range (only applied when BOUNDED)
+    kv_head,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    sm_scale_log2,
+    d,  # [D_PAD] head-dim offsets
+    d_ok,  # [D_PAD] d < HEAD_DIM
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BOUNDED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """One BLOCK_N-key step of online softmax for a tile of query rows that share one KV head."""
+    n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+    if BOUNDED:
+        n_ok = n < end
+    else:
+        # The caller guarantees the whole tile is inside the sequence; a constant mask folds away.
+        n_ok = n >= 0
+    # Per-token block lookup works for any page size, including pages smaller or larger than BLOCK_N.
+    block = tl.load(bt_row_ptr + n // PAGE, mask=n_ok, other=0)
+    slot = block.to(tl.int64) * PAGE + n % PAGE  # int64: slot * stride can exceed 2**31 in large pools
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+    # "ieee" keeps float32 inputs exact (no TF32); it has no effect on bf16/fp16 inputs.
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale_log2  # [M, BLOCK_N]
+    if CAUSAL:
+        s = tl.where((n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+    elif BOUNDED:
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+    # Callers order tiles so that every row sees >= 1 key in its first tile, so m_new is finite and no NaN
+    # comes from (-inf) - (-inf).
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + slot[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_ptr,  # [num_slots, Hkv, D]
+    v_ptr,
+    o_ptr,  # [T, Hq, D], written directly when DIRECT_OUT
+    mid_o_ptr,  # [B, Hq, num_splits, HEAD_DIM] float32, per-split normalised output
+    mid_lse_ptr,  # [B, Hq, num_splits] float32, per-split log2-sum-exp2 of the scores
+    block_tables_ptr,  # [B, max_blocks] int32
+    cu_seqlens_q_ptr,  # [B + 1] int32
+    kv_lens_ptr,  # [B] int32
+    sm_scale_log2,
+    num_splits,  # runtime, not constexpr: it changes with the batch and would recompile the kernel each time
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,  # num_splits == 1: write the final output, no reduce kernel
+):
+    """Grid (B, Hkv, num_splits): one sequence's single query, all GROUP query heads of one KV head, one KV split.
+
+    In a mixed batch the sequences with q_len != 1 belong to the extend kernel and are skipped here.
+    """
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    tok = tl.load(cu_seqlens_q_ptr + seq)  # row of q/out holding this sequence's query
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - tok
+    kv_len = tl.load(kv_lens_ptr + seq)
+    # Per-sequence split length, BLOCK_N-aligned, so each sequence spreads over all splits whatever its length.
+    split_len = (kv_len + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, kv_len)
+    if (start >= end) | (q_len != 1):
+        # Empty split (short sequence; the reduce kernel skips it using the same formula) or not a decode row.
+        return
+
+    g = tl.arange(0, GROUP_PAD)  # GROUP_PAD >= 16 rows so tl.dot has a legal M; extra rows are masked
+    g_ok = g < GROUP
+    head = kv_head * GROUP + g  # [GROUP_PAD]
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q_mask = g_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + tok * stride_qt + head[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    q = q.to(k_ptr.dtype.element_ty)
+
+    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    bt_row_ptr = block_tables_ptr + seq * stride_bt
+    for tile in range(start, end, BLOCK_N):
+        # The single query is the last position, so every key < kv_len is visible: only the length bound.
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, l_i, k_ptr, v_ptr, bt_row_ptr, tile, end, kv_head,
+            stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2, d, d_ok,
+            PAGE, BLOCK_N, True, False,
+        )  # fmt: skip
+    out = acc / l_i[:, None]  # [GROUP_PAD, D_PAD]; l_i >= 1 for real rows since the split is non-empty
+
+    if DIRECT_OUT:
+        # Nothing to merge: write the final output and skip the reduce kernel.
+        o_ptrs = o_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        row = (seq * NUM_HEADS + head) * num_splits + split  # [GROUP_PAD]
+        tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
+        tl.store(mid_lse_ptr + row, m_i + tl.log2(l_i), mask=g_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    mid_o_ptr,  # [B, Hq, num_splits, HEAD_DIM] float32
+    mid_lse_ptr,  # [B, Hq, num_splits] float32
+    o_ptr,  # [T, Hq, D]
+    cu_seqlens_q_ptr,  # [B + 1] int32
+    kv_lens_ptr,  # [B] int32
+    num_splits,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # next power of two >= num_splits
+):
+    """Grid (B, Hq): merge one head's split partials, weighting each by exp2(lse_split - lse_max)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    tok = tl.load(cu_seqlens_q_ptr + seq)
+    if tl.load(cu_seqlens_q_ptr + seq + 1) - tok != 1:
+        return  # an extend row of a mixed batch
+    kv_len = tl.load(kv_lens_ptr + seq)
+    split_len = (kv_len + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N  # as in the split kernel
+    s = tl.arange(0, SPLITS_PAD)
+    s_ok = (s < num_splits) & (s * split_len < kv_len)  # splits the split kernel actually wrote
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    row = (seq * NUM_HEADS + head) * num_splits + s  # [SPLITS_PAD]
+    lse = tl.load(mid_lse_ptr + row, mask=s_ok, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    # Only an empty sequence (kv_len == 0) has no split; keep its output 0 instead of NaN.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max)  # [SPLITS_PAD], 0 for skipped splits
+    part = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    num = tl.sum(part * w[:, None], 0)  # [D_PAD]
+    den = tl.sum(w, 0)
+    out = num / tl.where(den > 0.0, den, 1.0)
+    tl.store(o_ptr + tok * stride_ot + head * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_ptr,  # [num_slots, Hkv, D]
+    v_ptr,
+    o_ptr,  # [T, Hq, D]
+    block_tables_ptr,  # [B, max_blocks] int32
+    cu_seqlens_q_ptr,  # [B + 1] int32
+    kv_lens_ptr,  # [B] int32
+    sm_scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    Q_PER_PROG: tl.constexpr,  # BLOCK_M // GROUP queries per program
+    SKIP_DECODE: tl.constexpr,  # q_len == 1 rows are left to the decode kernel (mixed batches)
+):
+    """Grid (B, Hkv, cdiv(max_q_len, Q_PER_PROG)): Q_PER_PROG new tokens x GROUP heads of one KV head.
+
+    The BLOCK_M rows of the tile are (query, head) pairs, row = query_local * GROUP + g, so the K/V tile feeds
+    all heads of the group at once. Keys are visited in two phases: tiles strictly before the first query's
+    position need no mask (every row sees them), the rest up to the last query's position get the causal mask.
+    """
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # Causal work grows with m_block: hand out the longest query tiles first so the short ones fill the tail.
+    m_block = tl.num_programs(2) - 1 - tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    m_first = m_block * Q_PER_PROG  # first new token (index within the sequence's new tokens) of this program
+    # The grid is sized for the longest sequence; shorter ones have nothing here.
+    skip = m_first >= q_len
+    if SKIP_DECODE:
+        # A single query would fill 1/Q_PER_PROG of the tile: the split-K decode kernel does it far cheaper.
+        skip = skip | (q_len == 1)
+    if skip:
+        return
+    kv_len = tl.load(kv_lens_ptr + seq)
+    prefix = kv_len - q_len  # cached tokens before the new ones
+
+    rows = tl.arange(0, BLOCK_M)
+    m_idx = m_first + rows // GROUP  # [BLOCK_M] new-token index of each row
+    head = kv_head * GROUP + rows % GROUP  # [BLOCK_M] query head of each row
+    # Rows past Q_PER_PROG * GROUP (when GROUP does not divide BLOCK_M) or past the sequence are padding.
+    row_ok = (rows < Q_PER_PROG * GROUP) & (m_idx < q_len)
+    q_pos = prefix + m_idx  # [BLOCK_M] absolute position; padding rows get larger ones and stay NaN-free
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    tok = (q_start + m_idx).to(tl.int64)
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    q = q.to(k_ptr.dtype.element_ty)
+
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    bt_row_ptr = block_tables_ptr + seq * stride_bt
+
+    m_last = tl.minimum(q_len, m_first + Q_PER_PROG) - 1
+    # Keys below prefix + m_first are visible to every row: whole tiles there run unmasked.
+    full_end = ((prefix + m_first) // BLOCK_N) * BLOCK_N
+    # The last real query sees keys up to its own position; prefix + m_last + 1 <= kv_len.
+    causal_end = prefix + m_last + 1
+    for tile in range(0, full_end, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row_ptr, tile, full_end, kv_head,
+            stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2, d, d_ok,
+            PAGE, BLOCK_N, False, False,
+        )  # fmt: skip
+    # The first masked tile starts at full_end <= prefix + m_first <= every row's q_pos, so each row sees a key.
+    for tile in range(full_end, causal_end, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row_ptr, tile, causal_end, kv_head,
+            stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2, d, d_ok,
+            PAGE, BLOCK_N, True, True,
+        )  # fmt: skip
+    out = acc / l_i[:, None]
+    o_ptrs = o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=q_mask)
+
+
+@dataclass
+class _TritonState:
+    """Per-batch launch parameters, computed once on the host from the CPU length lists (no device sync)."""
+
+    num_decode: int  # sequences with q_len == 1 (decode kernel)
+    num_extend: int  # sequences with q_len > 1 (extend kernel)
+    max_decode_kv_len: int
+    max_extend_q_len: int
+    # Decode scratch reused by every layer of the step, keyed by (B, Hq, splits, D, device).
+    scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+class TritonAttention(AttentionBackend):
+    """Paged attention with Triton kernels: split-K decode for q_len == 1 rows, tiled causal extend for the rest.
+
+    A pure decode batch launches only the decode kernels, a batch without decode rows only the extend kernel;
+    a mixed batch launches both over all sequences and each kernel skips the other's rows on the device.
+
+    Tile sizes and the number of decode splits default to GPU heuristics; tests pass small ones so that tile
+    and split boundaries are exercised on tiny shapes under the interpreter.
+    """
+
+    name = "triton"
+
+    def __init__(
+        self,
+        decode_block_n: int | None = None,
+        extend_block_m: int | None = None,
+        extend_block_n: int | None = None,
+        num_kv_splits: int | None = None,
+    ) -> None:
+        for v in (decode_block_n, extend_block_m, extend_block_n):
+            if v is not None and (v < 16 or v & (v - 1)):
+                raise ValueError(f"tile sizes must be powers of two >= 16 (tl.dot operand minimum), got {v}")
+        self.decode_block_n = decode_block_n
+        self.extend_block_m = extend_block_m
+        self.extend_block_n = extend_block_n
+        self.num_kv_splits = num_kv_splits
+        self._num_sms: dict[torch.device, int] = {}
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        dec_kv = [kv for q, kv in zip(batch.q_lens_cpu, batch.kv_lens_cpu) if q == 1]
+        ext_q = [q for q in batch.q_lens_cpu if q != 1]
+        batch.attn_state = _TritonState(
+            num_decode=len(dec_kv),
+            num_extend=len(ext_q),
+            max_decode_kv_len=max(dec_kv, default=0),
+            max_extend_q_len=max(ext_q, default=0),
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+        v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D] in q's dtype
+        state = batch.attn_state
+        if not isinstance(state, _TritonState):
+            self.prepare(batch)
+            state = batch.attn_state
+        num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
+        if num_heads % num_kv_heads:
+            raise ValueError(f"Hq={num_heads} is not a multiple of Hkv={num_kv_heads}")
+        if k_cache.dtype != v_cache.dtype or k_cache.shape != v_cache.shape:
+            raise ValueError("k_cache and v_cache must have the same dtype and shape")
+        if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+            # Copying the pool to fix its layout would cost more than the attention itself.
+            raise ValueError("the KV pool must be contiguous along head_dim")
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, Hq, D]
+        if state.num_decode:
+            self._decode(q, k_cache, v_cache, out, batch, state, scale)
+        if state.num_extend:
+            self._extend(q, k_cache, v_cache, out, batch, state, scale)
+        return out
+
+    def _sm_count(self, device: torch.device) -> int:
+        if device not in self._num_sms:
+            if device.type == "cuda":
+                self._num_sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+            else:
+                # Interpreter on the CPU: the split count only matters for correctness coverage there.
+                self._num_sms[device] = 4
+        return self._num_sms[device]
+
+    def _pick_num_splits(self, device: torch.device, num_decode: int, num_kv_heads: int, max_kv_len: int) -> int:
+        """Enough (sequence, KV head, split) programs to fill every SM, without splits too short to pay off."""
+        if self.num_kv_splits is not None:
+            return max(1, self.num_kv_splits)
+        want = triton.cdiv(_PROGRAMS_PER_SM * self._sm_count(device), num_decode * num_kv_heads)
+        worth = triton.cdiv(max_kv_len, _MIN_TOKENS_PER_SPLIT)
+        return max(1, min(want, worth, _MAX_KV_SPLITS))
+
+    def _decode_config(self, d_pad: int) -> dict[str, int]:
+        """Key tile and launch shape of the split kernel (memory bound: 3 stages keep K/V loads in flight).
+
+        Picked from a sweep on an H200 (triton 3.6, bf16, Hq=32 Hkv=8 D=128, page 16) over BLOCK_N 32..128,
+        2..8 warps, 1..3 stages.
+        """
+        return {"BLOCK_N": self.decode_block_n or (64 if d_pad <= 128 else 32), "num_warps": 4, "num_stages": 3}
+
+    def _extend_config(self, d_pad: int, elem_size: int) -> dict[str, int]:
+        """Row/key tiles and launch shape of the extend kernel.
+
+        From the same H200 sweep: 128 rows x 32 keys, 4 warps, 2 stages was the best geometric mean over
+        prefill/extend/mixed batches and needs little shared memory (2 x 8 KiB per K/V stage), so it also fits
+        smaller GPUs. float32 or head_dim > 128 get smaller row tiles to keep the accumulator in registers.
+        """
+        big = d_pad <= 128 and elem_size <= 2
+        return {
+            "BLOCK_M": self.extend_block_m or (128 if big else 64),
+            "BLOCK_N": self.extend_block_n or 32,
+            "num_warps": 4,
+            "num_stages": 2,
+        }
+
+    def _decode(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+        v_cache: torch.Tensor,
+        out: torch.Tensor,  # [T, Hq, D]
+        batch: ForwardBatch,
+        state: _TritonState,
+        scale: float,
+    ) -> None:
+        B = batch.num_seqs
+        _, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[1]
+        group = num_heads // num_kv_heads
+        d_pad = max(16, _next_pow2(head_dim))
+        cfg = self._decode_config(d_pad)
+        splits = self._pick_num_splits(q.device, state.num_decode, num_kv_heads, state.max_decode_kv_len)
+        key = (B, num_heads, splits, head_dim, q.device)
+        if splits > 1 and key not in state.scratch:
+            state.scratch[key] = (
+                torch.empty(B, num_heads, splits, head_dim, dtype=torch.float32, device=q.device),
+                torch.empty(B, num_heads, splits, dtype=torch.float32, device=q.device),
+            )
+        # With one split the kernel writes `out` directly and never touches the scratch pointers.
+        mid_o, mid_lse = state.scratch.get(key, (out, out))
+        # Grid over all B sequences: in a mixed batch the extend rows' programs return at once.
+        _decode_split_kernel[(B, num_kv_heads, splits)](
+            q, k_cache, v_cache, out, mid_o, mid_lse, batch.block_tables, batch.cu_seqlens_q, batch.kv_lens,
+            scale * _LOG2E, splits,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            out.stride(0), out.stride(1), batch.block_tables.stride(0),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group,
+            GROUP_PAD=max(16, _next_pow2(group)), PAGE=batch.block_size, DIRECT_OUT=splits == 1, **cfg,
+        )  # fmt: skip
+        if splits > 1:
+            _decode_reduce_kernel[(B, num_heads)](
+                mid_o, mid_lse, out, batch.cu_seqlens_q, batch.kv_lens, splits, out.stride(0), out.stride(1),
+                NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_N=cfg["BLOCK_N"],
+                SPLITS_PAD=_next_pow2(splits),
+                num_warps=4, num_stages=1,
+            )  # fmt: skip
+
+    def _extend(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+        v_cache: torch.Tensor,
+        out: torch.Tensor,  # [T, Hq, D]
+        batch: ForwardBatch,
+        state: _TritonState,
+        scale: float,
+    ) -> None:
+        _, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[1]
+        group = num_heads // num_kv_heads
+        d_pad = max(16, _next_pow2(head_dim))
+        cfg = self._extend_config(d_pad, k_cache.element_size())
+        cfg["BLOCK_M"] = max(cfg["BLOCK_M"], _next_pow2(group))  # at least one query (all its heads) per program
+        q_per_prog = cfg["BLOCK_M"] // group
+        grid = (batch.num_seqs, num_kv_heads, triton.cdiv(state.max_extend_q_len, q_per_prog))
+        _extend_kernel[grid](
+            q, k_cache, v_cache, out, batch.block_tables, batch.cu_seqlens_q, batch.kv_lens,
+            scale * _LOG2E,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            out.stride(0), out.stride(1), batch.block_tables.stride(0),
+            HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, PAGE=batch.block_size,
+            Q_PER_PROG=q_per_prog, SKIP_DECODE=state.num_decode > 0, **cfg,
+        )  # fmt: skip

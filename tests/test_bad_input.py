@@ -1,0 +1,199 @@
+"""Bad input is refused with a message naming the problem, queues nothing, and leaves the engine serving."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tokenrouter.config import ConfigError
+from tokenrouter.engine.engine import Engine
+from tokenrouter.sampling_params import SamplingParams
+
+MODEL = "small"
+CONTEXT = 64
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+VALID = [11, 22, 33, 44, 55, 66, 77]
+
+
+def assert_idle(engine: Engine) -> None:
+    engine.check_integrity()
+    bm = engine.block_manager
+    assert not engine.has_unfinished()
+    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks still held"
+
+
+def model_cfg(tiny_dir: Path, **kw) -> dict:
+    return {"path": str(tiny_dir / MODEL), "block_size": 4, "kv_cache_tokens": 4096, **kw}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir: Path):
+    eng = Engine.from_config({"models": {MODEL: model_cfg(tiny_dir, max_model_len=CONTEXT)}})
+    assert eng.vocab_size == 1024
+    yield eng
+    for rid in list(eng.requests):
+        eng.abort(rid)
+
+
+@pytest.fixture(scope="module")
+def valid_reference(engine: Engine) -> list[int]:
+    (out,) = engine.generate([VALID], GREEDY)
+    assert len(out.token_ids) == 12
+    assert_idle(engine)
+    return out.token_ids
+
+
+def bad_prompts(vocab: int) -> list[tuple[object, str]]:
+    return [
+        ("", "prompt is empty"),
+        ([], "prompt is empty"),
+        ([1, 2, vocab], rf"token id {vocab} at position 2 is out of the vocabulary \(size {vocab}\)"),
+        ([-1, 2], "token id -1 at position 0 is out of the vocabulary"),
+        ([1, 2.5], "position 1 is not an integer"),
+        ([1, True], "position 1 is not an integer"),
+        (list(range(CONTEXT)), rf"prompt has {CONTEXT} tokens, but the context limit is {CONTEXT}"),
+        ("ab " * CONTEXT, rf"prompt has \d+ tokens, but the context limit is {CONTEXT}"),
+    ]
+
+
+BAD_PARAMS = [
+    (dict(max_new_tokens=-1), "max_new_tokens must be an integer >= 1, got -1"),
+    (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
+    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-2), "top_k must be"),
+    (dict(stop_token_ids=[5000]), r"stop_token_ids token id 5000 .*out of the vocabulary"),
+    (dict(stop=[""]), "stop strings must be non-empty"),
+]
+
+
+def test_bad_prompts(engine: Engine) -> None:
+    for prompt, msg in bad_prompts(engine.vocab_size):
+        with pytest.raises(ValueError, match=msg):
+            engine.add_request(prompt, GREEDY)
+        with pytest.raises(ValueError, match="prompt 0: .*" + msg):
+            engine.generate([prompt], GREEDY)
+    with pytest.raises(ValueError, match="prompt must be a string or a list of token ids, got int"):
+        engine.add_request(42, GREEDY)
+    # The longest prompt that fits leaves room for exactly one generated token.
+    (out,) = engine.generate([list(range(CONTEXT - 1))], SamplingParams(max_new_tokens=5, temperature=0))
+    assert out.finish_reason in ("length", "stop") and len(out.token_ids) == 1
+    assert_idle(engine)
+
+
+def test_bad_sampling_params(engine: Engine) -> None:
+    for kw, msg in BAD_PARAMS:
+        with pytest.raises(ValueError, match=msg):
+            engine.add_request(VALID, SamplingParams(**kw))
+        with pytest.raises(ValueError, match=msg):
+            engine.generate([VALID], SamplingParams(**kw))
+    assert_idle(engine)
+
+
+def test_one_bad_prompt_queues_nothing(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="prompt 2: prompt is empty"):
+        engine.generate([VALID, "hello", []], GREEDY)
+    with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
+        engine.generate([VALID, VALID], [GREEDY])
+    assert not engine.has_unfinished()
+    assert engine.step() == []
+    assert_idle(engine)
+
+
+def test_bad_append_and_ids(engine: Engine) -> None:
+    rid = engine.add_request(VALID, GREEDY, request_id="dup")
+    with pytest.raises(ValueError, match="'dup' is already in use"):
+        engine.add_request(VALID, GREEDY, request_id="dup")
+    with pytest.raises(KeyError, match="no live request 'nope'"):
+        engine.append_tokens("nope", [1])
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.append_tokens(rid, [])
+    with pytest.raises(ValueError, match="appended token id 2000 at position 1 is out of the vocabulary"):
+        engine.append_tokens(rid, [1, 2000])
+    with pytest.raises(ValueError, match=f"would exceed the context limit {CONTEXT}"):
+        engine.append_tokens(rid, [1] * (CONTEXT - len(VALID)))
+    out = engine.abort(rid)
+    assert out is not None and out.finish_reason == "abort"
+    assert engine.abort(rid) is None
+    with pytest.raises(KeyError, match="no live request 'dup'"):
+        engine.append_tokens(rid, [1])
+    assert_idle(engine)
+
+
+def test_engine_keeps_serving(engine: Engine, valid_reference: list[int]) -> None:
+    rid = engine.add_request(VALID, GREEDY)
+    got = []
+    for o in engine.step():  # prefill: the request is mid-flight when the bad input arrives
+        assert o.request_id == rid
+        got = o.token_ids
+    assert len(got) == 1
+    for prompt, msg in bad_prompts(engine.vocab_size):
+        with pytest.raises(ValueError, match=msg):
+            engine.add_request(prompt, GREEDY)
+        with pytest.raises(ValueError, match=msg):
+            engine.generate([VALID, prompt], GREEDY)
+    for kw, msg in BAD_PARAMS:
+        with pytest.raises(ValueError, match=msg):
+            engine.add_request(VALID, SamplingParams(**kw))
+        with pytest.raises(ValueError, match=msg):
+            engine.generate(VALID, SamplingParams(**kw))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(VALID, GREEDY, request_id=rid)
+    # Nothing was queued by any of it: only the valid request is in the system.
+    assert list(engine.requests) == [rid]
+    final = None
+    for _ in range(100):
+        for o in engine.step():
+            assert o.request_id == rid
+            if o.finished:
+                final = o
+        if final is not None:
+            break
+    assert final is not None and final.finish_reason == "length"
+    assert final.token_ids == valid_reference
+    assert_idle(engine)
+
+
+def test_unknown_config_keys(tiny_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) in config: \['bogus'\]"):
+        Engine.from_config({"models": {MODEL: model_cfg(tiny_dir)}, "bogus": 1})
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) in models\.small: \['blok_size'\]"):
+        Engine.from_config({"models": {MODEL: model_cfg(tiny_dir, blok_size=4)}})
+
+
+def test_missing_model_directory(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ConfigError, match=r"models\.m\.path: model directory .*no-such-model.* does not exist"):
+        Engine.from_config({"models": {"m": {"path": str(missing)}}})
+    with pytest.raises(ConfigError, match="has no config.json"):
+        Engine.from_config({"models": {"m": {"path": str(tmp_path)}}})
+    with pytest.raises(ConfigError, match="config file .*missing.yaml.* does not exist"):
+        Engine.from_config(tmp_path / "missing.yaml")
+
+
+def test_bad_config_values(tiny_dir: Path) -> None:
+    cases = [
+        (dict(block_size=0), r"models\.small\.block_size must be >= 1"),
+        (dict(dtype="float64"), r"models\.small\.dtype must be one of"),
+        (dict(device="tpu"), r"models\.small\.device must be"),
+        (dict(kv_cache_tokens=2), r"models\.small\.kv_cache_tokens must hold at least one block"),
+        (dict(max_model_len=1), r"models\.small\.max_model_len must be >= 2"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(ConfigError, match=msg):
+            Engine.from_config({"models": {MODEL: model_cfg(tiny_dir, **kw)}})
+    with pytest.raises(ConfigError, match="entry 'nope' is not one of the models"):
+        Engine.from_config({"models": {MODEL: model_cfg(tiny_dir)}, "entry": "nope"})
+    with pytest.raises(ConfigError, match=r"models\.small: .*path"):
+        Engine.from_config({"models": {MODEL: {"dtype": "float32"}}})
+
+
+def test_context_limited_by_kv_pool(tiny_dir: Path) -> None:
+    """Without max_model_len the KV pool bounds the context: one sequence can never outgrow it."""
+    eng = Engine.from_config({"models": {MODEL: model_cfg(tiny_dir, kv_cache_tokens=32)}})
+    with pytest.raises(ValueError, match="prompt has 32 tokens, but the context limit is 32"):
+        eng.add_request(list(range(32)))
+    (out,) = eng.generate([list(range(28))], SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True))
+    assert out.finish_reason == "length" and len(out.token_ids) == 32 - 28
+    assert_idle(eng)

@@ -1,0 +1,218 @@
+"""The Triton attention kernels against the torch reference, on the CPU through Triton's interpreter.
+
+CI has no GPU, so TRITON_INTERPRET=1 must be in effect when triton is imported (triton decorates its own
+standard library, tl.max, tl.sum, ..., at import, as compiled or interpreted functions). Shapes are tiny and tile
+sizes small so that tile edges, KV splits, partial pages and GQA packing are all crossed cheaply. On a GPU machine
+`TRITON_INTERPRET=0 pytest tests/test_triton_attention.py` runs the same checks compiled, on CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before this module imports triton
+INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
+
+
+def _reimport_triton_interpreted() -> None:
+    """Make triton's Python layer interpreted even if an earlier test module imported it compiled.
+
+    Importing transformers pulls in torch._dynamo, which imports triton when it is installed, so in a full
+    `pytest tests` run triton is usually already loaded, in compiled mode, before this module is collected;
+    its tl.max/tl.sum/... are then compiled-only functions that the interpreter cannot call. Dropping its pure
+    Python modules and importing again re-decorates them under TRITON_INTERPRET=1. The native extension
+    (triton._C) stays loaded: it cannot be initialised twice. Modules imported before keep the old copy, which
+    CPU-only tests never launch.
+    """
+    std = sys.modules.get("triton.language.standard")
+    if std is None or type(std.max).__name__ == "InterpretedFunction":
+        return
+    stale = [m for m in sys.modules if m.split(".")[0] == "triton" and not m.startswith("triton._C")]
+    stale.append("tokenrouter.runner.triton_attention")  # its kernels were decorated by the old triton
+    for name in stale:
+        sys.modules.pop(name, None)
+
+
+if INTERPRET and "triton" in sys.modules:
+    _reimport_triton_interpreted()
+
+import dataclasses  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed; the Triton attention backend cannot be tested")
+
+from tokenrouter.runner.attention import TorchAttention  # noqa: E402
+from tokenrouter.runner.forward_batch import ForwardBatch  # noqa: E402
+from tokenrouter.runner.triton_attention import TritonAttention  # noqa: E402
+
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET=0 needs a CUDA GPU", allow_module_level=True)
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+
+RTOL = 1e-3
+_TENSOR_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "cu_seqlens_q", "kv_lens", "logits_indices")
+
+
+def make_case(
+    lens: list[tuple[int, int]],  # (q_len, kv_len) per sequence
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch]:
+    """A random paged pool with shuffled block tables; slots no sequence owns hold NaN to catch stray reads."""
+    g = torch.Generator().manual_seed(seed)
+    nblks = [-(-kv // block_size) for _, kv in lens]
+    num_blocks = sum(nblks) + 3  # spare blocks stay unowned (poisoned)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    num_slots = num_blocks * block_size
+    k_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=g)  # [num_slots, Hkv, D]
+    v_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=g)
+    owned = torch.zeros(num_slots, dtype=torch.bool)
+    max_blocks = max(nblks)
+    tables, slots, positions = [], [], []
+    for (q_len, kv_len), n in zip(lens, nblks):
+        blocks, perm = perm[:n], perm[n:]
+        seq_slots = [blocks[p // block_size] * block_size + p % block_size for p in range(kv_len)]
+        owned[seq_slots] = True
+        slots.extend(seq_slots[kv_len - q_len :])
+        positions.extend(range(kv_len - q_len, kv_len))
+        tables.append(blocks + [0] * (max_blocks - n))  # padded with 0 like the runner does
+    k_cache[~owned] = float("nan")
+    v_cache[~owned] = float("nan")
+    q_lens = [ql for ql, _ in lens]
+    kv_lens = [kl for _, kl in lens]
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    T = cu[-1]
+    q = torch.randn(T, num_heads, head_dim, generator=g)  # [T, Hq, D]
+    batch = ForwardBatch(
+        input_ids=torch.zeros(T, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=torch.tensor(tables, dtype=torch.int32),  # [B, max_blocks]
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),  # [B + 1]
+        kv_lens=torch.tensor(kv_lens, dtype=torch.int32),  # [B]
+        logits_indices=torch.tensor([c - 1 for c in cu[1:]], dtype=torch.int64),
+        q_lens_cpu=q_lens,
+        kv_lens_cpu=kv_lens,
+        block_size=block_size,
+    )
+    batch = dataclasses.replace(batch, **{f: getattr(batch, f).to(DEVICE) for f in _TENSOR_FIELDS})
+    return q.to(DEVICE, dtype), k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype), batch
+
+
+def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """TorchAttention in float32 on its own copy of the batch (prepare overwrites attn_state)."""
+    b = dataclasses.replace(batch, attn_state=None)
+    ref = TorchAttention()
+    ref.prepare(b)
+    return ref.forward(q.float(), k_cache.float(), v_cache.float(), b, q.shape[-1] ** -0.5)
+
+
+def run_triton(
+    backend: TritonAttention, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch
+) -> torch.Tensor:
+    b = dataclasses.replace(batch, attn_state=None)
+    backend.prepare(b)
+    return backend.forward(q, k_cache, v_cache, b, q.shape[-1] ** -0.5)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+# (block_size, Hq, Hkv, head_dim): page sizes 4 and 16, GQA ratios 1, 2, 4 (and 3, which does not divide the
+# row tile), head_dim 16 and 64 (and 24, which pads to 32).
+SHAPES = [
+    (4, 2, 2, 16),
+    (16, 4, 2, 64),
+    (4, 8, 2, 16),
+    (16, 4, 1, 16),
+    (4, 6, 2, 24),
+]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("shape", SHAPES[:4])
+def test_decode_matches_torch(shape: tuple[int, int, int, int], num_splits: int | None) -> None:
+    block_size, hq, hkv, d = shape
+    # kv_len 1, single partial page, exact page multiples and lengths spanning several key tiles and splits.
+    lens = [(1, kv) for kv in (1, 5, 16, 37, 70)]
+    q, k, v, batch = make_case(lens, block_size, hq, hkv, d, seed=hash(shape) % 1000)
+    backend = TritonAttention(decode_block_n=16, num_kv_splits=num_splits)
+    out = run_triton(backend, q, k, v, batch)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert rel_err(out, reference(q, k, v, batch)) <= RTOL
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_extend_matches_torch(shape: tuple[int, int, int, int]) -> None:
+    block_size, hq, hkv, d = shape
+    lens = [
+        (7, 7),  # pure prefill shorter than one key tile
+        (1, 9),  # a decode row inside a mixed batch
+        (5, 23),  # extend over a cached prefix that ends mid-page
+        (21, 21),  # pure prefill over several query and key tiles
+        (3, 40),  # short extend, long prefix
+        (18, 35),  # query tiles whose causal frontier crosses key tiles
+    ]
+    q, k, v, batch = make_case(lens, block_size, hq, hkv, d, seed=hash(shape) % 1000 + 1)
+    # The decode rows of this mixed batch go to the split kernel (2 splits) while the rest go to the extend kernel.
+    backend = TritonAttention(extend_block_m=16, extend_block_n=16, decode_block_n=16, num_kv_splits=2)
+    out = run_triton(backend, q, k, v, batch)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert rel_err(out, reference(q, k, v, batch)) <= RTOL
+
+
+def test_default_tiles_and_split_heuristic() -> None:
+    """The GPU defaults (big tiles, heuristic splits) also give the right answer."""
+    backend = TritonAttention()
+    q, k, v, batch = make_case([(1, 300), (1, 600)], 16, 4, 2, 64, seed=7)
+    if INTERPRET:
+        assert backend._pick_num_splits(q.device, 2, 2, 600) == 3  # 4 "SMs" on the CPU: 16 programs wanted
+    assert rel_err(run_triton(backend, q, k, v, batch), reference(q, k, v, batch)) <= RTOL
+    q, k, v, batch = make_case([(30, 30), (9, 50), (1, 12)], 16, 4, 2, 64, seed=8)
+    assert rel_err(run_triton(backend, q, k, v, batch), reference(q, k, v, batch)) <= RTOL
+
+
+def test_split_heuristic() -> None:
+    backend = TritonAttention()
+    dev = torch.device("cuda", 0)
+    backend._num_sms[dev] = 132  # an H100/H200
+    assert backend._pick_num_splits(dev, 1, 8, 32768) == 64  # one long sequence: split as far as allowed
+    assert backend._pick_num_splits(dev, 1, 8, 300) == 2  # short context: splits would be too small
+    assert backend._pick_num_splits(dev, 128, 8, 32768) == 1  # a big batch already fills the GPU
+    assert backend._pick_num_splits(dev, 4, 8, 8192) == 17
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_and_forward_without_prepare(dtype: torch.dtype) -> None:
+    """16-bit in, 16-bit out (float32 softmax inside); forward also works when prepare was not called."""
+    if INTERPRET and dtype == torch.bfloat16:
+        # The interpreter keeps bf16 as raw uint16 and its tl.dot multiplies the bit patterns
+        # (triton-lang/triton#11584, "not supported yet"); bf16 is covered by the TRITON_INTERPRET=0 GPU run.
+        pytest.skip("Triton's interpreter does not support bfloat16 tl.dot")
+    backend = TritonAttention(decode_block_n=16, extend_block_m=16, extend_block_n=16, num_kv_splits=2)
+    for lens in ([(1, 20), (1, 45)], [(6, 6), (4, 30)]):
+        q, k, v, batch = make_case(lens, 4, 4, 2, 16, dtype=dtype, seed=3)
+        b = dataclasses.replace(batch, attn_state=None)
+        out = backend.forward(q, k, v, b, 16**-0.5)
+        assert out.dtype == dtype
+        assert rel_err(out, reference(q, k, v, batch)) <= 2e-2
+
+
+def test_non_contiguous_q() -> None:
+    """q as the model produces it: a strided view of the packed qkv projection."""
+    q, k, v, batch = make_case([(5, 12), (3, 3)], 4, 4, 2, 16, seed=11)
+    qkv = torch.cat([q, torch.randn_like(q)], dim=1)  # [T, 2 * Hq, D]
+    q_view = qkv[:, :4]
+    assert not q_view.is_contiguous()
+    backend = TritonAttention(extend_block_m=16, extend_block_n=16)
+    assert rel_err(run_triton(backend, q_view, k, v, batch), reference(q, k, v, batch)) <= RTOL
