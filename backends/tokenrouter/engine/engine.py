@@ -15,7 +15,6 @@ request once every model that held it has freed its KV.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import queue
@@ -26,24 +25,22 @@ from typing import Any
 
 from tokenrouter.config import EngineConfig, load_config
 from tokenrouter.engine.autotune import solve_thresholds
-from tokenrouter.engine.outputs import RequestOutput, RequestState
+from tokenrouter.engine.coordinator import Coordinator, Prompt
+from tokenrouter.engine.outputs import RequestOutput
 from tokenrouter.engine.stop import StopChecker
 from tokenrouter.engine.subserver import Subserver
 from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.routing.policy import make_policy
 from tokenrouter.sampling_params import SamplingParams
-from tokenrouter.transport.messages import Append, Arrive, Commit, Event, Failed, Handoff, Release, Released
-
-Prompt = str | list[int]
+from tokenrouter.transport.messages import Append, Arrive, Event, Release
 
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(Coordinator):
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.tokenizer = load_tokenizer(config.tokenizer_path)
-        self.model_names = list(config.models)
+        tokenizer = load_tokenizer(config.tokenizer_path)
+        names = list(config.models)
         pol = dict(config.policy)
         pol_name = pol.pop("name")
         if pol_name == "always" and "model" not in pol:
@@ -52,14 +49,14 @@ class Engine:
         self._event_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._stop_event = threading.Event()
-        self._lock = threading.RLock()
+        self._outputs: list[RequestOutput] = []
+        self._closed = False
         self.subservers: dict[str, Subserver] = {}
         for name, mcfg in config.models.items():
-            policy = make_policy(pol_name, self.model_names, name, pol)
             sub = Subserver(
                 mcfg,
-                policy,
-                StopChecker(self.tokenizer, set(), 0),  # filled in below, once every model is loaded
+                make_policy(pol_name, names, name, pol),
+                StopChecker(tokenizer, set(), 0),  # filled in below, once every model is loaded
                 self._emit,
                 default_kv_tokens=config.cpu_kv_cache_tokens,
                 threshold=config.batching.threshold_of(name),
@@ -71,14 +68,10 @@ class Engine:
         if len(set(vocab.values())) > 1:
             raise ValueError(f"routed models must share one vocabulary; vocab sizes: {vocab}")
         entry = self.subservers[config.entry]
-        self.max_model_len = min(s.runner.max_model_len for s in self.subservers.values())
+        max_len = min(s.runner.max_model_len for s in self.subservers.values())
         for sub in self.subservers.values():
-            sub.stop = StopChecker(self.tokenizer, set(entry.runner.arch.eos_token_ids), self.max_model_len)
-        self.requests: dict[str, RequestState] = {}
-        self._outputs: list[RequestOutput] = []
-        self._ids = itertools.count()
-        self._closed = False
-        self._tuned: dict[str, int] | None = None
+            sub.stop = StopChecker(tokenizer, set(entry.runner.arch.eos_token_ids), max_len)
+        super().__init__(config, tokenizer, entry.runner.arch.vocab_size, max_len, entry.policy)
         self._update_thresholds()
 
     @classmethod
@@ -104,73 +97,10 @@ class Engine:
         return self.entry.block_manager
 
     @property
-    def vocab_size(self) -> int:
-        return self.entry.runner.arch.vocab_size
-
-    @property
     def running_in_background(self) -> bool:
         return bool(self._threads)
 
     # -- input ----------------------------------------------------------------------------------------
-
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt, validated against the vocabulary and the context limit."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass the prompt as a list of token ids")
-            ids = self.tokenizer(prompt)["input_ids"]
-        elif isinstance(prompt, list | tuple):
-            ids = list(prompt)
-            if not ids:
-                raise ValueError("prompt is empty")
-            self._check_token_ids(ids, "prompt")
-        else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, but the context limit is {self.max_model_len} "
-                "(prompt plus at least one generated token)"
-            )
-        return ids
-
-    def _check_token_ids(self, ids: list[int], what: str) -> None:
-        for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise ValueError(f"{what} token at position {i} is not an integer: {t!r}")
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(
-                    f"{what} token id {t} at position {i} is out of the vocabulary (size {self.vocab_size})"
-                )
-
-    def add_request(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        listener: Callable[[RequestOutput], None] | None = None,
-    ) -> str:
-        """Validate and queue one request; raises ValueError (and queues nothing) on bad input.
-
-        `listener`, if given, is called (from the engine's thread) with every output delta."""
-        self._check_open()
-        params = params or SamplingParams()
-        params.validate()
-        self._check_token_ids(params.stop_token_ids, "stop_token_ids")
-        ids = self.tokenize(prompt)
-        with self._lock:
-            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-            if rid in self.requests:
-                raise ValueError(f"request id {rid!r} is already in use")
-            state = self.entry.policy.initial_state(ids)
-            req = RequestState(rid, ids, params, self.config.entry, listener, self.model_names)
-            req.holders.add(self.config.entry)
-            self.requests[rid] = req
-            self._update_thresholds()
-        arrive = Arrive(rid, list(ids), True, len(ids), params, state, None, {})
-        self._deliver(self.config.entry, arrive)
-        return rid
 
     def append_tokens(self, request_id: str, token_ids: list[int]) -> None:
         """Append known tokens to a live request; its next step *extends* the KV by them (no recompute)."""
@@ -184,20 +114,6 @@ class Engine:
             raise ValueError(f"request {request_id!r} would exceed the context limit {self.max_model_len}")
         req.output_ids.extend(token_ids)
         self._deliver(req.owner, Append(request_id, list(token_ids)))
-
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request on every model and free its KV; returns its final output if it was live."""
-        with self._lock:
-            req = self.requests.get(request_id)
-            if req is None or req.finished:
-                return None
-            req.finish_reason = "abort"
-            req.result_taken = True  # the caller gets the final output from this call
-            for model in list(req.holders):
-                self._deliver(model, Release(request_id, "abort"))
-            self._maybe_finalize(req)
-        self._pump()
-        return req.output(self.tokenizer, final=True)
 
     # -- events (the coordinator) ---------------------------------------------------------------------
 
@@ -215,59 +131,21 @@ class Engine:
             sub.handle(msg)
             self._pump()
 
+    def _thresholds_changed(self) -> None:
+        for m, b in self.thresholds.items():
+            self.subservers[m].threshold = b
+
+    def _collect(self, out: RequestOutput) -> None:
+        if not self.running_in_background:
+            self._outputs.append(out)
+
+    def _after_abort(self) -> None:
+        self._pump()
+
     def _pump(self) -> None:
         """Stepped mode: handle events until none are left (handling one may deliver more)."""
         while self._events and not self.running_in_background:
             self._on_event(self._events.pop(0))
-
-    def _on_event(self, ev: Event) -> None:
-        with self._lock:
-            req = self.requests.get(ev.request_id if not isinstance(ev, Handoff) else ev.arrive.request_id)
-            if req is None:
-                return
-            if isinstance(ev, Commit):
-                req.on_commit(ev)
-                if ev.finish_reason is not None:
-                    for model in req.holders - {ev.model}:
-                        self._deliver(model, Release(req.request_id))
-                self._notify(req)
-            elif isinstance(ev, Handoff):
-                if req.finished:
-                    return  # cancelled in flight: the source was already told to release
-                req.handoffs += 1
-                req.owner = ev.target
-                req.holders.add(ev.target)
-                self._deliver(ev.target, ev.arrive)
-            elif isinstance(ev, Released):
-                req.holders.discard(ev.model)
-                req.forwarded[ev.model] = ev.num_forwarded_tokens
-                req.cached[ev.model] = ev.num_cached_tokens
-            elif isinstance(ev, Failed):
-                if not req.finished:
-                    req.finish_reason, req.error = "error", ev.error
-                    for model in req.holders - {ev.model}:
-                        self._deliver(model, Release(req.request_id, "error"))
-            self._maybe_finalize(req)
-
-    def _maybe_finalize(self, req: RequestState) -> None:
-        """A request ends (one final output) once it finished and every model freed its KV."""
-        if req.finished and not req.holders and not req.finalized:
-            req.finalized = True
-            del self.requests[req.request_id]
-            self._update_thresholds()
-            self._notify(req)
-
-    def _notify(self, req: RequestState) -> None:
-        out = req.output(self.tokenizer, final=req.finalized)
-        if out.finished or out.delta_token_ids:
-            if req.listener is not None:
-                try:
-                    req.listener(out)
-                except Exception:  # a consumer that went away must not stop the others
-                    log.exception("request %s: output listener failed; detaching it", req.request_id)
-                    req.listener = None
-            if not self.running_in_background and not req.result_taken:
-                self._outputs.append(out)
 
     # -- delayed batching ------------------------------------------------------------------------------
 
@@ -301,17 +179,6 @@ class Engine:
                     self.retune()
                 except Exception:  # tuning is an optimization: never let it take serving down
                     log.exception("threshold tuning failed")
-
-    def _update_thresholds(self) -> None:
-        """Keep sum(B_i - 1) < N for the N requests in the system, so they can never all wait in queues."""
-        tuned = self._tuned or {}
-        want = {m: tuned.get(m, self.config.batching.threshold_of(m)) for m in self.model_names}
-        n = max(1, len(self.requests))
-        while sum(b - 1 for b in want.values()) >= n:
-            biggest = max(want, key=lambda m: want[m])
-            want[biggest] -= 1
-        for m, b in want.items():
-            self.subservers[m].threshold = b
 
     # -- stepped mode ---------------------------------------------------------------------------------
 

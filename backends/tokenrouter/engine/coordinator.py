@@ -1,0 +1,206 @@
+"""The coordinator: per-request bookkeeping across models, independent of where the models run.
+
+It admits requests to the entry model, forwards each handoff to its target, collects committed tokens
+for streaming, and finalizes a request (exactly one final output) once it finished and every model that
+held it freed its KV. It never touches a tensor. Subclasses say how a message reaches a model
+(`_deliver`): the in-process Engine calls its subservers; the Triton router makes BLS calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+from transformers import PreTrainedTokenizerBase
+
+from tokenrouter.config import EngineConfig
+from tokenrouter.engine.outputs import RequestOutput, RequestState
+from tokenrouter.routing.policy import Policy
+from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.transport.messages import Append, Arrive, Commit, Event, Failed, Handoff, Release, Released
+
+Prompt = str | list[int]
+
+log = logging.getLogger(__name__)
+
+
+class Coordinator(ABC):
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: PreTrainedTokenizerBase | None,
+        vocab_size: int,
+        max_model_len: int,
+        entry_policy: Policy,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.model_names = list(config.models)
+        self.entry_policy = entry_policy
+        self.requests: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+        self._lock = threading.RLock()
+        self._tuned: dict[str, int] | None = None
+        self.thresholds: dict[str, int] = {}
+
+    @abstractmethod
+    def _deliver(self, model: str, msg: Arrive | Append | Release) -> None:
+        """Send a message to a model (its events come back through `_on_event`)."""
+
+    def _thresholds_changed(self) -> None:
+        """Hook: the effective thresholds changed (push them to the models if they do not pull them)."""
+
+    def _collect(self, out: RequestOutput) -> None:
+        """Hook: an output for a request without a listener."""
+
+    # -- input ----------------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt, validated against the vocabulary and the context limit."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass the prompt as a list of token ids")
+            ids = self.tokenizer(prompt)["input_ids"]
+        elif isinstance(prompt, list | tuple):
+            ids = list(prompt)
+            if not ids:
+                raise ValueError("prompt is empty")
+            self._check_token_ids(ids, "prompt")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, but the context limit is {self.max_model_len} "
+                "(prompt plus at least one generated token)"
+            )
+        return ids
+
+    def _check_token_ids(self, ids: list[int], what: str) -> None:
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"{what} token at position {i} is not an integer: {t!r}")
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(
+                    f"{what} token id {t} at position {i} is out of the vocabulary (size {self.vocab_size})"
+                )
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        listener: Callable[[RequestOutput], None] | None = None,
+    ) -> str:
+        """Validate and queue one request; raises ValueError (and queues nothing) on bad input.
+
+        `listener`, if given, is called (from the engine's thread) with every output delta."""
+        self._check_open()
+        params = params or SamplingParams()
+        params.validate()
+        self._check_token_ids(params.stop_token_ids, "stop_token_ids")
+        ids = self.tokenize(prompt)
+        with self._lock:
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if rid in self.requests:
+                raise ValueError(f"request id {rid!r} is already in use")
+            state = self.entry_policy.initial_state(ids)
+            req = RequestState(rid, ids, params, self.config.entry, listener, self.model_names)
+            req.holders.add(self.config.entry)
+            self.requests[rid] = req
+            self._update_thresholds()
+        arrive = Arrive(rid, list(ids), True, len(ids), params, state, None, {})
+        self._deliver(self.config.entry, arrive)
+        return rid
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request on every model and free its KV; returns its final output if it was live."""
+        with self._lock:
+            req = self.requests.get(request_id)
+            if req is None or req.finished:
+                return None
+            req.finish_reason = "abort"
+            req.result_taken = True  # the caller gets the final output from this call
+            for model in list(req.holders):
+                self._deliver(model, Release(request_id, "abort"))
+            self._maybe_finalize(req)
+        self._after_abort()
+        return req.output(self.tokenizer, final=True)
+
+    def _after_abort(self) -> None:
+        """Hook: run what the abort set in motion (stepped mode handles the releases right away)."""
+
+    def _check_open(self) -> None:
+        """Hook: refuse work after shutdown."""
+
+    # -- events ---------------------------------------------------------------------------------------
+
+    def _on_event(self, ev: Event) -> None:
+        with self._lock:
+            req = self.requests.get(ev.request_id if not isinstance(ev, Handoff) else ev.arrive.request_id)
+            if req is None:
+                return
+            if isinstance(ev, Commit):
+                req.on_commit(ev)
+                if ev.finish_reason is not None:
+                    for model in req.holders - {ev.model}:
+                        self._deliver(model, Release(req.request_id))
+                self._notify(req)
+            elif isinstance(ev, Handoff):
+                if req.finished:
+                    return  # cancelled in flight: the source was already told to release
+                req.handoffs += 1
+                req.owner = ev.target
+                req.holders.add(ev.target)
+                self._deliver(ev.target, ev.arrive)
+            elif isinstance(ev, Released):
+                req.holders.discard(ev.model)
+                req.forwarded[ev.model] = ev.num_forwarded_tokens
+                req.cached[ev.model] = ev.num_cached_tokens
+            elif isinstance(ev, Failed):
+                if not req.finished:
+                    req.finish_reason, req.error = "error", ev.error
+                    for model in req.holders - {ev.model}:
+                        self._deliver(model, Release(req.request_id, "error"))
+            self._maybe_finalize(req)
+
+    def _maybe_finalize(self, req: RequestState) -> None:
+        """A request ends (one final output) once it finished and every model freed its KV."""
+        if req.finished and not req.holders and not req.finalized:
+            req.finalized = True
+            del self.requests[req.request_id]
+            self._update_thresholds()
+            self._notify(req)
+
+    def _notify(self, req: RequestState) -> None:
+        out = req.output(self.tokenizer, final=req.finalized)
+        if out.finished or out.delta_token_ids:
+            if req.listener is not None:
+                try:
+                    req.listener(out)
+                except Exception:  # a consumer that went away must not stop the others
+                    log.exception("request %s: output listener failed; detaching it", req.request_id)
+                    req.listener = None
+            elif not req.result_taken:
+                self._collect(out)
+
+    # -- delayed batching ------------------------------------------------------------------------------
+
+    def _update_thresholds(self) -> None:
+        """Keep sum(B_i - 1) < N for the N requests in the system, so they can never all wait in queues."""
+        tuned = self._tuned or {}
+        want = {m: tuned.get(m, self.config.batching.threshold_of(m)) for m in self.model_names}
+        n = max(1, len(self.requests))
+        while sum(b - 1 for b in want.values()) >= n:
+            biggest = max(want, key=lambda m: want[m])
+            want[biggest] -= 1
+        if want != self.thresholds:
+            self.thresholds = want
+            self._thresholds_changed()
+
