@@ -62,6 +62,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from tokenrouter.serving.server import serve_main
+
+    return serve_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenrouter", description="Token-level LLM routing engine.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -72,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--force", action="store_true", help="rebuild even if a complete set exists")
     t.set_defaults(func=_make_tiny)
+
+    s = sub.add_parser("serve", help="install Triton if needed and serve a deployment (HTTP/gRPC/metrics)")
+    from tokenrouter.serving.server import add_arguments
+
+    add_arguments(s)
+    s.set_defaults(func=_serve)
 
     g = sub.add_parser("generate", help="run prompts through the in-process engine (no server)")
     g.add_argument("--config", required=True, help="deployment YAML")

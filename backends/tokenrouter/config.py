@@ -136,6 +136,14 @@ class EngineConfig:
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
             raise ConfigError(f"tokenizer directory {self.tokenizer!r} does not exist")
 
+    def policy_spec(self) -> tuple[str, dict[str, Any]]:
+        """(policy name, its arguments); `always` without a model keeps everything on the entry model."""
+        args = dict(self.policy)
+        name = args.pop("name")
+        if name == "always" and "model" not in args:
+            args["model"] = self.entry
+        return name, args
+
     @property
     def entry_model(self) -> ModelConfig:
         return self.models[self.entry]

@@ -161,8 +161,9 @@ class Coordinator(ABC):
                 self._deliver(ev.target, ev.arrive)
             elif isinstance(ev, Released):
                 req.holders.discard(ev.model)
-                req.forwarded[ev.model] = ev.num_forwarded_tokens
-                req.cached[ev.model] = ev.num_cached_tokens
+                if ev.held:
+                    req.forwarded[ev.model] = ev.num_forwarded_tokens
+                    req.cached[ev.model] = ev.num_cached_tokens
             elif isinstance(ev, Failed):
                 if not req.finished:
                     req.finish_reason, req.error = "error", ev.error

@@ -41,10 +41,7 @@ class Engine(Coordinator):
     def __init__(self, config: EngineConfig) -> None:
         tokenizer = load_tokenizer(config.tokenizer_path)
         names = list(config.models)
-        pol = dict(config.policy)
-        pol_name = pol.pop("name")
-        if pol_name == "always" and "model" not in pol:
-            pol["model"] = config.entry
+        pol_name, pol = config.policy_spec()
         self._events: list[Event] = []
         self._event_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []

@@ -48,6 +48,7 @@ class Sequence:
     seen: dict[str, int] = field(default_factory=dict)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    ready_since: float | None = None  # when it last became ready to be scheduled here (queue-wait metric)
 
     @property
     def num_tokens(self) -> int:

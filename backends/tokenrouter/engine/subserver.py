@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 import torch
@@ -59,8 +60,12 @@ class Subserver:
         self.arrivals_possible: Callable[[], bool] = lambda: True
         self._ready_since: float | None = None
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Requests released before they arrived here (bounded memory of ids).
+        self._tombstones: OrderedDict[str, None] = OrderedDict()
         self._wake = threading.Event()
         self.stats = StepStats()
+        # Seconds each scheduled request waited since it became ready (read by the metrics thread).
+        self._queue_waits: deque[float] = deque(maxlen=65536)
         self.num_steps = 0
         self.busy_s = 0.0
         self.last_batch_size = 0
@@ -91,6 +96,16 @@ class Subserver:
             self._release(msg.request_id)
 
     def _arrive(self, msg: Arrive) -> None:
+        if msg.threshold is not None:
+            self.threshold = msg.threshold
+        if msg.request_id in self._tombstones:
+            # Released before it arrived (a cancel overtook the handoff): never take it on.
+            self.emit(Released(msg.request_id, self.name, 0, 0, held=False))
+            return
+        if msg.first_visit and len(msg.tokens) >= self.runner.max_model_len:
+            self.emit(Failed(msg.request_id, self.name, self._too_long(len(msg.tokens))))
+            self.emit(Released(msg.request_id, self.name, 0, 0, held=False))
+            return
         seq = self.seqs.get(msg.request_id)
         if msg.first_visit:
             if seq is not None:
@@ -113,14 +128,26 @@ class Subserver:
                 lease.return_to = lease.return_to or msg.source
                 lease.produced, lease.start = 0, len(seq.token_ids)
             seq.lease = lease
+        seq.ready_since = time.monotonic()
         if msg.first_visit:
             self.scheduler.add(seq)
         else:
             self.scheduler.resume(seq)
 
+    def _too_long(self, n: int) -> str:
+        return (
+            f"request has {n} tokens, but model {self.name!r} can hold at most {self.runner.max_model_len - 1} "
+            "(its context limit or KV pool)"
+        )
+
     def _release(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
         if seq is None:
+            self._tombstones[request_id] = None
+            while len(self._tombstones) > 65536:
+                self._tombstones.popitem(last=False)
+            # Always answer: a transport may be waiting for this release to complete.
+            self.emit(Released(request_id, self.name, 0, 0, held=False))
             return
         self.scheduler.finish(seq)
         self.emit(Released(request_id, self.name, seq.num_forwarded_tokens, seq.num_cached_tokens))
@@ -146,6 +173,11 @@ class Subserver:
             return 0
         self._ready_since = None
         t0 = time.perf_counter()
+        now = time.monotonic()
+        for c in chunks:
+            if c.seq.ready_since is not None:
+                self._queue_waits.append(now - c.seq.ready_since)
+                c.seq.ready_since = None
         out = self.runner.forward(chunks)
         sampling = [c.seq for c in chunks if c.samples]
         tokens_dev = sample(out.logits, [s.params for s in sampling], [s.generator for s in sampling])
@@ -198,6 +230,7 @@ class Subserver:
         else:
             commit = target == self.name or self.policy.send(view, target, tok)
         self.stats.record_route(None if target == self.name else target, commit)
+        seq.ready_since = time.monotonic()
         if commit:
             seq.token_ids.append(tok)
             reason, stop_at = self.stop.check(seq, tok)
@@ -255,6 +288,12 @@ class Subserver:
         if not self.seqs and self.block_manager.num_free_blocks != self.block_manager.num_blocks:
             held = self.block_manager.num_blocks - self.block_manager.num_free_blocks
             raise AssertionError(f"idle subserver {self.name} holds {held} KV blocks")
+
+    def drain_queue_waits(self) -> list[float]:
+        out = []
+        while self._queue_waits:
+            out.append(self._queue_waits.popleft())
+        return out
 
     def kv_usage(self) -> float:
         bm = self.block_manager

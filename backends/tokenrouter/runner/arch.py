@@ -109,3 +109,9 @@ def _eos_ids(path: str, cfg: dict[str, Any]) -> tuple[int, ...]:
         with open(gen) as f:
             ids = tuple(dict.fromkeys(ids + _as_tuple(json.load(f).get("eos_token_id"))))
     return ids
+
+
+def declared_context_limit(config: Any) -> int:
+    """The smallest context limit among a deployment's models, from its config alone (no weights loaded;
+    a model's KV pool may lower its own limit further, which that model enforces)."""
+    return min(m.max_model_len or ArchConfig.from_dir(m.path).max_position_embeddings for m in config.models.values())

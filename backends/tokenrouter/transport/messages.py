@@ -25,6 +25,9 @@ class Arrive:
     source: str | None = None  # None: a new request from the client
     # Tokens each model has seen, so the next handoff can cut its suffix.
     seen: dict[str, int] = field(default_factory=dict)
+    # The target's current delayed-batching threshold, for transports where the coordinator cannot set it
+    # directly (piggybacked: no extra message per change).
+    threshold: int | None = None
 
 
 @dataclass
@@ -74,6 +77,7 @@ class Released:
     model: str
     num_forwarded_tokens: int
     num_cached_tokens: int
+    held: bool = True  # False: the model had nothing for this request (already released, or never came)
 
 
 @dataclass

@@ -1,0 +1,107 @@
+"""Prometheus metrics through `pb_utils.MetricFamily` (Triton serves them on :8002), updated off the
+decode loop: the subserver's counters are read by a metrics thread; events are counted as they leave."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from tokenrouter.transport.messages import Commit, Event, Handoff
+
+
+class _Families:
+    """MetricFamily objects must outlive their metrics (Triton refuses updates otherwise): keep them."""
+
+    def __init__(self, pb_utils: Any) -> None:
+        self.mf = pb_utils.MetricFamily
+        self.alive: list[Any] = []
+
+    def __call__(self, name: str, description: str, kind: Any) -> Any:
+        family = self.mf(name, description, kind)
+        self.alive.append(family)
+        return family
+
+
+_LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+
+
+class SubserverMetrics:
+    def __init__(self, pb_utils: Any, model: str, sub: Any) -> None:
+        mf = self._families = _Families(pb_utils)
+        labels = {"model": model}
+        self.sub = sub
+        self.tokens = mf("tokenrouter_tokens_total", "Tokens committed by this model", mf.mf.COUNTER).Metric(labels)
+        self._handoffs_family = mf("tokenrouter_handoffs_total", "Requests handed to another model", mf.mf.COUNTER)
+        self._handoffs: dict[str, Any] = {}
+        self.model = model
+        self.steps = mf("tokenrouter_steps_total", "Forward passes", mf.mf.COUNTER).Metric(labels)
+        self.batch = mf("tokenrouter_batch_size", "Sequences in the last forward pass", mf.mf.GAUGE).Metric(labels)
+        self.wait = mf(
+            "tokenrouter_queue_wait_seconds", "Time a ready request waited for its step", mf.mf.HISTOGRAM
+        ).Metric(labels, buckets=_LATENCY_BUCKETS)
+        self.kv_usage = mf("tokenrouter_kv_cache_usage", "Fraction of KV blocks in use", mf.mf.GAUGE).Metric(labels)
+        self.kv_used = mf("tokenrouter_kv_blocks_used", "KV blocks in use", mf.mf.GAUGE).Metric(labels)
+        self.kv_total = mf("tokenrouter_kv_blocks_total", "KV blocks in the pool", mf.mf.GAUGE).Metric(labels)
+        self.active = mf("tokenrouter_requests_held", "Requests with state on this model", mf.mf.GAUGE).Metric(labels)
+        self.threshold = mf("tokenrouter_batching_threshold", "Batching threshold B", mf.mf.GAUGE).Metric(labels)
+        self.kv_total.set(sub.block_manager.num_blocks)
+
+    def observe(self, ev: Event) -> None:
+        """Called by the response thread for every event that leaves the subserver."""
+        if isinstance(ev, Commit):
+            self.tokens.increment(len(ev.token_ids))
+        elif isinstance(ev, Handoff):
+            metric = self._handoffs.get(ev.target)
+            if metric is None:
+                metric = self._handoffs_family.Metric({"from": self.model, "to": ev.target})
+                self._handoffs[ev.target] = metric
+            metric.increment(1)
+
+    def update_forever(self, stop: threading.Event, period: float = 0.25) -> None:
+        steps = 0
+        while not stop.wait(period):
+            sub = self.sub
+            bm = sub.block_manager
+            used = bm.num_blocks - bm.num_free_blocks
+            self.kv_used.set(used)
+            self.kv_usage.set(used / bm.num_blocks)
+            self.active.set(len(sub.seqs))
+            self.batch.set(sub.last_batch_size)
+            self.threshold.set(sub.threshold)
+            if sub.num_steps > steps:
+                self.steps.increment(sub.num_steps - steps)
+                steps = sub.num_steps
+            for waited in sub.drain_queue_waits():
+                self.wait.observe(waited)
+
+
+class RouterMetrics:
+    def __init__(self, pb_utils: Any, model: str) -> None:
+        mf = self._families = _Families(pb_utils)
+        labels = {"model": model}
+        self.ttft = mf(
+            "tokenrouter_time_to_first_token_seconds", "Time to first token", mf.mf.HISTOGRAM
+        ).Metric(labels, buckets=_LATENCY_BUCKETS)
+        self.itl = mf(
+            "tokenrouter_inter_token_latency_seconds", "Time between tokens", mf.mf.HISTOGRAM
+        ).Metric(labels, buckets=_LATENCY_BUCKETS)
+        self._finished_family = mf("tokenrouter_requests_finished_total", "Finished requests", mf.mf.COUNTER)
+        self._finished: dict[str, Any] = {}
+        self._labels = labels
+        self._lock = threading.Lock()
+        self._t0 = time.monotonic()
+
+    def time_to_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def inter_token_latency(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def finished(self, reason: str) -> None:
+        with self._lock:
+            metric = self._finished.get(reason)
+            if metric is None:
+                metric = self._finished_family.Metric({**self._labels, "finish_reason": reason})
+                self._finished[reason] = metric
+        metric.increment(1)

@@ -1,0 +1,61 @@
+"""A Triton model repository for a deployment: the `tokenrouter` router plus one subserver per model.
+
+Each model is two small files: config.pbtxt (backend and instance placement; `auto_complete_config`
+declares the tensors) and 1/model.json (the deployment YAML, relative to it, and the role).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tokenrouter.config import load_config
+
+ROUTER = "tokenrouter"
+
+
+def _pbtxt(kind: str, gpu: int | None) -> str:
+    if kind == "KIND_GPU":
+        group = f"instance_group [{{ kind: KIND_GPU, count: 1, gpus: [{gpu}] }}]"
+    else:
+        group = "instance_group [{ kind: KIND_CPU, count: 1 }]"
+    return f'backend: "tokenrouter"\n{group}\n'
+
+
+def _write(folder: Path, pbtxt: str, settings: dict) -> None:
+    (folder / "1").mkdir(parents=True, exist_ok=True)
+    (folder / "config.pbtxt").write_text(pbtxt)
+    (folder / "1" / "model.json").write_text(json.dumps(settings, indent=2) + "\n")
+
+
+def write_repository(config_path: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Write (or refresh) the repository for the deployment YAML at `config_path` under `out`."""
+    config_path = Path(config_path).resolve()
+    cfg = load_config(config_path)
+    if ROUTER in cfg.models:
+        raise ValueError(f"a model may not be named {ROUTER!r}: that is the router's name")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def rel(folder: Path) -> str:
+        return os.path.relpath(config_path, (folder / "1").resolve())
+
+    router = out / ROUTER
+    (router / "1").mkdir(parents=True, exist_ok=True)
+    _write(router, _pbtxt("KIND_CPU", None), {"role": "router", "config": rel(router)})
+    for name, m in cfg.models.items():
+        folder = out / name
+        (folder / "1").mkdir(parents=True, exist_ok=True)
+        gpu = int(m.device.split(":")[1]) if m.device.startswith("cuda:") else (0 if m.device == "cuda" else None)
+        kind = "KIND_GPU" if gpu is not None else "KIND_CPU"
+        _write(folder, _pbtxt(kind, gpu), {"role": "subserver", "config": rel(folder), "model": name})
+    # Models of an earlier deployment in the same folder would be loaded too: remove ours that are stale.
+    for stale in out.iterdir():
+        if stale.is_dir() and stale.name not in cfg.models and stale.name != ROUTER:
+            settings = stale / "1" / "model.json"
+            if settings.is_file() and json.loads(settings.read_text()).get("role") == "subserver":
+                for f in sorted(stale.rglob("*"), reverse=True):
+                    f.unlink() if f.is_file() else f.rmdir()
+                stale.rmdir()
+    return out

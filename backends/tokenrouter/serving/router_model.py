@@ -1,0 +1,210 @@
+"""Role `router` (the `tokenrouter` model, the entry point): a decoupled BLS orchestrator.
+
+It tokenizes, admits each request to the entry subserver and forwards every handoff's token suffix and
+routing state to its target with `async_exec(decoupled=True)`; one BLS stream per visit brings back that
+model's events (commits, then a handoff or the end). Routing decisions stay inside the subservers: only
+handoffs cross models. Everything runs on one asyncio loop thread; `execute` only enqueues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from tokenrouter.config import EngineConfig, load_config
+from tokenrouter.engine.coordinator import Coordinator
+from tokenrouter.engine.outputs import RequestOutput
+from tokenrouter.engine.tokenizer import load_tokenizer
+from tokenrouter.routing.policy import make_policy
+from tokenrouter.runner.arch import ArchConfig, declared_context_limit
+from tokenrouter.serving.metrics import RouterMetrics
+from tokenrouter.serving.tensors import GenerateRequest, parse_request
+from tokenrouter.transport import codec
+from tokenrouter.transport.messages import Append, Arrive, Failed, Release, Released
+
+log = logging.getLogger(__name__)
+
+
+class BLSCoordinator(Coordinator):
+    """The coordinator with Triton BLS as its transport: each message is one decoupled BLS call."""
+
+    def __init__(self, config: EngineConfig, pb_utils: Any, loop: asyncio.AbstractEventLoop) -> None:
+        tokenizer = load_tokenizer(config.tokenizer_path)
+        archs = {n: ArchConfig.from_dir(m.path) for n, m in config.models.items()}
+        vocab = {n: a.vocab_size for n, a in archs.items()}
+        if len(set(vocab.values())) > 1:
+            raise ValueError(f"routed models must share one vocabulary; vocab sizes: {vocab}")
+        name, pol = config.policy_spec()
+        entry_policy = make_policy(name, list(config.models), config.entry, pol)
+        super().__init__(config, tokenizer, vocab[config.entry], declared_context_limit(config), entry_policy)
+        self.pb = pb_utils
+        self.loop = loop
+        self._update_thresholds()
+
+    def _deliver(self, model: str, msg: Arrive | Append | Release) -> None:
+        if isinstance(msg, Arrive):
+            msg.threshold = self.thresholds.get(model)
+        self.loop.create_task(self._call(model, msg))
+
+    async def _call(self, model: str, msg: Arrive | Append | Release) -> None:
+        pb = self.pb
+        request = pb.InferenceRequest(
+            model_name=model,
+            inputs=[pb.Tensor("text_input", np.array([codec.encode([msg]).encode()], dtype=np.object_))],
+            requested_output_names=["text_output"],
+        )
+        try:
+            responses = await request.async_exec(decoupled=True)
+            async for response in _aiter(responses):
+                if response.has_error():
+                    raise RuntimeError(response.error().message())
+                tensor = pb.get_output_tensor_by_name(response, "text_output")
+                if tensor is None:
+                    continue
+                for item in tensor.as_numpy().reshape(-1):
+                    for ev in codec.decode(item):
+                        self._on_event(ev)
+        except Exception as e:  # the model is unreachable or failed: end the request cleanly
+            log.exception("BLS call to %s failed", model)
+            self._on_event(Failed(msg.request_id, model, f"model {model!r} failed: {e}"))
+            self._on_event(Released(msg.request_id, model, 0, 0, held=False))
+
+
+async def _aiter(responses: Any):
+    if hasattr(responses, "__aiter__"):
+        async for r in responses:
+            yield r
+    else:
+        for r in responses:
+            yield r
+
+
+class _Client:
+    """One client request: where its responses go and what it asked for."""
+
+    def __init__(self, sender: Any, request: Any, gen: GenerateRequest) -> None:
+        self.sender, self.request, self.gen = sender, request, gen
+        self.request_id: str | None = None
+        self.start = time.monotonic()
+        self.last_token: float | None = None
+        self.done = False
+
+
+class RouterModel:
+    def __init__(self, args: dict[str, Any], settings: dict[str, Any], pb_utils: Any) -> None:
+        self.pb = pb_utils
+        self.config = load_config(settings["config"])
+        self.loop = asyncio.new_event_loop()
+        self.coordinator = BLSCoordinator(self.config, pb_utils, self.loop)
+        self.metrics = RouterMetrics(pb_utils, args["model_name"])
+        self.clients: dict[str, _Client] = {}
+        self._thread = threading.Thread(target=self._run_loop, name="tr-router-loop", daemon=True)
+        self._thread.start()
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.create_task(self._watch_cancellations())
+        self.loop.run_forever()
+
+    # -- Triton entry points ------------------------------------------------------------------------------
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                gen = parse_request(lambda name, r=request: self._input(r, name))
+            except ValueError as e:
+                self._send_error(sender, str(e))
+                continue
+            self.loop.call_soon_threadsafe(self._admit, _Client(sender, request, gen))
+        return None
+
+    def _input(self, request: Any, name: str) -> np.ndarray | None:
+        t = self.pb.get_input_tensor_by_name(request, name)
+        return None if t is None else t.as_numpy()
+
+    def finalize(self) -> None:
+        def stop() -> None:
+            for rid in list(self.clients):
+                self.coordinator.abort(rid)
+            self.loop.stop()
+
+        self.loop.call_soon_threadsafe(stop)
+        self._thread.join(timeout=10)
+
+    # -- on the loop thread ---------------------------------------------------------------------------------
+
+    def _admit(self, client: _Client) -> None:
+        rid = f"tr-{uuid.uuid4().hex[:16]}"
+        client.request_id = rid
+        self.clients[rid] = client
+        try:
+            self.coordinator.add_request(client.gen.prompt, client.gen.params, rid, lambda o: self._respond(client, o))
+        except ValueError as e:
+            del self.clients[rid]
+            self._send_error(client.sender, str(e))
+
+    def _respond(self, client: _Client, out: RequestOutput) -> None:
+        if client.done:
+            return
+        now = time.monotonic()
+        if out.delta_token_ids:
+            if client.last_token is None:
+                self.metrics.time_to_first_token(now - client.start)
+            else:
+                self.metrics.inter_token_latency((now - client.last_token) / len(out.delta_token_ids))
+            client.last_token = now
+        if out.finished:
+            client.done = True
+            self.clients.pop(out.request_id, None)
+            self.metrics.finished(out.finish_reason or "unknown")
+            if out.finish_reason == "error":
+                self._send_error(client.sender, out.error or "request failed")
+                return
+        gen = client.gen
+        if gen.stream:
+            if not out.delta_text and not out.finished:
+                return
+            text = out.delta_text
+        elif not out.finished:
+            return
+        else:
+            text = out.text if gen.exclude_input_in_output else gen.prompt + out.text
+        tensors = [self.pb.Tensor("text_output", np.array([text.encode()], dtype=np.object_))]
+        if out.finished:
+            if gen.return_finish_reason:
+                reason = (out.finish_reason or "").encode()
+                tensors.append(self.pb.Tensor("finish_reason", np.array([reason], dtype=np.object_)))
+            if gen.return_num_output_tokens:
+                tensors.append(self.pb.Tensor("num_output_tokens", np.array([len(out.token_ids)], dtype=np.uint32)))
+            if gen.return_routing_stats:
+                stats = {k: out.stats[k] for k in ("tokens_per_model", "handoffs", "large_token_share")}
+                stats_bytes = json.dumps(stats).encode()
+                tensors.append(self.pb.Tensor("routing_stats", np.array([stats_bytes], dtype=np.object_)))
+        flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
+        try:
+            client.sender.send(self.pb.InferenceResponse(output_tensors=tensors), flags=flags)
+        except Exception:  # the client went away; the cancellation watcher aborts the request
+            log.debug("could not send to client of %s", out.request_id)
+
+    async def _watch_cancellations(self) -> None:
+        """Client cancelled the stream (or disconnected): abort on every model, which frees its KV."""
+        while True:
+            await asyncio.sleep(0.02)
+            for rid, client in list(self.clients.items()):
+                if not client.done and client.sender.is_cancelled():
+                    self.coordinator.abort(rid)
+
+    def _send_error(self, sender: Any, message: str) -> None:
+        response = self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message))
+        try:
+            sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:
+            log.debug("could not send an error response: %s", message)

@@ -1,0 +1,164 @@
+"""`tokenrouter serve`: install Triton if needed, write the model repository, start tritonserver.
+
+Also the `TritonServer` process wrapper the end-to-end tests and benchmarks use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from tokenrouter.config import load_config
+from tokenrouter.serving import triton_install
+from tokenrouter.serving.repository import write_repository
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+DEFAULT_CONFIG = REPO_ROOT / "config" / "r2r" / "tiny-small_tiny-large.yaml"
+
+
+def ensure_models(config_path: Path) -> None:
+    """Build the tiny local models a config points at if they are missing (nothing else is fetched)."""
+    from tokenrouter.tools.make_tiny import make_tiny
+
+    cfg_text = config_path.read_text()
+    tiny = REPO_ROOT / "models" / "tiny"
+    if "models/tiny/" in cfg_text and not (tiny / "MANIFEST.json").exists():
+        make_tiny(tiny)
+
+
+def _gpu_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+class TritonServer:
+    """A tritonserver process on a model repository; `with TritonServer(...) as s:` waits until ready."""
+
+    def __init__(
+        self,
+        model_repository: Path,
+        http_port: int = 8000,
+        grpc_port: int = 8001,
+        metrics_port: int = 8002,
+        log_file: Path | None = None,
+        verbose: int = 0,
+    ) -> None:
+        self.repo = Path(model_repository)
+        self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
+        self.log_file = log_file
+        self.verbose = verbose
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        backends = triton_install.prepare_backends()
+        cmd = [
+            str(triton_install.triton_root() / "bin" / "tritonserver"),
+            f"--model-repository={self.repo}",
+            f"--backend-directory={backends}",
+            f"--http-port={self.http_port}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-port={self.metrics_port}",
+            f"--log-verbose={self.verbose}",
+            "--exit-on-error=true",
+        ]
+        if not _gpu_available():
+            cmd += ["--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0", "--allow-gpu-metrics=false"]
+        return cmd
+
+    def start(self) -> None:
+        out = open(self.log_file, "ab") if self.log_file else None  # noqa: SIM115 (kept open for the child)
+        self.proc = subprocess.Popen(
+            self.command(), env=triton_install.server_env(), stdout=out, stderr=subprocess.STDOUT if out else None
+        )
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.proc.returncode}; see {self.log_file}")
+            if self.ready():
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s; see {self.log_file}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> TritonServer:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="deployment YAML (default: tiny r2r pair)")
+    p.add_argument("--model-repository", default=str(REPO_ROOT / ".cache" / "model_repository"))
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--log-verbose", type=int, default=0)
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    config_path = Path(args.config).resolve()
+    load_config(config_path)  # fail fast, with the config's own error message
+    triton_install.ensure_installed()
+    ensure_models(config_path)
+    repo = write_repository(config_path, args.model_repository)
+    server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port, verbose=args.log_verbose)
+    print(f"starting tritonserver on {repo} (HTTP :{args.http_port}, gRPC :{args.grpc_port}, "
+          f"metrics :{args.metrics_port})", flush=True)
+    server.start()
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        server.wait_ready()
+        print("ready: try `python clients/grpc_stream.py --prompt 'def main():'`", flush=True)
+        while not stop and server.proc.poll() is None:
+            time.sleep(0.5)
+    finally:
+        server.stop()
+    return 0 if stop else (server.proc.returncode or 0)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="tokenrouter-serve")
+    add_arguments(parser)
+    sys.exit(serve_main(parser.parse_args()))
+
