@@ -13,7 +13,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   python -m pip install -q --upgrade pip
   # The CPU build of torch first (an unpinned torch would pull a multi-GB CUDA build).
   python -m pip install -q torch==2.13.0
-  python -m pip install -q -e '.[test]'
+  python -m pip install -q -e '.[test,serve]'
   touch "$stamp"
 fi
 tokenrouter make-tiny --out models/tiny

@@ -174,7 +174,19 @@ def register(cls: type[Policy]) -> type[Policy]:
 
 
 def make_policy(name: str, models: list[str], model: str, args: dict[str, Any] | None = None) -> Policy:
+    """The policy registered as `name`; `args["module"]` (a dotted path) is imported first, so a policy
+    of your own registers itself without changes here."""
+    import importlib
+
     import tokenrouter.routing.policies  # noqa: F401  (registers the built-in policies)
+
+    args = dict(args or {})
+    module = args.pop("module", None)
+    if module is not None:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ValueError(f"policy module {module!r} could not be imported: {e}") from None
 
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; available: {sorted(POLICIES)}")
