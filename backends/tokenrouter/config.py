@@ -48,6 +48,9 @@ class ModelConfig:
     kv_cache_tokens: int | None = None
     kv_memory_fraction: float = 0.9
     enable_prefix_caching: bool = True
+    # Attention backend: torch (exact, any device), triton (GPU kernels), auto (triton on CUDA when
+    # the triton package is importable, else torch).
+    attention: Literal["auto", "torch", "triton"] = "auto"
     max_num_seqs: int = 256
     # Token budget of one forward pass; longer prompts are prefilled in chunks.
     max_num_batched_tokens: int = 2048
@@ -58,6 +61,8 @@ class ModelConfig:
             raise ConfigError(f"{where}.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"{where}.load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.attention not in ("auto", "torch", "triton"):
+            raise ConfigError(f"{where}.attention must be auto, torch or triton, got {self.attention!r}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise ConfigError(f"{where}.device must be 'cpu' or 'cuda:N', got {self.device!r}")
         if not os.path.isdir(self.path):

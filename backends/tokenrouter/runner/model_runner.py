@@ -20,6 +20,18 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _attention_for(choice: str, device: torch.device) -> str:
+    if choice != "auto":
+        return choice
+    if device.type != "cuda":
+        return "torch"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "triton"
+
+
 @dataclass
 class ForwardOutput:
     """Per sampling sequence (rows in batch order of the chunks that sample)."""
@@ -29,7 +41,7 @@ class ForwardOutput:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, default_kv_tokens: int, attention: str = "torch") -> None:
+    def __init__(self, cfg: ModelConfig, default_kv_tokens: int) -> None:
         self.cfg = cfg
         self.arch = ArchConfig.from_dir(cfg.path)
         self.device = torch.device(cfg.device)
@@ -41,7 +53,7 @@ class ModelRunner:
         self.model = self._load_model()
         # What this model's weights took, whatever else shares the device (other models, other processes).
         self.weight_bytes = (torch.cuda.memory_allocated(self.device) - before) if self.device.type == "cuda" else 0
-        self.attn_backend = get_backend(attention)
+        self.attn_backend = get_backend(_attention_for(cfg.attention, self.device))
         self.block_size = cfg.block_size
         self.num_blocks = self._num_kv_blocks(default_kv_tokens)
         self._allocate_kv_cache()
