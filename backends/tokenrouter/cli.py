@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(s)
     s.set_defaults(func=_serve)
 
+    o = sub.add_parser("openai", help="OpenAI-compatible HTTP frontend talking to a running server over gRPC")
+    from tokenrouter.serving.openai import build_arg_parser, run_from_args
+
+    build_arg_parser(o)
+    o.set_defaults(func=run_from_args)
+
     g = sub.add_parser("generate", help="run prompts through the in-process engine (no server)")
     g.add_argument("--config", required=True, help="deployment YAML")
     g.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")

@@ -19,18 +19,26 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tokenrouter.serving import openai_frontend as of
-from tokenrouter.serving.openai_frontend import (
+from tokenrouter.serving.openai import (
+    SSE_DONE,
     GenerationRequest,
     OpenAIError,
     StreamAssembler,
     TritonChunk,
+    TritonGrpcBackend,
+    TritonRequestError,
     assemble_response,
+    build_server,
+    chunk_from_infer_result,
     chunk_from_outputs,
     error_body,
+    load_frontend_tokenizer,
+    make_grpc_inputs,
+    models_list,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
+    peer_closed,
     prepare_prompt,
     sse_event,
     triton_error_status,
@@ -225,13 +233,13 @@ def test_prepare_prompt_counts_with_tokenizer() -> None:
 
 def test_real_chat_template(tiny_dir) -> None:
     """The tiny tokenizer's ChatML template, with the assistant turn opened."""
-    tok = of.load_frontend_tokenizer(str(tiny_dir / "tokenizer"))
+    tok = load_frontend_tokenizer(str(tiny_dir / "tokenizer"))
     chat = parse_chat_request({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]})
     prompt, n = prepare_prompt(chat, tok)
     assert prompt == "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\n"
     assert n == len(tok(prompt)["input_ids"]) > 0
     with pytest.raises(ValueError, match="no tokenizer files"):
-        of.load_frontend_tokenizer(str(tiny_dir))
+        load_frontend_tokenizer(str(tiny_dir))
 
 
 def test_triton_input_arrays() -> None:
@@ -252,7 +260,7 @@ def test_triton_input_arrays() -> None:
     assert bool(arrays["exclude_input_in_output"][0]) and bool(arrays["return_routing_stats"][0])
     assert not triton_input_arrays("p", {}, stream=False)["stream"][0]
 
-    inputs = {i.name(): i for i in of.make_grpc_inputs(arrays)}
+    inputs = {i.name(): i for i in make_grpc_inputs(arrays)}
     assert inputs["text_input"].datatype() == "BYTES" and inputs["text_input"].shape() == [1]
     assert inputs["stream"].datatype() == "BOOL"
 
@@ -288,9 +296,9 @@ def test_chunk_from_infer_result() -> None:
     from tritonclient.grpc import InferResult
 
     resp = _infer_response("r1", {"text_output": np.array([b"hi"], dtype=object)}, final=False)
-    assert of.chunk_from_infer_result(InferResult(resp.infer_response)) == TritonChunk(text="hi")
+    assert chunk_from_infer_result(InferResult(resp.infer_response)) == TritonChunk(text="hi")
     resp = _infer_response("r1", {"finish_reason": np.array([b"stop"], dtype=object)}, final=True)
-    assert of.chunk_from_infer_result(InferResult(resp.infer_response)) == TritonChunk(final=True, finish_reason="stop")
+    assert chunk_from_infer_result(InferResult(resp.infer_response)) == TritonChunk(final=True, finish_reason="stop")
 
 
 def _completion_req(**kw: Any) -> GenerationRequest:
@@ -381,12 +389,12 @@ def test_stream_finish_error() -> None:
 
 def test_sse_and_error_bodies() -> None:
     assert sse_event({"a": "x\ny", "b": "é"}) == 'data: {"a": "x\\ny", "b": "é"}\n\n'.encode()
-    assert of.SSE_DONE == b"data: [DONE]\n\n"
+    assert SSE_DONE == b"data: [DONE]\n\n"
     assert error_body("bad") == {
         "error": {"message": "bad", "type": "invalid_request_error", "param": None, "code": None}
     }
     assert OpenAIError("boom", 500).body()["error"]["type"] == "server_error"
-    assert of.models_list("m", 3) == {
+    assert models_list("m", 3) == {
         "object": "list",
         "data": [{"id": "m", "object": "model", "created": 3, "owned_by": "tokenrouter"}],
     }
@@ -418,15 +426,15 @@ def test_triton_error_status(message: str, status: str | None, expected: int) ->
 def test_peer_closed() -> None:
     a, b = socket.socketpair()
     try:
-        assert not of.peer_closed(a)
+        assert not peer_closed(a)
         b.sendall(b"GET / HTTP/1.1\r\n")  # pipelined bytes: readable but not closed
-        assert not of.peer_closed(a)
+        assert not peer_closed(a)
         b.close()
         a.recv(100)
-        assert of.peer_closed(a)
+        assert peer_closed(a)
     finally:
         a.close()
-    assert of.peer_closed(a)  # a closed socket counts as gone
+    assert peer_closed(a)  # a closed socket counts as gone
 
 
 # --------------------------------------------------------------------------------------------------
@@ -546,7 +554,7 @@ def fake_triton() -> Iterator[FakeTriton]:
 
 
 def test_grpc_backend_stream_and_final(fake_triton: FakeTriton) -> None:
-    backend = of.TritonGrpcBackend(fake_triton.url)
+    backend = TritonGrpcBackend(fake_triton.url)
     try:
         assert backend.is_ready()
         for _ in range(2):  # the second request reuses the pooled client
@@ -560,17 +568,17 @@ def test_grpc_backend_stream_and_final(fake_triton: FakeTriton) -> None:
             (chunk,) = list(s.chunks())
         assert chunk.text == "w0 w1 " and chunk.final
         with backend.open_stream(triton_input_arrays("BAD", {"max_tokens": 2}, False), "req-3") as s:
-            with pytest.raises(of.TritonRequestError, match="context limit") as ei:
+            with pytest.raises(TritonRequestError, match="context limit") as ei:
                 list(s.chunks())
         assert triton_error_status(ei.value.message, ei.value.status) == 400
     finally:
         backend.close()
-    assert not of.TritonGrpcBackend("127.0.0.1:1").is_ready(timeout=0.5)
+    assert not TritonGrpcBackend("127.0.0.1:1").is_ready(timeout=0.5)
 
 
 def test_grpc_backend_cancel_reaches_server() -> None:
     fake = FakeTriton(token_delay=0.01)
-    backend = of.TritonGrpcBackend(fake.url)
+    backend = TritonGrpcBackend(fake.url)
     try:
         s = backend.open_stream(triton_input_arrays("p", {"max_tokens": 1000}, True), "req-c")
         it = s.chunks()
@@ -592,7 +600,7 @@ def test_grpc_backend_cancel_reaches_server() -> None:
 @pytest.fixture
 def frontend() -> Iterator[tuple[FakeTriton, tuple[str, int]]]:
     fake = FakeTriton(token_delay=0.002)
-    server = of.build_server(fake.url, "127.0.0.1", 0, "", "tokenrouter", tokenizer=WordTokenizer())
+    server = build_server(fake.url, "127.0.0.1", 0, "", "tokenrouter", tokenizer=WordTokenizer())
     thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     yield fake, server.server_address[:2]
@@ -632,7 +640,7 @@ def test_http_get_routes(frontend) -> None:
 
 def test_http_health_503_when_model_missing() -> None:
     fake = FakeTriton()
-    server = of.build_server(fake.url, "127.0.0.1", 0, "", tokenizer=WordTokenizer(), triton_model_name="other")
+    server = build_server(fake.url, "127.0.0.1", 0, "", tokenizer=WordTokenizer(), triton_model_name="other")
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     try:
         conn = http.client.HTTPConnection(*server.server_address[:2], timeout=10)
@@ -720,7 +728,7 @@ def test_http_disconnect_cancels_triton_request(stream: bool) -> None:
     Streaming notices on the next write (or the socket poll); non-streaming only through the poll.
     """
     fake = FakeTriton(token_delay=0.01)
-    server = of.build_server(fake.url, "127.0.0.1", 0, "", tokenizer=WordTokenizer())
+    server = build_server(fake.url, "127.0.0.1", 0, "", tokenizer=WordTokenizer())
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     try:
         sock = _send_raw_post(server.server_address[:2], {"prompt": "x", "max_tokens": 2000, "stream": stream})

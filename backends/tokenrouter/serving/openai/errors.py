@@ -1,0 +1,88 @@
+"""The front end's errors and how they reach the HTTP client: OpenAI-style error bodies and the HTTP status
+that a Triton error maps to."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Triton's gRPC stream drops the status code of an error response and keeps only its message, so
+# bad input has to be recognised by wording. These cover the model's request parsing
+# (serving/tensors.py), the engine's ValueError messages (tests/test_bad_input.py) and Triton core's
+# own input checks.
+BAD_INPUT_MARKERS = (
+    "invalid",
+    "not valid",
+    "must be",
+    "missing required input",
+    "prompt is empty",
+    "out of the vocabulary",
+    "context limit",
+    "is not an integer",
+    "unknown sampling parameter",
+    "sampling_parameters",
+    "unexpected inference input",
+    "unexpected shape",
+    "unexpected datatype",
+    "bad request",
+    "bad input",
+)
+_BAD_INPUT_STATUSES = {"StatusCode.INVALID_ARGUMENT", "INVALID_ARG", "400"}
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    411: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class OpenAIError(Exception):
+    """An error to report to the HTTP client as an OpenAI-style error body with `status`."""
+
+    def __init__(self, message: str, status: int = 400, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, _ERROR_TYPES.get(self.status, "server_error"), self.param, self.code)
+
+
+class TritonRequestError(Exception):
+    """Triton answered the request with an error (or the stream to it broke)."""
+
+    def __init__(self, message: str, status: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away while its generation was still running."""
+
+
+def error_body(
+    message: str, err_type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """The JSON body OpenAI returns for errors; clients (the `openai` package among them) parse this shape."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def triton_error_status(message: str, status: str | None = None) -> int:
+    """HTTP status for a Triton error: 400 when it reports bad input, else 500."""
+    if status in _BAD_INPUT_STATUSES:
+        return 400
+    lowered = message.lower()
+    return 400 if any(marker in lowered for marker in BAD_INPUT_MARKERS) else 500
+
+
+def to_openai_error(err: OpenAIError | TritonRequestError) -> OpenAIError:
+    """The error to report for `err`: itself, or for a Triton error the 400/500 its message calls for."""
+    if isinstance(err, OpenAIError):
+        return err
+    return OpenAIError(err.message or "inference failed", triton_error_status(err.message, err.status))

@@ -1,0 +1,332 @@
+"""The HTTP side: a standard-library `ThreadingHTTPServer` serving the OpenAI routes (`build_server`), and the
+command line around it (`build_arg_parser`, `run_from_args`, `main`)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from tokenrouter.serving.openai.errors import ClientDisconnected, OpenAIError, TritonRequestError, to_openai_error
+from tokenrouter.serving.openai.prompts import count_tokens, load_frontend_tokenizer, prepare_prompt
+from tokenrouter.serving.openai.protocol import (
+    DEFAULT_MODEL_NAME,
+    GenerationRequest,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_body,
+)
+from tokenrouter.serving.openai.responses import (
+    SSE_DONE,
+    StreamAssembler,
+    assemble_response,
+    model_object,
+    models_list,
+    sse_event,
+)
+from tokenrouter.serving.openai.triton_client import (
+    DEFAULT_TRITON_MODEL,
+    Backend,
+    GenerationStream,
+    TritonGrpcBackend,
+    triton_input_arrays,
+)
+
+logger = logging.getLogger(__name__)
+
+# Bodies are read whole before parsing; anything bigger is almost certainly a mistake.
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+_MSG_DONTWAIT: int | None = getattr(socket, "MSG_DONTWAIT", None)
+
+
+def peer_closed(sock: socket.socket) -> bool:
+    """Whether the other end of `sock` has closed it (readable with nothing to read means EOF).
+
+    Lets a request notice its HTTP client left while it is still waiting on Triton, before any write
+    could fail. Pipelined request bytes make the socket readable too, but then the peek sees data.
+    """
+    try:
+        if _MSG_DONTWAIT is None:  # no MSG_DONTWAIT (Windows): ask select first so recv cannot block
+            readable, _, _ = select.select([sock], [], [], 0)
+            if not readable:
+                return False
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        # recv rather than select: select fails outright on descriptors above FD_SETSIZE (1024).
+        return sock.recv(1, socket.MSG_PEEK | _MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False  # nothing to read: still connected
+    except (OSError, ValueError):
+        return True  # reset, or the socket is already closed
+
+
+class OpenAIFrontendServer(ThreadingHTTPServer):
+    """The HTTP server plus what its handlers share: backend, tokenizer, served model name."""
+
+    daemon_threads = True
+    # Many short-lived connections from load generators; the default backlog of 5 drops some.
+    request_queue_size = 128
+
+    def __init__(
+        self, address: tuple[str, int], backend: Backend, tokenizer: Any, model_name: str = DEFAULT_MODEL_NAME
+    ) -> None:
+        super().__init__(address, _Handler)
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.created = int(time.time())
+        # HF fast tokenizers can fail with "Already borrowed" when one instance is used from several
+        # threads at once; tokenizing is cheap next to generation, so serialise it.
+        self.tokenizer_lock = threading.Lock()
+
+    def count_tokens(self, text: str) -> int:
+        with self.tokenizer_lock:
+            return count_tokens(self.tokenizer, text)
+
+    def prepare_prompt(self, req: GenerationRequest) -> tuple[str, int]:
+        with self.tokenizer_lock:
+            return prepare_prompt(req, self.tokenizer)
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.backend.close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    # HTTP/1.1 for keep-alive; streamed bodies use chunked transfer encoding so the connection survives.
+    protocol_version = "HTTP/1.1"
+    server: OpenAIFrontendServer
+    server_version = "tokenrouter-openai/0.1"
+    _sse_started = False  # set per request: once the 200 went out, errors can only be reported in-band
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("%s - %s", self.address_string(), format % args)
+
+    # ---- responses ----
+
+    def _send_json(self, status: int, obj: Any) -> None:
+        data = json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _send_error_obj(self, err: OpenAIError) -> None:
+        if err.status >= 500:
+            logger.warning("request failed (%d): %s", err.status, err.message)
+        self._send_json(err.status, err.body())
+
+    def _start_sse(self) -> None:
+        self._sse_started = True
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+    def _write_chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    # ---- routing ----
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/")
+        srv = self.server
+        if path == "/health":
+            ready = srv.backend.is_ready()
+            self._send_json(200 if ready else 503, {"status": "ready" if ready else "unavailable"})
+        elif path == "/v1/models":
+            self._send_json(200, models_list(srv.model_name, srv.created))
+        elif path == f"/v1/models/{srv.model_name}":
+            self._send_json(200, model_object(srv.model_name, srv.created))
+        elif path.startswith("/v1/models/"):
+            self._send_error_obj(OpenAIError(f"the model '{path[len('/v1/models/') :]}' does not exist", 404))
+        elif path in ("/v1/completions", "/v1/chat/completions"):
+            self._send_error_obj(OpenAIError(f"use POST for {path}", 405))
+        else:
+            self._send_error_obj(OpenAIError(f"no route for GET {path}", 404))
+
+    def do_POST(self) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/")
+        if path == "/v1/completions":
+            self._generate(parse_completion_request)
+        elif path == "/v1/chat/completions":
+            self._generate(parse_chat_request)
+        else:
+            with contextlib.suppress(OpenAIError):  # an unreadable body changes nothing: the answer is 404
+                self._read_body()
+            self._send_error_obj(OpenAIError(f"no route for POST {path}", 404))
+
+    def _read_body(self) -> bytes:
+        """The request body; OpenAIError 411/413 (and the connection marked to close) when it cannot be read."""
+        length = self.headers.get("Content-Length")
+        if length is None:
+            # No body we can delimit (e.g. a chunked upload): refuse it and drop the connection,
+            # since whatever bytes follow cannot be told apart from the next request.
+            self.close_connection = True
+            raise OpenAIError("a Content-Length header is required", 411)
+        try:
+            n = int(length)
+        except ValueError:
+            n = -1
+        if n < 0 or n > MAX_BODY_BYTES:
+            self.close_connection = True
+            raise OpenAIError(f"request body too large or bad Content-Length {length!r}", 413)
+        return self.rfile.read(n)
+
+    def _generate(self, parse: Callable[[Any, str], GenerationRequest]) -> None:
+        srv = self.server
+        try:
+            raw = self._read_body()
+        except OpenAIError as e:
+            self._send_error_obj(e)
+            return
+        stream: GenerationStream | None = None
+        self._sse_started = False
+        try:
+            req = parse(parse_json_body(raw), srv.model_name)
+            prompt, prompt_tokens = srv.prepare_prompt(req)
+            arrays = triton_input_arrays(prompt, req.sampling, req.stream)
+            stream = srv.backend.open_stream(arrays, req.request_id, should_cancel=lambda: peer_closed(self.connection))
+            if req.stream:
+                self._stream_reply(req, stream, prompt_tokens)
+            else:
+                self._send_json(200, assemble_response(req, stream.chunks(), prompt_tokens, srv.count_tokens))
+        except (ClientDisconnected, BrokenPipeError, ConnectionResetError):
+            # The client is gone: cancel the gRPC stream so Triton aborts the generation.
+            logger.info("client disconnected; cancelling the Triton request")
+            if stream is not None:
+                stream.cancel()
+            self.close_connection = True
+        except (TritonRequestError, OpenAIError) as e:
+            self._fail(to_openai_error(e))
+        except Exception as e:
+            logger.exception("unexpected error while serving %s", self.path)
+            self._fail(OpenAIError(f"internal error: {e}", 500))
+        finally:
+            if stream is not None:
+                stream.close()
+
+    def _fail(self, err: OpenAIError) -> None:
+        if self._sse_started:
+            # Mid-stream there is no status left to set and the chunked body cannot be closed
+            # cleanly; dropping the connection is the only honest signal.
+            self.close_connection = True
+        else:
+            self._send_error_obj(err)
+
+    def _stream_reply(self, req: GenerationRequest, stream: GenerationStream, prompt_tokens: int) -> None:
+        """Write the SSE reply.
+
+        The headers wait for Triton's first response so that a request Triton refuses still gets a
+        proper 400/500 status rather than an error event inside a 200 stream.
+        """
+        asm = StreamAssembler(req, prompt_tokens, self.server.count_tokens)
+        chunks = stream.chunks()
+        first = next(chunks, None)
+        self._start_sse()
+        try:
+            for obj in asm.start():
+                self._write_chunk(sse_event(obj))
+            chunk = first
+            while chunk is not None:
+                for obj in asm.feed(chunk):
+                    self._write_chunk(sse_event(obj))
+                chunk = next(chunks, None)
+            for obj in asm.finish():
+                self._write_chunk(sse_event(obj))
+        except (TritonRequestError, OpenAIError) as e:
+            # Too late for a status code: report it in-band, the way OpenAI-compatible servers do.
+            err = to_openai_error(e)
+            if err.status >= 500:
+                logger.warning("stream failed: %s", err.message)
+            self._write_chunk(sse_event(err.body()))
+        self._write_chunk(SSE_DONE)
+        self._write_chunk(b"")  # zero-length chunk: end of the chunked body
+
+
+def build_server(
+    triton_url: str,
+    host: str,
+    port: int,
+    tokenizer_dir: str,
+    model_name: str = DEFAULT_MODEL_NAME,
+    *,
+    triton_model_name: str = DEFAULT_TRITON_MODEL,
+    backend: Backend | None = None,
+    tokenizer: Any = None,
+) -> ThreadingHTTPServer:
+    """A bound (not yet serving) OpenAI-compatible server; call `serve_forever()` on it.
+
+    `model_name` is the id clients see in /v1/models and must send as `model`; `triton_model_name` is the
+    Triton model it forwards to. `backend` and `tokenizer` replace the gRPC backend and the tokenizer
+    loaded from `tokenizer_dir` (tests pass fakes). Port 0 picks a free port (`server.server_address`).
+    """
+    if tokenizer is None:
+        tokenizer = load_frontend_tokenizer(tokenizer_dir)
+    if backend is None:
+        backend = TritonGrpcBackend(triton_url, triton_model_name)
+    return OpenAIFrontendServer((host, port), backend, tokenizer, model_name)
+
+
+def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The front end's options, added to `parser` (e.g. a CLI subcommand) or to a new parser."""
+    p = parser or argparse.ArgumentParser(
+        prog="tokenrouter-openai", description="OpenAI-compatible HTTP server in front of the Triton model."
+    )
+    p.add_argument("--triton-url", default="localhost:8001", help="Triton gRPC address (host:port)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=9000, help="port to listen on")
+    p.add_argument("--tokenizer", required=True, help="tokenizer directory (chat template, token counts)")
+    p.add_argument("--served-model-name", default=DEFAULT_MODEL_NAME, help="model id clients use")
+    p.add_argument("--triton-model-name", default=DEFAULT_TRITON_MODEL, help="Triton model to call")
+    p.add_argument("--log-level", default="INFO", help="logging level (DEBUG logs every HTTP request)")
+    return p
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Serve with options parsed by `build_arg_parser` until interrupted; returns a process exit code."""
+    level = getattr(logging, str(args.log_level).upper(), logging.INFO)
+    # A no-op when the caller (e.g. the `tokenrouter` CLI) configured logging already; the package
+    # logger's own level (its modules' loggers inherit it) still makes --log-level count.
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger(__package__).setLevel(level)
+    try:
+        server = build_server(
+            args.triton_url,
+            args.host,
+            args.port,
+            args.tokenizer,
+            args.served_model_name,
+            triton_model_name=args.triton_model_name,
+        )
+    except (OSError, ValueError) as e:
+        logger.error("cannot start: %s", e)
+        return 2
+    host, port = server.server_address[:2]
+    logger.info(
+        "serving OpenAI API for %r on http://%s:%s/v1 (Triton %s)", args.served_model_name, host, port, args.triton_url
+    )
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point: parse `argv` (default sys.argv[1:]) and serve until interrupted."""
+    return run_from_args(build_arg_parser().parse_args(argv))

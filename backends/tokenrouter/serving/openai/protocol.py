@@ -1,0 +1,271 @@
+"""OpenAI request bodies -> validated `GenerationRequest`s (pure; every problem is a 400 `OpenAIError`)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenrouter.serving.openai.errors import OpenAIError
+
+DEFAULT_MODEL_NAME = "tokenrouter"
+# The Triton model's own default; made explicit so the request sent is self-describing.
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass
+class GenerationRequest:
+    """One validated OpenAI request, reduced to what the Triton model needs plus what the reply echoes."""
+
+    kind: str  # "completion" or "chat"
+    model: str
+    sampling: dict[str, Any]
+    prompt: str | None = None  # completions: the prompt as given
+    messages: list[dict[str, Any]] | None = None  # chat: rendered into a prompt by `prepare_prompt`
+    stream: bool = False
+    include_usage: bool = False
+    request_id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
+            self.request_id = f"{prefix}-{uuid.uuid4().hex}"
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400."""
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise OpenAIError(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _is_int(v: Any) -> bool:
+    # bool is a subclass of int, but `"max_tokens": true` is a client bug, not 1.
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _opt_bool(body: Mapping[str, Any], key: str, default: bool = False) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise OpenAIError(f"'{key}' must be a boolean, got {v!r}", param=key)
+    return v
+
+
+def _check_model(body: Mapping[str, Any], served_model: str) -> str:
+    model = body.get("model")
+    if model is None:
+        # Lenient: a server with one model needs no name, and some clients leave it out.
+        return served_model
+    if not isinstance(model, str):
+        raise OpenAIError(f"'model' must be a string, got {model!r}", param="model")
+    if model != served_model:
+        raise OpenAIError(
+            f"the model '{model}' does not exist; this server serves '{served_model}'",
+            param="model",
+            code="model_not_found",
+        )
+    return model
+
+
+def _check_common(body: Any, served_model: str) -> str:
+    """The checks both endpoints make before their own fields; returns the model name to echo."""
+    if not isinstance(body, dict):
+        raise OpenAIError("request body must be a JSON object")
+    model = _check_model(body, served_model)
+    _reject_unsupported(body)
+    return model
+
+
+def _reject_unsupported(body: Mapping[str, Any]) -> None:
+    """Refuse options this server cannot honour instead of silently ignoring them."""
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise OpenAIError(f"only n=1 is supported, got n={n!r}", param="n")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise OpenAIError(f"only best_of=1 is supported, got {best_of!r}", param="best_of")
+    if body.get("echo"):
+        raise OpenAIError("echo=true is not supported", param="echo")
+    if body.get("suffix"):
+        raise OpenAIError("suffix is not supported", param="suffix")
+    # Completions take an integer `logprobs`, chat a boolean; 0 and false both mean "none".
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise OpenAIError("logprobs are not supported", param="logprobs")
+    if body.get("logit_bias"):
+        raise OpenAIError("logit_bias is not supported", param="logit_bias")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if body.get(key):
+            raise OpenAIError(f"{key} is not supported (only 0)", param=key)
+    if body.get("tools") or body.get("functions"):
+        raise OpenAIError("tools and function calling are not supported", param="tools")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
+        raise OpenAIError("only response_format {'type': 'text'} is supported", param="response_format")
+
+
+def parse_sampling_parameters(body: Mapping[str, Any], *, chat: bool = False) -> dict[str, Any]:
+    """OpenAI sampling fields -> the model's `sampling_parameters` JSON object, validated.
+
+    Mirrors `SamplingParams.validate` so that bad values get a precise 400 here instead of a
+    round trip to Triton. `top_k`, `stop_token_ids` and `ignore_eos` are extensions (as in vLLM).
+    """
+    out: dict[str, Any] = {}
+
+    max_tokens = body.get("max_completion_tokens") if chat else None
+    key = "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, key = body.get("max_tokens"), "max_tokens"
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise OpenAIError(f"'{key}' must be an integer >= 1, got {max_tokens!r}", param=key)
+    out["max_tokens"] = max_tokens
+
+    temperature = body.get("temperature")
+    if temperature is not None:
+        if not _is_number(temperature) or temperature < 0:
+            raise OpenAIError(f"'temperature' must be a number >= 0, got {temperature!r}", param="temperature")
+        out["temperature"] = float(temperature)
+
+    top_p = body.get("top_p")
+    if top_p is not None:
+        if not _is_number(top_p) or not 0 < top_p <= 1:
+            raise OpenAIError(f"'top_p' must be a number in (0, 1], got {top_p!r}", param="top_p")
+        out["top_p"] = float(top_p)
+
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if not _is_int(top_k) or top_k < -1:
+            raise OpenAIError(f"'top_k' must be -1, 0 (disabled) or a positive integer, got {top_k!r}", param="top_k")
+        out["top_k"] = top_k
+
+    seed = body.get("seed")
+    if seed is not None:
+        if not _is_int(seed):
+            raise OpenAIError(f"'seed' must be an integer, got {seed!r}", param="seed")
+        out["seed"] = seed
+
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or any(not isinstance(s, str) or not s for s in stops):
+            raise OpenAIError(
+                f"'stop' must be a non-empty string or a list of non-empty strings, got {stop!r}", param="stop"
+            )
+        if stops:
+            out["stop"] = stops
+
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is not None:
+        if not isinstance(stop_token_ids, list) or any(not _is_int(t) or t < 0 for t in stop_token_ids):
+            raise OpenAIError(
+                f"'stop_token_ids' must be a list of non-negative integers, got {stop_token_ids!r}",
+                param="stop_token_ids",
+            )
+        if stop_token_ids:
+            out["stop_token_ids"] = stop_token_ids
+
+    if body.get("ignore_eos") is not None:
+        out["ignore_eos"] = _opt_bool(body, "ignore_eos")
+    return out
+
+
+def _parse_stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    stream = _opt_bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise OpenAIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    if not isinstance(opts, dict):
+        raise OpenAIError(f"'stream_options' must be an object, got {opts!r}", param="stream_options")
+    return stream, _opt_bool(opts, "include_usage")
+
+
+def parse_completion_request(body: Any, served_model: str = DEFAULT_MODEL_NAME) -> GenerationRequest:
+    """Validate a `/v1/completions` body. The prompt is a string or a list holding exactly one string."""
+    model = _check_common(body, served_model)
+    if "prompt" not in body or body["prompt"] is None:
+        raise OpenAIError("'prompt' is required", param="prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            # Batches (and token-id prompts) would need n Triton requests and n choices; not supported.
+            raise OpenAIError("'prompt' must be a string or a list of exactly one string", param="prompt")
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise OpenAIError(f"'prompt' must be a string, got {type(prompt).__name__}", param="prompt")
+    if not prompt:
+        raise OpenAIError("'prompt' is empty", param="prompt")
+    stream, include_usage = _parse_stream_flags(body)
+    return GenerationRequest(
+        kind="completion",
+        model=model,
+        sampling=parse_sampling_parameters(body),
+        prompt=prompt,
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def _message_text(content: Any, index: int) -> str:
+    """A message's content as plain text: a string, null, or a list of text parts."""
+    if content is None:
+        return ""  # e.g. an assistant turn that only carried tool calls
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise OpenAIError(
+                    f"messages[{index}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
+                    param="messages",
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+    raise OpenAIError(f"messages[{index}].content must be a string or a list of text parts", param="messages")
+
+
+def parse_chat_request(body: Any, served_model: str = DEFAULT_MODEL_NAME) -> GenerationRequest:
+    """Validate a `/v1/chat/completions` body; messages are normalised to {role, content[, name]} text."""
+    model = _check_common(body, served_model)
+    messages = body.get("messages")
+    if messages is None:
+        raise OpenAIError("'messages' is required", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError("'messages' must be a non-empty list", param="messages")
+    normalised: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise OpenAIError(f"messages[{i}] must be an object", param="messages")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise OpenAIError(f"messages[{i}].role must be a non-empty string", param="messages")
+        msg: dict[str, Any] = {"role": role, "content": _message_text(m.get("content"), i)}
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        normalised.append(msg)
+    stream, include_usage = _parse_stream_flags(body)
+    return GenerationRequest(
+        kind="chat",
+        model=model,
+        sampling=parse_sampling_parameters(body, chat=True),
+        messages=normalised,
+        stream=stream,
+        include_usage=include_usage,
+    )
