@@ -238,3 +238,62 @@ def test_perf_analyzer_streaming_writes_csv(deployment, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = csv.read_text().splitlines()
     assert lines[0].startswith("Concurrency") and len(lines) >= 2
+
+
+@pytest.fixture(scope="module")
+def openai_url(deployment, tiny_dir: Path):
+    from tokenrouter.serving.openai import build_server
+
+    _, server, _ = deployment
+    http = build_server(f"127.0.0.1:{server.grpc_port}", "127.0.0.1", 0, str(tiny_dir / "tokenizer"))
+    thread = threading.Thread(target=http.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{http.server_address[1]}"
+    http.shutdown()
+    http.server_close()
+
+
+def _post(url: str, body: dict) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_openai_completions_equal_engine(deployment, openai_url: str) -> None:
+    _, _, expected = deployment
+    prompt = PROMPTS[3]
+    body = {"model": "tokenrouter", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    status, text = _post(f"{openai_url}/v1/completions", body)
+    assert status == 200, text
+    reply = json.loads(text)
+    assert reply["choices"][0]["text"] == expected[prompt].text
+    assert reply["choices"][0]["finish_reason"] == "length"
+    assert reply["usage"]["completion_tokens"] == MAX_TOKENS
+    # Streaming: the chunks add up to the same text.
+    status, sse = _post(f"{openai_url}/v1/completions", {**body, "stream": True})
+    assert status == 200
+    chunks = [json.loads(line[6:]) for line in sse.splitlines() if line.startswith("data: ") and "[DONE]" not in line]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == reply["choices"][0]["text"]
+    assert sse.rstrip().endswith("data: [DONE]")
+
+
+def test_openai_chat_models_health_and_errors(openai_url: str) -> None:
+    status, text = _post(f"{openai_url}/v1/chat/completions", {
+        "model": "tokenrouter", "messages": [{"role": "user", "content": "Write a loop."}], "max_tokens": 8})
+    assert status == 200, text
+    reply = json.loads(text)
+    assert reply["choices"][0]["message"]["role"] == "assistant" and reply["usage"]["prompt_tokens"] > 0
+    import urllib.request
+
+    with urllib.request.urlopen(f"{openai_url}/v1/models", timeout=10) as r:
+        assert json.loads(r.read())["data"][0]["id"] == "tokenrouter"
+    with urllib.request.urlopen(f"{openai_url}/health", timeout=10) as r:
+        assert r.status == 200
+    status, text = _post(f"{openai_url}/v1/completions", {"model": "tokenrouter", "max_tokens": 4})
+    assert status == 400 and "prompt" in json.loads(text)["error"]["message"]
