@@ -70,8 +70,9 @@ def test_greedy_matches_transformers_bf16(tiny_dir: Path, model: str, attention:
 
 
 def _teacher_forced_logits(engine, prompt: list[int], continuation: list[int]) -> torch.Tensor:
-    """Our logits at every position from the prompt's last token on, generating the same greedy tokens
-    again alone (prefill, then decode through the paged KV path)."""
+    """Our logits at every position from the prompt's last token on, with the continuation forced in
+    (prefill, then one decode step per token through the paged KV path). bf16 matmuls are not batch
+    invariant, so regenerating greedily alone could wander off the batched run's tokens."""
     from tokenrouter import SamplingParams
 
     rows = []
@@ -84,9 +85,14 @@ def _teacher_forced_logits(engine, prompt: list[int], continuation: list[int]) -
 
     engine.runner.forward = record
     try:
-        n = len(continuation) + 1
-        out = engine.generate([prompt], SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))[0]
+        params = SamplingParams(max_new_tokens=len(continuation) + 1, temperature=0.0, ignore_eos=True)
+        rid = engine.add_request(prompt, params)
+        seq = engine.entry.seqs[rid]
+        for tok in continuation:
+            engine.step()
+            seq.token_ids[-1] = tok  # sampled but not yet computed: replace it with the forced token
+        engine.step()
+        assert not engine.has_unfinished()
     finally:
         engine.runner.forward = orig
-    assert out.token_ids[:-1] == continuation
     return torch.stack(rows)
