@@ -21,14 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenrouter.routing.policies._common import (
-    build_router,
-    check_models,
-    home_or_default_receive,
-    number_arg,
-    sigmoid_rule,
-)
-from tokenrouter.routing.policy import Lease, Policy, RouteDecision, RouteRequest, StepResult, register
+from tokenrouter.routing.policies._common import number_arg
+from tokenrouter.routing.policies.learned import LearnedRouterPolicy
+from tokenrouter.routing.policy import StepResult, register
 
 NUM_BLOCKS = 6
 
@@ -70,48 +65,24 @@ class R2RRouter(nn.Module):
 
 
 @register
-class R2RPolicy(Policy):
+class R2RPolicy(LearnedRouterPolicy):
     """R2R: the large model writes one token whenever the router's probability is >= threshold."""
 
     name = "r2r"
-    ARGS = {"threshold": 0.5, "checkpoint": None, "hidden_dim": 1024, "top_k_logits": 100}
+    ARGS = {**LearnedRouterPolicy.ARGS, "hidden_dim": 1024, "top_k_logits": 100}
+    RULE = ">="
 
     def __init__(self, models: list[str], model: str, args: dict[str, Any] | None = None) -> None:
         super().__init__(models, model, args)
-        check_models(self, exactly=2)
-        self.threshold: float = number_arg(self, "threshold", lo=0.0, hi=1.0)
         self.hidden_dim: int = number_arg(self, "hidden_dim", lo=1, integer=True)
         self.top_k_logits: int = number_arg(self, "top_k_logits", lo=1, integer=True)
-        self.net: R2RRouter | None = None
 
-    def setup(self, device: torch.device, dtype: torch.dtype, hidden_size: int, vocab_size: int) -> None:
-        # Only the small model routes. float32 whatever the model's dtype: the router is small, and a
-        # bf16 router would shift decisions near the threshold between deployments.
-        if self.model != self.models[0]:
-            return
-        k = min(self.top_k_logits, vocab_size)
-        self.net = build_router(
-            self, lambda: R2RRouter(hidden_size, k, self.hidden_dim), device, self.args["checkpoint"]
-        )
+    def build_net(self, hidden_size: int, vocab_size: int) -> nn.Module:
+        return R2RRouter(hidden_size, min(self.top_k_logits, vocab_size), self.hidden_dim)
 
-    def logits(self, result: StepResult) -> torch.Tensor:
-        """[S] router logits for the step, one batched call on the model's device."""
-        if self.net is None:
-            raise RuntimeError("policy 'r2r': setup() must run on the small model before route()")
+    def net_inputs(self, result: StepResult) -> tuple[torch.Tensor, ...]:
         k = self.net.top_k
         if result.logits.shape[-1] < k:
             raise ValueError(f"policy 'r2r': router expects the top {k} logits, the step has {result.logits.shape[-1]}")
-        with torch.inference_mode():
-            top = torch.topk(result.logits.float(), k, dim=-1, sorted=True).values
-            return self.net(result.hidden.float(), top, result.token_embeddings.float())
-
-    def route(self, batch: list[RouteRequest], result: StepResult) -> list[RouteDecision]:
-        small, large = self.models
-        if self.model != small or not batch:
-            return [self.model] * len(batch)
-        # The rule sigmoid(z) >= t, as one device op and one host copy for the whole step.
-        flags = sigmoid_rule(self.logits(result), ">=", self.threshold).tolist()
-        return [large if f else small for f in flags]
-
-    def receive(self, req: RouteRequest, source: str) -> Lease:
-        return home_or_default_receive(self, req, source)
+        top = torch.topk(result.logits.float(), k, dim=-1, sorted=True).values
+        return result.hidden.float(), top, result.token_embeddings.float()
