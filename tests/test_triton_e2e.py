@@ -297,3 +297,32 @@ def test_openai_chat_models_health_and_errors(openai_url: str) -> None:
         assert r.status == 200
     status, text = _post(f"{openai_url}/v1/completions", {"model": "tokenrouter", "max_tokens": 4})
     assert status == 400 and "prompt" in json.loads(text)["error"]["message"]
+
+
+def test_serve_command_end_to_end(tmp_path: Path) -> None:
+    """The README's serve command (`tokenrouter serve`, default deployment) answers, then stops on SIGINT."""
+    import signal
+    import sys
+
+    from tokenrouter.serving.server import TritonServer
+    from triton_harness import free_ports
+
+    http, grpc, metrics_port = free_ports(3)
+    cmd = [sys.executable, "-m", "tokenrouter.cli", "serve", "--http-port", str(http), "--grpc-port", str(grpc),
+           "--metrics-port", str(metrics_port), "--model-repository", str(tmp_path / "repo")]
+    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    probe = TritonServer(tmp_path / "repo", http, grpc, metrics_port)
+    try:
+        deadline = time.monotonic() + 240
+        while not probe.ready():
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "server not ready"
+            time.sleep(0.5)
+        status, events = generate_stream(probe, _body("def main():"))
+        assert status == 200 and events[-1]["finish_reason"] == "length"
+        assert len("".join(e.get("text_output", "") for e in events)) > 0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        log.close()
