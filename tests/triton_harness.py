@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
@@ -11,19 +10,7 @@ from pathlib import Path
 
 from tokenrouter.serving import triton_install
 from tokenrouter.serving.repository import write_repository
-from tokenrouter.serving.server import TritonServer
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+from tokenrouter.serving.server import TritonServer, free_ports
 
 
 @contextmanager

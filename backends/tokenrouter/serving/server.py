@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +20,19 @@ from tokenrouter.serving.repository import write_repository
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_CONFIG = REPO_ROOT / "config" / "r2r" / "tiny-small_tiny-large.yaml"
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on the loopback (bound together so they differ, released before use)."""
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
 
 
 def ensure_models(config_path: Path) -> None:
