@@ -236,3 +236,26 @@ def test_unknown_model_in_route_is_a_clear_error(tiny_dir: Path) -> None:
     assert again.finish_reason == "error"
     assert_all_free(engine)
     engine.shutdown()
+
+
+def test_out_of_order_message_fails_only_its_request(tiny_dir: Path) -> None:
+    """A subserver that gets an impossible message (a 'return' for a request it never parked) fails that
+    request cleanly and keeps its loop running for the others."""
+    from tokenrouter.transport.messages import Arrive
+
+    engine = make_engine(tiny_dir, *CASES["random"])
+    engine.start()
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    bogus = Arrive("nobody", [1, 2], False, 2, params, {}, "large", {})
+    engine.subservers["small"].submit(bogus)
+    import threading
+
+    outs: list = []
+    worker = threading.Thread(target=lambda: outs.extend(engine.generate([[5, 6, 7]], params)), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert outs, "the subserver loop stopped serving after a bad message"
+    assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 6
+    assert all(t.is_alive() for t in engine._threads)
+    assert_all_free(engine)
+    engine.shutdown()

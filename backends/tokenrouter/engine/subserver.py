@@ -83,7 +83,11 @@ class Subserver:
                 msg = self.inbox.get_nowait()
             except queue.Empty:
                 return
-            self.handle(msg)
+            try:
+                self.handle(msg)
+            except Exception as e:  # a malformed or out-of-order message fails its request, not the loop
+                log.exception("%s: could not handle %s", self.name, type(msg).__name__)
+                self._fail_request(msg.request_id, f"model {self.name!r} rejected the request: {e}")
 
     def handle(self, msg: Arrive | Append | Release) -> None:
         if isinstance(msg, Arrive):
@@ -258,6 +262,15 @@ class Subserver:
         del self.seqs[seq.request_id]
         self.scheduler.finish(seq)
         self.emit(Released(seq.request_id, self.name, seq.num_forwarded_tokens, seq.num_cached_tokens))
+
+    def _fail_request(self, request_id: str, error: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        forwarded = cached = 0
+        if seq is not None:
+            self.scheduler.finish(seq)
+            forwarded, cached = seq.num_forwarded_tokens, seq.num_cached_tokens
+        self.emit(Failed(request_id, self.name, error))
+        self.emit(Released(request_id, self.name, forwarded, cached, held=seq is not None))
 
     def fail_all(self, error: str) -> None:
         """After an internal error: fail every request here and free everything."""
