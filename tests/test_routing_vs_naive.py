@@ -259,3 +259,36 @@ def test_out_of_order_message_fails_only_its_request(tiny_dir: Path) -> None:
     assert all(t.is_alive() for t in engine._threads)
     assert_all_free(engine)
     engine.shutdown()
+
+
+def test_release_overtaking_a_returning_handoff(tiny_dir: Path) -> None:
+    """Over BLS a cancel's Release can reach a model before the handoff that was already on its way back
+    there; the late handoff must be answered as 'nothing held', never revive the request or kill the loop."""
+    from tokenrouter.transport.messages import Arrive, Release, Released
+
+    engine = make_engine(tiny_dir, *CASES["random"])
+    params = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request(p, params) for p in prompts_for(1024)]
+    small = engine.subservers["small"]
+
+    def parked_on_small() -> list[str]:
+        return [r for r in rids if r in small.seqs and small.seqs[r].status.value == "parked"]
+
+    for _ in range(200):
+        engine.subservers["small"].safe_step()  # only the small model runs: handoffs pile up on large
+        engine._pump()
+        if parked_on_small():
+            break
+    parked = parked_on_small()[0]
+    events: list = []
+    small.emit, emit = events.append, small.emit
+    small.handle(Release(parked, "abort"))
+    small.handle(Arrive(parked, [7], False, 3, params, {}, "large", {}))
+    small.emit = emit
+    assert [type(e) for e in events] == [Released, Released]
+    assert events[0].held and not events[1].held
+    assert parked not in small.seqs
+    for rid in rids:
+        engine.abort(rid)
+    assert_all_free(engine)
+    engine.shutdown()

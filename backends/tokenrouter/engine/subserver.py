@@ -144,12 +144,17 @@ class Subserver:
             "(its context limit or KV pool)"
         )
 
+    def _forget(self, request_id: str) -> Sequence | None:
+        """Drop a request here for good. Its id is remembered: over a transport without ordering between
+        calls (Triton BLS), a handoff sent just before a cancel can arrive after the cancel's release."""
+        self._tombstones[request_id] = None
+        while len(self._tombstones) > 65536:
+            self._tombstones.popitem(last=False)
+        return self.seqs.pop(request_id, None)
+
     def _release(self, request_id: str) -> None:
-        seq = self.seqs.pop(request_id, None)
+        seq = self._forget(request_id)
         if seq is None:
-            self._tombstones[request_id] = None
-            while len(self._tombstones) > 65536:
-                self._tombstones.popitem(last=False)
             # Always answer: a transport may be waiting for this release to complete.
             self.emit(Released(request_id, self.name, 0, 0, held=False))
             return
@@ -259,12 +264,12 @@ class Subserver:
         self.emit(Handoff(self.name, target, arrive))
 
     def _finish(self, seq: Sequence) -> None:
-        del self.seqs[seq.request_id]
+        self._forget(seq.request_id)
         self.scheduler.finish(seq)
         self.emit(Released(seq.request_id, self.name, seq.num_forwarded_tokens, seq.num_cached_tokens))
 
     def _fail_request(self, request_id: str, error: str) -> None:
-        seq = self.seqs.pop(request_id, None)
+        seq = self._forget(request_id)
         forwarded = cached = 0
         if seq is not None:
             self.scheduler.finish(seq)
@@ -275,7 +280,7 @@ class Subserver:
     def fail_all(self, error: str) -> None:
         """After an internal error: fail every request here and free everything."""
         for rid in list(self.seqs):
-            seq = self.seqs.pop(rid)
+            seq = self._forget(rid)
             self.scheduler.finish(seq)
             self.emit(Failed(rid, self.name, error))
             self.emit(Released(rid, self.name, seq.num_forwarded_tokens, seq.num_cached_tokens))
