@@ -142,5 +142,3 @@ def _try_send(sender: Any, response: Any, flags: int) -> None:
     except Exception:  # the router went away (server shutting down)
         log.debug("response could not be sent")
 
-
-__all__ = ["SubserverModel", "Released"]
