@@ -1,6 +1,6 @@
 """The in-process engine: one subserver per model plus a coordinator that moves handoffs between them.
 
-    engine = Engine.from_config("config/r2r/tiny.yaml")
+    engine = Engine.from_config("config/r2r/tiny-small_tiny-large.yaml")
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=64))
 
 Two ways to run the same subservers:
