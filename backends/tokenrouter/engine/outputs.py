@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,8 +46,6 @@ class RequestState:
     error: str | None = None
     finalized: bool = False
     result_taken: bool = False  # the final output was handed out directly (abort), not via step()
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
     # What has been sent to the listener already.
     sent_tokens: int = 0
     sent_text: str = ""
@@ -58,8 +55,6 @@ class RequestState:
         return self.finish_reason is not None
 
     def on_commit(self, ev: Commit) -> None:
-        if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
         self.output_ids.extend(ev.token_ids)
         self.tokens_per_model[ev.model] = self.tokens_per_model.get(ev.model, 0) + len(ev.token_ids)
         if ev.finish_reason is not None and self.finish_reason is None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -46,8 +45,6 @@ class Sequence:
     state: dict = field(default_factory=dict)
     lease: Lease | None = None
     seen: dict[str, int] = field(default_factory=dict)
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
     ready_since: float | None = None  # when it last became ready to be scheduled here (queue-wait metric)
 
     @property

@@ -67,7 +67,6 @@ class Subserver:
         # Seconds each scheduled request waited since it became ready (read by the metrics thread).
         self._queue_waits: deque[float] = deque(maxlen=65536)
         self.num_steps = 0
-        self.busy_s = 0.0
         self.last_batch_size = 0
 
     # -- messages in ------------------------------------------------------------------------------------
@@ -199,11 +198,12 @@ class Subserver:
             targets = self._route(views, result)
             for seq, view, tok, target in zip(sampling, views, tokens_dev.tolist(), targets):
                 self._postprocess(seq, view, tok, target)
-        dt = time.perf_counter() - t0
+            done = time.monotonic()  # one clock read per step: when these requests became ready again
+            for seq in sampling:
+                seq.ready_since = done
         self.num_steps += 1
         self.last_batch_size = len(chunks)
-        self.busy_s += dt
-        self.stats.record_step(len(chunks), dt)
+        self.stats.record_step(len(chunks), time.perf_counter() - t0)
         return len(chunks)
 
     def safe_step(self) -> int:
@@ -239,7 +239,6 @@ class Subserver:
         else:
             commit = target == self.name or self.policy.send(view, target, tok)
         self.stats.record_route(None if target == self.name else target, commit)
-        seq.ready_since = time.monotonic()
         if commit:
             seq.token_ids.append(tok)
             reason, stop_at = self.stop.check(seq, tok)
@@ -312,8 +311,3 @@ class Subserver:
         while self._queue_waits:
             out.append(self._queue_waits.popleft())
         return out
-
-    def kv_usage(self) -> float:
-        bm = self.block_manager
-        return 1.0 - bm.num_free_blocks / bm.num_blocks
-

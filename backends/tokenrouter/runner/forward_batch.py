@@ -36,7 +36,3 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
-
-    @property
-    def is_decode(self) -> bool:
-        return all(q == 1 for q in self.q_lens_cpu)
