@@ -6,6 +6,7 @@ those is not reproducible (and CPU figures from the tiny models are plumbing che
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import os
 import platform
@@ -78,6 +79,17 @@ def machine_line(info: dict[str, Any]) -> str:
     gpu = ", ".join(gpus) if gpus else "no GPU"
     mem = f", {info['memory_gib']} GiB RAM" if "memory_gib" in info else ""
     return f"{info['cpu']} ({info['cpu_cores']} cores{mem}), {gpu}, {info['os']}, torch {info.get('torch', '?')}"
+
+
+def parse_concurrency(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    """`--concurrency "1,4,8"` as integers >= 1, or a usage error naming the flag."""
+    try:
+        values = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        parser.error(f"--concurrency must be comma-separated integers, got {text!r}")
+    if not values or min(values) < 1:
+        parser.error("--concurrency needs at least one value, each >= 1")
+    return values
 
 
 def results_path(value: str | os.PathLike, suffix: str) -> Path:

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from _common import REPO_ROOT, RESULTS_DIR, command_line, machine_info, machine_line, now_iso
+from _common import REPO_ROOT, RESULTS_DIR, command_line, machine_info, machine_line, now_iso, parse_concurrency
 
 from tokenrouter import Engine, SamplingParams
 from tokenrouter.config import EngineConfig, load_config
@@ -450,12 +450,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--note", action="append", default=[], help="a line for the markdown header (repeatable)")
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     args = p.parse_args(argv)
-    try:
-        args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    except ValueError:
-        p.error(f"--concurrency must be comma-separated integers, got {args.concurrency!r}")
-    if not args.concurrency or min(args.concurrency) < 1:
-        p.error("--concurrency needs values >= 1")
+    args.concurrency = parse_concurrency(p, args.concurrency)
     if args.prompt_len < 1 or args.output_len < 1:
         p.error("--prompt-len and --output-len must be >= 1")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]

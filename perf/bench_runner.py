@@ -31,36 +31,32 @@ from tokenrouter.runner.model_runner import ModelRunner  # noqa: E402
 from tokenrouter.sampling_params import SamplingParams  # noqa: E402
 
 
-def copy_bandwidth(n_bytes: int = 4 << 30) -> float:
-    """Device-to-device copy, bytes read + written per second (median of 10)."""
-    a = torch.empty(n_bytes // 2, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(12):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del a, b
-    return n_bytes / statistics.median(times[2:])
-
-
-def time_forward(runner: ModelRunner, chunks: list[ScheduledChunk], iters: int) -> float:
-    """Median seconds of runner.forward over `iters` runs (KV content is irrelevant to timing)."""
-    for _ in range(3):
-        runner.forward(chunks)
+def median_gpu_seconds(fn, iters: int, warmup: int) -> float:
+    """Median seconds of `fn()` on the GPU (CUDA events around each call), after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        runner.forward(chunks)
+        fn()
         e.record()
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e) / 1e3)
     return statistics.median(times)
+
+
+def copy_bandwidth(n_bytes: int = 4 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second (median of 10)."""
+    a = torch.empty(n_bytes // 2, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return n_bytes / median_gpu_seconds(lambda: b.copy_(a), iters=10, warmup=2)
+
+
+def time_forward(runner: ModelRunner, chunks: list[ScheduledChunk], iters: int) -> float:
+    """Median seconds of runner.forward over `iters` runs (KV content is irrelevant to timing)."""
+    return median_gpu_seconds(lambda: runner.forward(chunks), iters=iters, warmup=3)
 
 
 def make_chunks(bm: BlockManager, batch: int, context: int, new: int, vocab: int) -> list[ScheduledChunk]:

@@ -38,7 +38,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _common import RESULTS_DIR, check_server, command_line, machine_info, machine_line, now_iso, serving
+from _common import (
+    RESULTS_DIR,
+    check_server,
+    command_line,
+    machine_info,
+    machine_line,
+    now_iso,
+    parse_concurrency,
+    serving,
+)
 
 GENAI_PERF = "genai-perf==0.0.16"
 VERSION = "0.0.16"
@@ -187,12 +196,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         argv, extra = argv[:i], argv[i + 1 :]
     args = p.parse_args(argv)
     args.extra = extra
-    try:
-        args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    except ValueError:
-        p.error(f"--concurrency must be comma-separated integers, got {args.concurrency!r}")
-    if not args.concurrency or min(args.concurrency) < 1:
-        p.error("--concurrency needs at least one value >= 1")
+    args.concurrency = parse_concurrency(p, args.concurrency)
     from _common import REPO_ROOT
 
     args.tokenizer = str(Path(args.tokenizer or REPO_ROOT / "models" / "tiny" / "tokenizer").resolve())

@@ -49,7 +49,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import check_server, command_line, machine_info, machine_line, now_iso, results_path, serving
+from _common import (
+    check_server,
+    command_line,
+    machine_info,
+    machine_line,
+    now_iso,
+    parse_concurrency,
+    results_path,
+    serving,
+)
 
 # Prompts for the tiny local tokenizer (trained on Python sources); any tokenizer can encode them.
 BUILTIN_PROMPTS = [
@@ -293,12 +302,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--note", action="append", default=[], help="free text for the summary (repeatable)")
     p.add_argument("--keep-profile", action="store_true", help="keep profile exports in <out>.profile/")
     args = p.parse_args(argv)
-    try:
-        args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    except ValueError:
-        p.error(f"--concurrency must be comma-separated integers, got {args.concurrency!r}")
-    if not args.concurrency or min(args.concurrency) < 1:
-        p.error("--concurrency needs at least one value >= 1")
+    args.concurrency = parse_concurrency(p, args.concurrency)
     if args.max_tokens < 1:
         p.error("--max-tokens must be >= 1")
     args.out = results_path(args.out, ".csv")
