@@ -37,9 +37,9 @@ class Sequence:
     num_hashed_blocks: int = 0
     last_block_hash: bytes = b""
     status: SeqStatus = SeqStatus.WAITING
-    finish_reason: str | None = None
-    # Set when a stop string matched: the text is cut there.
-    stop_text_end: int | None = None
+    # Length of the output text at the last stop-string check here: the next check searches only
+    # where newly committed text could complete a stop string (one decode per token, not two).
+    checked_text_len: int = 0
     generator: torch.Generator | None = None
     # Routing: the policy's per-request state, the lease it resumes under here, tokens each model has seen.
     state: dict = field(default_factory=dict)

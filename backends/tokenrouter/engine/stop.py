@@ -25,8 +25,9 @@ class StopChecker:
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
             return "stop", None
         if p.stop and self.tokenizer is not None:
-            out = seq.output_token_ids
-            at = find_stop(self.text_of(out), p.stop, len(self.text_of(out[:-1])))
+            text = self.text_of(seq.output_token_ids)
+            at = find_stop(text, p.stop, seq.checked_text_len)
+            seq.checked_text_len = len(text)
             if at is not None:
                 return "stop", at
         if seq.num_output_tokens >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:

@@ -244,7 +244,6 @@ class Subserver:
             reason, stop_at = self.stop.check(seq, tok)
             self.emit(Commit(seq.request_id, self.name, [tok], reason, stop_at))
             if reason is not None:
-                seq.finish_reason = reason
                 self._finish(seq)
                 return
         if target != self.name:
