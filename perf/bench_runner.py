@@ -3,9 +3,11 @@
 Measures, per model: decode step latency at several batch sizes and contexts, extend latency for short
 suffixes (what a request returning from another model costs), prefill throughput, and each decode time as
 a ratio to the weight-read floor (weight bytes / device-to-device copy bandwidth measured in this run).
-Eager mode only: CUDA graphs are not implemented yet, so host overhead is part of every figure.
+Each case runs twice in the same process: replaying the captured CUDA graph, and eagerly (same fused kernels,
+no graph), so the ratio is side by side. At the end the three models are loaded together by memory fraction
+(the coordinated budget of config/mixture) and each runs a graph decode step.
 
-    python perf/bench_runner.py --out perf/results/runner_h200.json [--models qwen3-0.6b,qwen3-32b]
+    python perf/bench_runner.py --out perf/results/runner_h200.json [--models qwen3-0.6b,qwen3-32b] [--quick]
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import gc
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -55,8 +58,29 @@ def copy_bandwidth(n_bytes: int = 4 << 30) -> float:
 
 
 def time_forward(runner: ModelRunner, chunks: list[ScheduledChunk], iters: int) -> float:
-    """Median seconds of runner.forward over `iters` runs (KV content is irrelevant to timing)."""
+    """Median seconds of runner.forward over `iters` runs (KV content is irrelevant to timing). The events
+    bracket the host work of the step too (batch preparation, launches): the GPU idles through it."""
     return median_gpu_seconds(lambda: runner.forward(chunks), iters=iters, warmup=3)
+
+
+def time_both(runner: ModelRunner, chunks: list[ScheduledChunk], iters: int) -> tuple[float | None, float]:
+    """(seconds with the CUDA graph, seconds eager); the first is None when no captured graph fits."""
+    graphs = runner.graphs
+    graph_t = None
+    if graphs is not None and graphs.fits(chunks) is not None:
+        before = graphs.num_replays
+        graph_t = time_forward(runner, chunks, iters)
+        assert graphs.num_replays > before, "the graph path did not run"
+    runner.graphs = None
+    try:
+        eager_t = time_forward(runner, chunks, iters)
+    finally:
+        runner.graphs = graphs
+    return graph_t, eager_t
+
+
+def _ms(t: float | None) -> str:
+    return "-" if t is None else f"{t * 1e3:.2f}"
 
 
 def make_chunks(bm: BlockManager, batch: int, context: int, new: int, vocab: int) -> list[ScheduledChunk]:
@@ -76,12 +100,30 @@ def release(bm: BlockManager, chunks: list[ScheduledChunk]) -> None:
         bm.release(c.seq)
 
 
-def bench_model(name: str, bandwidth: float, attention: str, quick: bool) -> dict:
+def r2r_hook(runner: ModelRunner):
+    """R2R's router (hidden_dim 1024, top-100 logits) as the step hook, as the small model's subserver runs it."""
+    from tokenrouter.routing.policy import StepResult, make_policy
+
+    policy = make_policy("r2r", ["small", "large"], "small", {"threshold": 0.5})
+    a = runner.arch
+    policy.setup(runner.device, runner.dtype, a.hidden_size, a.vocab_size)
+    embed = runner.model.model.embed_tokens
+    return lambda logits, hidden, greedy: policy.step_tensors(StepResult(logits, hidden, greedy, embed))
+
+
+def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_router: bool) -> dict:
     path = ROOT / "perf" / "models" / name
     kv_tokens = {"qwen3-0.6b": 600_000, "qwen3-8b": 300_000, "qwen3-32b": 160_000}[name]
     cfg = ModelConfig(name=name, path=str(path), dtype="bfloat16", device="cuda:0", load_format="dummy",
                       kv_cache_tokens=kv_tokens, max_model_len=16384, attention=attention)
+    t0 = time.perf_counter()
     runner = ModelRunner(cfg, default_kv_tokens=kv_tokens)
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    runner.setup_step(None)
+    capture_s = time.perf_counter() - t0
+    num_graphs = len(runner.graphs.graphs) if runner.graphs is not None else 0
+    print(f"{name}: loaded in {load_s:.1f} s, {num_graphs} CUDA graphs captured in {capture_s:.1f} s", flush=True)
     bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
     arch = runner.arch
     # A decode step reads every weight once except the input embedding (only B rows of it); a tied
@@ -90,51 +132,129 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool) -> dic
     floor = floor_bytes / bandwidth
     iters = 5 if quick else 20
     out: dict = {"model": name, "attention": runner.attn_backend.name, "weight_read_floor_ms": floor * 1e3,
-                 "decode": [], "extend": [], "prefill": []}
+                 "load_s": load_s, "num_graphs": num_graphs, "capture_s": capture_s,
+                 "graph_pool_mib": torch.cuda.memory_reserved() / 2**20,
+                 "decode": [], "extend": [], "prefill": [], "router": []}
+
+    def case(batch: int, context: int, new: int, n_iters: int = iters) -> tuple[float | None, float]:
+        chunks = make_chunks(bm, batch, context, new, arch.vocab_size)
+        try:
+            return time_both(runner, chunks, n_iters)
+        finally:
+            release(bm, chunks)
+
     for context in (1024, 8192):
         for batch in (1, 4, 8, 16, 32, 64):
             if batch * (context + 1) > runner.num_blocks * runner.block_size:
                 continue
-            chunks = make_chunks(bm, batch, context, 1, arch.vocab_size)
-            t = time_forward(runner, chunks, iters)
-            release(bm, chunks)
-            out["decode"].append({"batch": batch, "context": context, "ms": t * 1e3, "x_floor": t / floor})
-            print(f"{name} decode b={batch:3d} ctx={context:5d}: {t * 1e3:7.2f} ms ({t / floor:.2f}x floor)",
-                  flush=True)
-    for total in (1, 8, 16, 32, 64, 80):
-        batch = min(8, total)
-        new = max(1, total // batch)
-        chunks = make_chunks(bm, batch, 1024, new, arch.vocab_size)
-        t = time_forward(runner, chunks, iters)
-        release(bm, chunks)
-        out["extend"].append({"batch": batch, "suffix": new, "tokens": batch * new, "ms": t * 1e3})
-        print(f"{name} extend {batch}x{new} on 1k: {t * 1e3:7.2f} ms", flush=True)
+            g, e = case(batch, context, 1)
+            row = {"batch": batch, "context": context, "graph_ms": g and g * 1e3, "eager_ms": e * 1e3,
+                   "graph_x_floor": g and g / floor, "eager_x_floor": e / floor}
+            out["decode"].append(row)
+            print(f"{name} decode b={batch:3d} ctx={context:5d}: graph {_ms(g)} ms ({row['graph_x_floor'] or 0:.2f}x "
+                  f"floor), eager {_ms(e)} ms", flush=True)
+    decode8 = next(d for d in out["decode"] if d["batch"] == 8 and d["context"] == 1024)
+    # Suffixes a returning request brings: 1..64 tokens for one request, and 8 requests x 1..10 tokens.
+    for batch, new in ((1, 2), (1, 4), (1, 8), (1, 16), (1, 32), (1, 64), (8, 2), (8, 4), (8, 8), (8, 10)):
+        g, e = case(batch, 1024, new)
+        row = {"batch": batch, "suffix": new, "tokens": batch * new, "graph_ms": g and g * 1e3, "eager_ms": e * 1e3}
+        if batch == 8 and g is not None and decode8["graph_ms"]:
+            row["graph_x_decode_b8"] = g * 1e3 / decode8["graph_ms"]
+        out["extend"].append(row)
+        print(f"{name} extend {batch}x{new} on 1k: graph {_ms(g)} ms, eager {_ms(e)} ms", flush=True)
     for length in (100, 8192):
-        chunks = make_chunks(bm, 1, 0, length, arch.vocab_size)
-        t = time_forward(runner, chunks, max(3, iters // 2))
-        release(bm, chunks)
-        out["prefill"].append({"tokens": length, "ms": t * 1e3, "tok_per_s": length / t})
-        print(f"{name} prefill {length}: {t * 1e3:7.2f} ms ({length / t:,.0f} tok/s)", flush=True)
+        g, e = case(1, 0, length, max(3, iters // 2))
+        out["prefill"].append({"tokens": length, "graph_ms": g and g * 1e3, "eager_ms": e * 1e3,
+                               "tok_per_s": length / min(x for x in (g, e) if x is not None)})
+        print(f"{name} prefill {length}: graph {_ms(g)} ms, eager {_ms(e)} ms", flush=True)
+    if with_router:
+        # The same decode steps with R2R's router captured into the graphs (what the small model runs).
+        runner.graphs = None
+        runner.setup_step(r2r_hook(runner))
+        for batch in (1, 8, 32):
+            g, e = case(batch, 1024, 1)
+            plain = next(d for d in out["decode"] if d["batch"] == batch and d["context"] == 1024)
+            out["router"].append({"batch": batch, "graph_ms": g and g * 1e3, "eager_ms": e * 1e3,
+                                  "plain_graph_ms": plain["graph_ms"]})
+            print(f"{name} decode+r2r b={batch}: graph {_ms(g)} ms (without router {plain['graph_ms']} ms), "
+                  f"eager {_ms(e)} ms", flush=True)
     bm.check_integrity([])
-    del runner
+    runner = None  # drop the weights before the next model loads
     gc.collect()
     torch.cuda.empty_cache()
     return out
 
 
+def colocate(configs: list[tuple[str, float]]) -> dict:
+    """Load several models on the one GPU, each sized by its kv_memory_fraction, capture their graphs, and run a
+    decode step on each: the coordinated memory budget of a routed deployment (e.g. config/mixture)."""
+    runners, rows = [], []
+    for name, fraction in configs:
+        cfg = ModelConfig(name=name, path=str(ROOT / "perf" / "models" / name), dtype="bfloat16", device="cuda:0",
+                          load_format="dummy", kv_memory_fraction=fraction, max_model_len=16384)
+        runner = ModelRunner(cfg, default_kv_tokens=0)
+        runner.setup_step(None)
+        runners.append(runner)
+        rows.append({"model": name, "fraction": fraction, "weights_gib": runner.weight_bytes / 2**30,
+                     "kv_tokens": runner.num_blocks * runner.block_size,
+                     "allocated_gib": torch.cuda.memory_allocated() / 2**30})
+    for runner, row in zip(runners, rows):
+        bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
+        chunks = make_chunks(bm, 8, 1024, 1, runner.arch.vocab_size)
+        row["decode_b8_graph_ms"] = time_forward(runner, chunks, 10) * 1e3
+        release(bm, chunks)
+    free, total = torch.cuda.mem_get_info()
+    out = {"models": rows, "gpu_total_gib": total / 2**30, "gpu_free_gib": free / 2**30}
+    for r in rows:
+        print(f"colocated {r['model']}: fraction {r['fraction']}, weights {r['weights_gib']:.1f} GiB, "
+              f"KV {r['kv_tokens']:,} tokens, decode b8 {r['decode_b8_graph_ms']:.2f} ms", flush=True)
+    del runners
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def _f(x: float | None, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
 def markdown(results: dict) -> str:
     lines = [f"# Runner benchmark ({results['device']}, {results['date']})", "",
-             f"Command: `{results['command']}`", "",
-             f"Device-to-device copy bandwidth (read + write): {results['copy_bandwidth_tb_s']:.2f} TB/s. "
-             "Eager mode (no CUDA graphs yet).", ""]
+             f"Command: `{results['command']}` (torch {results['torch']}).", "",
+             f"Device-to-device copy bandwidth (read + write), measured in the same run: "
+             f"{results['copy_bandwidth_tb_s']:.2f} TB/s. Weight-read floor = decode weight bytes / that bandwidth. "
+             "Every time is the median of CUDA-event-timed steps including the host's batch preparation "
+             "(graph: fill static inputs + one replay; eager: the same model, fused kernels, no graph).", ""]
     for m in results["models"]:
-        title = f"## {m['model']} (attention: {m['attention']}, weight-read floor {m['weight_read_floor_ms']:.2f} ms)"
-        lines += [title, "", "| decode batch | context | ms/step | x floor |", "|---|---|---|---|"]
-        lines += [f"| {d['batch']} | {d['context']} | {d['ms']:.2f} | {d['x_floor']:.2f} |" for d in m["decode"]]
-        lines += ["", "| extend | tokens | ms |", "|---|---|---|"]
-        lines += [f"| {e['batch']} x {e['suffix']} | {e['tokens']} | {e['ms']:.2f} |" for e in m["extend"]]
-        lines += ["", "| prefill tokens | ms | tok/s |", "|---|---|---|"]
-        lines += [f"| {p['tokens']} | {p['ms']:.1f} | {p['tok_per_s']:,.0f} |" for p in m["prefill"]]
+        lines += [f"## {m['model']} (attention: {m['attention']}, weight-read floor "
+                  f"{m['weight_read_floor_ms']:.2f} ms, {m['num_graphs']} graphs captured in {m['capture_s']:.1f} s)",
+                  "",
+                  "| decode batch | context | graph ms | x floor | eager ms | x floor | eager / graph |",
+                  "|---|---|---|---|---|---|---|"]
+        for d in m["decode"]:
+            ratio = d["eager_ms"] / d["graph_ms"] if d["graph_ms"] else None
+            lines.append(f"| {d['batch']} | {d['context']} | {_f(d['graph_ms'])} | {_f(d['graph_x_floor'])} | "
+                         f"{d['eager_ms']:.2f} | {d['eager_x_floor']:.2f} | {_f(ratio)} |")
+        lines += ["", "| extend (requests x suffix, 1k context) | tokens | graph ms | eager ms | graph / decode b8 |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {e['batch']} x {e['suffix']} | {e['tokens']} | {_f(e['graph_ms'])} | {e['eager_ms']:.2f} | "
+                  f"{_f(e.get('graph_x_decode_b8'))} |" for e in m["extend"]]
+        lines += ["", "| prefill tokens | graph ms | eager ms | tok/s |", "|---|---|---|---|"]
+        lines += [f"| {p['tokens']} | {_f(p['graph_ms'], '.1f')} | {p['eager_ms']:.1f} | {p['tok_per_s']:,.0f} |"
+                  for p in m["prefill"]]
+        if m["router"]:
+            lines += ["", "| decode + R2R router (1k context) | graph ms | without router, graph ms | eager ms |",
+                      "|---|---|---|---|"]
+            lines += [f"| {r['batch']} | {_f(r['graph_ms'])} | {_f(r['plain_graph_ms'])} | {r['eager_ms']:.2f} |"
+                      for r in m["router"]]
+        lines.append("")
+    if results.get("colocate"):
+        c = results["colocate"]
+        lines += [f"## Colocated on one GPU ({c['gpu_total_gib']:.0f} GiB, {c['gpu_free_gib']:.1f} GiB left free)", "",
+                  "| model | kv_memory_fraction | weights GiB | KV tokens | decode b8 1k graph ms |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['fraction']} | {r['weights_gib']:.1f} | {r['kv_tokens']:,} | "
+                  f"{r['decode_b8_graph_ms']:.2f} |" for r in c["models"]]
         lines.append("")
     return "\n".join(lines)
 
@@ -144,6 +264,9 @@ def main() -> int:
     ap.add_argument("--models", default="qwen3-0.6b,qwen3-8b,qwen3-32b")
     ap.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-router", action="store_true", help="skip the decode + R2R router case on qwen3-0.6b")
+    ap.add_argument("--colocate", default="qwen3-0.6b:0.06,qwen3-8b:0.16,qwen3-32b:0.72",
+                    help="model:fraction list loaded together at the end ('' to skip)")
     ap.add_argument("--out", default=str(ROOT / "perf" / "results" / "runner.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -155,8 +278,13 @@ def main() -> int:
                "command": "python " + " ".join(sys.argv), "torch": torch.__version__,
                "copy_bandwidth_tb_s": bw / 1e12, "models": []}
     for name in args.models.split(","):
-        results["models"].append(bench_model(name, bw, args.attention, args.quick))
+        with_router = name == "qwen3-0.6b" and not args.no_router
+        results["models"].append(bench_model(name, bw, args.attention, args.quick, with_router))
         Path(args.out).write_text(json.dumps(results, indent=2))
+    if args.colocate:
+        pairs = [(p.split(":")[0], float(p.split(":")[1])) for p in args.colocate.split(",")]
+        results["colocate"] = colocate(pairs)
+    Path(args.out).write_text(json.dumps(results, indent=2))
     Path(args.out).with_suffix(".md").write_text(markdown(results))
     print(markdown(results))
     return 0

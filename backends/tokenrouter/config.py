@@ -43,14 +43,21 @@ class ModelConfig:
     # Context limit; None takes max_position_embeddings from config.json.
     max_model_len: int | None = None
     block_size: int = 16
-    # KV pool size: an explicit token budget wins; otherwise a fraction of the device memory left after
-    # the weights load (CUDA), or `cpu_kv_cache_tokens` on the CPU.
+    # KV pool size: an explicit token budget wins; otherwise, on CUDA, this model may use
+    # kv_memory_fraction of the whole GPU for its weights plus its KV pool (models sharing a GPU split it:
+    # their fractions must sum to <= 1); on the CPU, `cpu_kv_cache_tokens`.
     kv_cache_tokens: int | None = None
     kv_memory_fraction: float = 0.9
     enable_prefix_caching: bool = True
     # Attention backend: torch (exact, any device), triton (GPU kernels), auto (triton on CUDA when
     # the triton package is importable, else torch).
     attention: Literal["auto", "torch", "triton"] = "auto"
+    # CUDA graphs (GPU with the triton attention backend): decode steps of up to cuda_graph_max_batch
+    # sequences and extends of up to cuda_graph_max_tokens tokens replay captured graphs; 0 or
+    # enforce_eager turns them off. Capture takes memory (one shared pool) and a few seconds at startup.
+    enforce_eager: bool = False
+    cuda_graph_max_batch: int = 64
+    cuda_graph_max_tokens: int = 128
     max_num_seqs: int = 256
     # Token budget of one forward pass; longer prompts are prefilled in chunks.
     max_num_batched_tokens: int = 2048
@@ -72,6 +79,9 @@ class ModelConfig:
         for key in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{where}.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("cuda_graph_max_batch", "cuda_graph_max_tokens"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{where}.{key} must be >= 0, got {getattr(self, key)}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ConfigError(f"{where}.kv_cache_tokens must hold at least one block ({self.block_size})")
         if not 0.0 < self.kv_memory_fraction <= 1.0:
@@ -138,8 +148,26 @@ class EngineConfig:
         if not isinstance(self.policy, dict) or not isinstance(self.policy.get("name"), str):
             raise ConfigError("'policy' must be a mapping with a 'name' (e.g. {name: r2r, threshold: 0.5})")
         self.batching.validate(list(self.models))
+        self._validate_shared_devices()
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
             raise ConfigError(f"tokenizer directory {self.tokenizer!r} does not exist")
+
+    def _validate_shared_devices(self) -> None:
+        """Models sized by memory fraction on one GPU split that GPU: their fractions may not add up past 1
+        (each model checks only its own share when it loads, so an overcommit would surface as an out-of-memory
+        error in whichever model loads last)."""
+        shares: dict[str, list[ModelConfig]] = {}
+        for m in self.models.values():
+            if m.device != "cpu" and m.kv_cache_tokens is None:
+                shares.setdefault("cuda:0" if m.device == "cuda" else m.device, []).append(m)
+        for device, ms in shares.items():
+            total = sum(m.kv_memory_fraction for m in ms)
+            if len(ms) > 1 and total > 1.0 + 1e-9:
+                parts = ", ".join(f"{m.name}: {m.kv_memory_fraction}" for m in ms)
+                raise ConfigError(
+                    f"models on {device} claim kv_memory_fraction {total:g} of it in total ({parts}); "
+                    "the fractions of models sharing a GPU must sum to <= 1"
+                )
 
     def policy_spec(self) -> tuple[str, dict[str, Any]]:
         """(policy name, its arguments); `always` without a model keeps everything on the entry model."""

@@ -31,6 +31,14 @@ from tokenrouter.transport.messages import Append, Arrive, Commit, Event, Failed
 log = logging.getLogger(__name__)
 
 
+def to_host(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Copy device tensors to the host with one synchronization for all of them."""
+    out = [t if t is None or t.device.type == "cpu" else t.to("cpu", non_blocking=True) for t in tensors]
+    if any(t is not None and t.device.type == "cuda" for t in tensors):
+        torch.cuda.current_stream(next(t.device for t in tensors if t is not None)).synchronize()
+    return out
+
+
 class Subserver:
     def __init__(
         self,
@@ -50,6 +58,7 @@ class Subserver:
         policy.tokenizer = stop.tokenizer
         a = self.runner.arch
         policy.setup(self.runner.device, self.runner.dtype, a.hidden_size, a.vocab_size)
+        self.runner.setup_step(self._step_hook() if len(policy.models) > 1 else None)
         self.stop = stop
         self.emit = emit
         self.seqs: dict[str, Sequence] = {}
@@ -188,15 +197,22 @@ class Subserver:
                 c.seq.ready_since = None
         out = self.runner.forward(chunks)
         sampling = [c.seq for c in chunks if c.samples]
-        tokens_dev = sample(out.logits, [s.params for s in sampling], [s.generator for s in sampling])
+        tokens_dev, values_dev = out.greedy, out.step_values
+        if not all(s.params.greedy for s in sampling):
+            # The step's policy values were computed on the greedy tokens: redo them on the sampled ones.
+            tokens_dev = sample(out.logits, [s.params for s in sampling], [s.generator for s in sampling])
+            values_dev = self._step_values(out.logits, out.hidden, tokens_dev)
         for c in chunks:
             c.seq.num_computed_tokens += c.num_new_tokens
             self.block_manager.register_full_blocks(c.seq)
         if sampling:
+            # The step's one host synchronization: its tokens and the policy's values together.
+            tokens, values = to_host(tokens_dev, values_dev)
             views = [self._route_view(s) for s in sampling]
-            result = StepResult(out.logits, out.hidden, tokens_dev, self.runner.model.model.embed_tokens)
+            embed = self.runner.model.model.embed_tokens
+            result = StepResult(out.logits, out.hidden, tokens_dev, embed, step_values=values)
             targets = self._route(views, result)
-            for seq, view, tok, target in zip(sampling, views, tokens_dev.tolist(), targets):
+            for seq, view, tok, target in zip(sampling, views, tokens.tolist(), targets):
                 self._postprocess(seq, view, tok, target)
             done = time.monotonic()  # one clock read per step: when these requests became ready again
             for seq in sampling:
@@ -205,6 +221,20 @@ class Subserver:
         self.last_batch_size = len(chunks)
         self.stats.record_step(len(chunks), time.perf_counter() - t0)
         return len(chunks)
+
+    def _step_hook(self):
+        """The policy's device work on each step's outputs, for the runner to run (and capture) with the step."""
+        embed = self.runner.model.model.embed_tokens
+
+        def hook(logits: torch.Tensor, hidden: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor | None:
+            return self.policy.step_tensors(StepResult(logits, hidden, greedy, embed))
+
+        return hook
+
+    def _step_values(self, logits: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
+        if self.runner.step_hook is None or not len(tokens):
+            return None
+        return self.runner.step_hook(logits, hidden, tokens)
 
     def safe_step(self) -> int:
         """`step`, but an error (a policy routing to an unknown model, an internal failure) fails the

@@ -14,6 +14,7 @@ follow the request goes in `RouteRequest.state`, a JSON-serializable dict carrie
 from __future__ import annotations
 
 import hashlib
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cached_property
@@ -66,9 +67,12 @@ class StepResult:
         hidden: torch.Tensor,  # [S, H] final-norm hidden state of the last token
         token_ids: torch.Tensor,  # [S] sampled ids
         embed_tokens: torch.nn.Module,
+        step_values: torch.Tensor | None = None,
     ) -> None:
         self.logits, self.hidden, self.token_ids = logits, hidden, token_ids
         self._embed_tokens = embed_tokens
+        # Host copy of the policy's `step_tensors` for this step, when the engine computed it already.
+        self.step_values = step_values
 
     @cached_property
     def log_probs(self) -> torch.Tensor:  # [S, V]
@@ -81,7 +85,7 @@ class StepResult:
 
     @cached_property
     def normalized_entropy(self) -> torch.Tensor:  # [S] in [0, 1]: H / log(V)
-        return self.entropy / torch.log(torch.tensor(float(self.logits.shape[-1])))
+        return self.entropy / math.log(self.logits.shape[-1])
 
     @cached_property
     def token_embeddings(self) -> torch.Tensor:  # [S, H] embedding of each sampled token
@@ -127,6 +131,23 @@ class Policy(ABC):
     def initial_state(self, prompt_ids: list[int]) -> dict[str, Any]:
         """Per-request state at admission (travels with the request)."""
         return {}
+
+    def step_tensors(self, result: StepResult) -> torch.Tensor | None:
+        """The device work of `route` ([S] or [S, k] per-row values, e.g. a router network's logits), or None.
+
+        The engine runs it right after the forward pass on the greedy tokens, inside the step's CUDA graph
+        when there is one, and copies its output to the host in the step's single synchronization; `route`
+        reads it through `host_step_values`. So it must be graph-safe: tensor ops on the given shapes only,
+        no host copies (`.item()`, `.tolist()`), no branches on tensor values. Rows may include padding.
+        """
+        return None
+
+    def host_step_values(self, result: StepResult) -> torch.Tensor | None:
+        """This step's `step_tensors` on the host: the engine's copy, or computed now (e.g. in a reference)."""
+        if result.step_values is not None:
+            return result.step_values
+        values = self.step_tensors(result)
+        return None if values is None else values.cpu()
 
     # -- the three functions --------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -14,9 +15,17 @@ class AttentionBackend(ABC):
     """Writes new K/V into the pool and attends the new queries over each sequence's whole context."""
 
     name: str = ""
+    # Whether `graph_state` exists: the backend's launches depend only on shapes fixed per graph, not on
+    # host-side lengths, so a forward pass through it can be captured in a CUDA graph.
+    supports_cuda_graphs: bool = False
 
     def prepare(self, batch: ForwardBatch) -> None:
         """Precompute per-batch state once, before the layers run (layers share it)."""
+
+    def graph_state(self, num_seqs: int, num_tokens: int, has_extend: bool, max_kv_len: int) -> Any:
+        """Launch state for every batch that a CUDA graph of this shape will replay (lengths unknown on the
+        host: only bounds). Set as `batch.attn_state` instead of calling `prepare`."""
+        raise NotImplementedError(f"attention backend {self.name!r} cannot run in a CUDA graph")
 
     @staticmethod
     def store_kv(

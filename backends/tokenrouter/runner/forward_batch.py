@@ -20,9 +20,11 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64, KV pool slot each new token is written to
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
-    cu_seqlens_q: torch.Tensor  # [B + 1] int32
-    kv_lens: torch.Tensor  # [B] int32, cached + new tokens
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32 (int64 in CUDA-graph batches)
+    kv_lens: torch.Tensor  # [B] int32 (int64 in CUDA-graph batches), cached + new tokens
     logits_indices: torch.Tensor  # [S] int64, rows of the hidden states that need logits
+    # Host copies of the lengths for backends that loop on the host (empty in CUDA-graph batches, whose
+    # lengths only live on the device).
     q_lens_cpu: list[int] = field(default_factory=list)
     kv_lens_cpu: list[int] = field(default_factory=list)
     block_size: int = 16
@@ -31,7 +33,7 @@ class ForwardBatch:
 
     @property
     def num_seqs(self) -> int:
-        return len(self.q_lens_cpu)
+        return int(self.kv_lens.shape[0])
 
     @property
     def num_tokens(self) -> int:

@@ -11,12 +11,30 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """RMSNorm; given a residual, first adds it (x + residual becomes the new residual, as in vLLM's
+    fused_add_rms_norm), so a decoder layer hands one tensor pair from norm to norm."""
+
+    def __init__(self, dim: int, eps: float, fused: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = fused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            from tokenrouter.runner import fused_ops
+
+            if residual is None:
+                return fused_ops.rms_norm(x, self.weight, self.eps)
+            return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in float32 as the reference implementations do; only the result is cast back.
         dtype = x.dtype
         x = x.float()
@@ -75,11 +93,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up in one matmul."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, fused: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            from tokenrouter.runner import fused_ops
+
+            return self.down_proj(fused_ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -11,6 +11,7 @@ from tokenrouter.config import ModelConfig
 from tokenrouter.engine.scheduler import ScheduledChunk
 from tokenrouter.runner.arch import ArchConfig
 from tokenrouter.runner.attention import get_backend
+from tokenrouter.runner.cuda_graph import CudaGraphRunner, StepHook, graph_shapes
 from tokenrouter.runner.forward_batch import ForwardBatch
 from tokenrouter.runner.model import CausalLM
 from tokenrouter.runner.weights import init_dummy, load_safetensors
@@ -34,10 +35,13 @@ def _attention_for(choice: str, device: torch.device) -> str:
 
 @dataclass
 class ForwardOutput:
-    """Per sampling sequence (rows in batch order of the chunks that sample)."""
+    """Per sampling sequence (rows in batch order of the chunks that sample). After a CUDA-graph replay these
+    are the graph's own buffers: valid until the next forward."""
 
     logits: torch.Tensor  # [S, vocab] float32
     hidden: torch.Tensor  # [S, hidden] final-norm hidden state of the last token
+    greedy: torch.Tensor  # [S] int64 argmax of the logits
+    step_values: torch.Tensor | None = None  # [S, ...] the step hook's output on (logits, hidden, greedy)
 
 
 class ModelRunner:
@@ -50,23 +54,26 @@ class ModelRunner:
         self.dtype = _DTYPES[cfg.dtype]
         self.max_model_len = cfg.max_model_len or self.arch.max_position_embeddings
         before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        self.model = self._load_model()
+        self.attn_backend = get_backend(_attention_for(cfg.attention, self.device))
+        # The Triton attention path also gets the fused Triton kernels between the matmuls.
+        self.model = self._load_model(fused=self.attn_backend.name == "triton")
         # What this model's weights took, whatever else shares the device (other models, other processes).
         self.weight_bytes = (torch.cuda.memory_allocated(self.device) - before) if self.device.type == "cuda" else 0
-        self.attn_backend = get_backend(_attention_for(cfg.attention, self.device))
         self.block_size = cfg.block_size
         self.num_blocks = self._num_kv_blocks(default_kv_tokens)
         self._allocate_kv_cache()
         # The pool bounds a single sequence's length too.
         self.max_model_len = min(self.max_model_len, self.num_blocks * self.block_size)
         self.num_forwarded_tokens = 0
+        self.step_hook: StepHook | None = None
+        self.graphs: CudaGraphRunner | None = None
 
-    def _load_model(self) -> CausalLM:
+    def _load_model(self, fused: bool) -> CausalLM:
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = CausalLM(self.arch, max_positions=self.max_model_len)
+                model = CausalLM(self.arch, max_positions=self.max_model_len, fused=fused)
         finally:
             torch.set_default_dtype(prev)
         # RoPE tables stay float32 whatever the weights' dtype.
@@ -145,14 +152,51 @@ class ModelRunner:
             block_size=bs,
         )
 
+    @property
+    def cuda_graphs_possible(self) -> bool:
+        cfg = self.cfg
+        return (
+            self.device.type == "cuda"
+            and self.attn_backend.supports_cuda_graphs
+            and not cfg.enforce_eager
+            and (cfg.cuda_graph_max_batch > 0 or cfg.cuda_graph_max_tokens > 0)
+        )
+
+    def setup_step(self, step_hook: StepHook | None = None, capture: bool = True) -> None:
+        """Set the tensor work that follows every forward pass (the routing policy's), then capture the CUDA
+        graphs that include it, when the device and config allow. Call once, after the policy is built.
+
+        `capture=False` on the CPU builds the graph runner without capturing (tests of the padded path)."""
+        self.step_hook = step_hook
+        if not (self.cuda_graphs_possible or (not capture and self.attn_backend.supports_cuda_graphs)):
+            return
+        cfg = self.cfg
+        shapes = graph_shapes(min(cfg.cuda_graph_max_batch, cfg.max_num_seqs), cfg.cuda_graph_max_tokens)
+        if not shapes:
+            return
+        self.graphs = CudaGraphRunner(
+            self.model, self.attn_backend, self.device, self.block_size, self.max_model_len, shapes, step_hook
+        )
+        if capture:
+            self.graphs.capture()
+
     @torch.inference_mode()
     def forward(self, chunks: list[ScheduledChunk]) -> ForwardOutput:
         """Run one mixed batch; KV of the new tokens is written to the pool; counters are NOT advanced."""
+        for c in chunks:
+            c.seq.num_forwarded_tokens += c.num_new_tokens
+        self.num_forwarded_tokens += sum(c.num_new_tokens for c in chunks)
+        shape = self.graphs.fits(chunks) if self.graphs is not None else None
+        if shape is not None:
+            out = self.graphs.run(chunks, shape)
+            return ForwardOutput(out.logits, out.hidden, out.greedy, out.step_values)
         batch = self.prepare(chunks)
         self.attn_backend.prepare(batch)
         hidden = self.model(batch, self.attn_backend)
         last = hidden[batch.logits_indices]
-        for c in chunks:
-            c.seq.num_forwarded_tokens += c.num_new_tokens
-        self.num_forwarded_tokens += batch.num_tokens
-        return ForwardOutput(logits=self.model.compute_logits(last), hidden=last)
+        logits = self.model.compute_logits(last)
+        greedy = logits.argmax(dim=-1)
+        values = None
+        if self.step_hook is not None and len(last):
+            values = self.step_hook(logits, last, greedy)
+        return ForwardOutput(logits, last, greedy, values)

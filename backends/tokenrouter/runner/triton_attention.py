@@ -326,6 +326,7 @@ class TritonAttention(AttentionBackend):
     """
 
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(
         self,
@@ -351,6 +352,17 @@ class TritonAttention(AttentionBackend):
             num_extend=len(ext_q),
             max_decode_kv_len=max(dec_kv, default=0),
             max_extend_q_len=max(ext_q, default=0),
+        )
+
+    def graph_state(self, num_seqs: int, num_tokens: int, has_extend: bool, max_kv_len: int) -> _TritonState:
+        # Every row may be a decode row (the decode grid covers all sequences and skips the others on the
+        # device); the extend grid is sized for the longest possible suffix. Splits are picked for the longest
+        # context, so short ones leave most splits empty (those programs return at once).
+        return _TritonState(
+            num_decode=num_seqs,
+            num_extend=1 if has_extend else 0,
+            max_decode_kv_len=max_kv_len,
+            max_extend_q_len=num_tokens,
         )
 
     def forward(

@@ -122,6 +122,9 @@ class GlimpRouterPolicy(Policy):
     def initial_state(self, prompt_ids: list[int]) -> dict[str, Any]:
         return {STATE_KEY: True}
 
+    def step_tensors(self, result: StepResult) -> torch.Tensor | None:
+        return top_k_entropy(result.logits, self.top_k) if self.model == self.models[0] else None
+
     def route(self, batch: list[RouteRequest], result: StepResult) -> list[RouteDecision]:
         small, large = self.models
         if self.model != small:
@@ -130,8 +133,8 @@ class GlimpRouterPolicy(Policy):
         decisions: list[RouteDecision] = [small] * len(batch)
         if not starts:
             return decisions
-        # One batched entropy over all rows and one host copy (cheaper than gathering the start rows).
-        hard = (top_k_entropy(result.logits, self.top_k) > self.threshold).tolist()
+        # One batched entropy over all rows, computed with the step (cheaper than gathering the start rows).
+        hard = (self.host_step_values(result) > self.threshold).tolist()
         for i in starts:
             # A routed step comes back as a hand-back, which starts the next step; an accepted glimpse is
             # the first token of a step the small model now writes.

@@ -53,12 +53,15 @@ class LearnedRouterPolicy(Policy):
         with torch.inference_mode():
             return self.net(*self.net_inputs(result))
 
+    def step_tensors(self, result: StepResult) -> torch.Tensor | None:
+        return self.logits(result) if self.model == self.models[0] else None
+
     def route(self, batch: list[RouteRequest], result: StepResult) -> list[RouteDecision]:
         small, large = self.models
         if self.model != small or not batch:
             return [self.model] * len(batch)
-        # The rule as one device op and one host copy for the whole step.
-        flags = sigmoid_rule(self.logits(result), self.RULE, self.threshold).tolist()
+        # The network ran on the device with the step; the rule is applied to its host copy.
+        flags = sigmoid_rule(self.host_step_values(result), self.RULE, self.threshold).tolist()
         return [large if f else small for f in flags]
 
     def receive(self, req: RouteRequest, source: str) -> Lease | None:

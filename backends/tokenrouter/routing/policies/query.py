@@ -54,6 +54,9 @@ class QueryPolicy(Policy):
             raise RuntimeError("policy 'query' (by: score): setup() must run before route()")
         return result.hidden.float() @ self.direction
 
+    def step_tensors(self, result: StepResult) -> torch.Tensor | None:
+        return self.scores_logit(result) if self.by == "score" else None
+
     def route(self, batch: list[RouteRequest], result: StepResult) -> list[RouteDecision]:
         small, large = self.models
         undecided = [i for i, req in enumerate(batch) if STATE_KEY not in req.state]
@@ -64,7 +67,7 @@ class QueryPolicy(Policy):
                     req.state[STATE_KEY] = large if req.num_prompt_tokens > self.max_prompt_tokens else small
             else:
                 # One batched projection and one host copy for the whole step.
-                to_large = sigmoid_rule(self.scores_logit(result), ">=", self.threshold).tolist()
+                to_large = sigmoid_rule(self.host_step_values(result), ">=", self.threshold).tolist()
                 for i in undecided:
                     batch[i].state[STATE_KEY] = large if to_large[i] else small
         return [req.state[STATE_KEY] for req in batch]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from tokenrouter.routing.policies._common import check_models, number_arg
 from tokenrouter.routing.policy import Lease, Policy, RouteDecision, RouteRequest, StepResult, register
 
@@ -31,13 +33,16 @@ class RStitchPolicy(Policy):
         # No ordering between the two is imposed: each model compares its own entropy, so tau_low > tau_high
         # is legitimate (e.g. models whose entropies sit in different ranges).
 
+    def step_tensors(self, result: StepResult) -> torch.Tensor:
+        return result.normalized_entropy
+
     def route(self, batch: list[RouteRequest], result: StepResult) -> list[RouteDecision]:
         if not batch:
             return []
         small, large = self.models
-        ent = result.normalized_entropy
+        ent = self.host_step_values(result)
         if self.model == small:
-            flags = (ent > self.tau_high).tolist()  # one host copy per step
+            flags = (ent > self.tau_high).tolist()
             return [large if f else small for f in flags]
         flags = (ent < self.tau_low).tolist()
         return [small if f else large for f in flags]

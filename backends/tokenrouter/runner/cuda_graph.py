@@ -1,0 +1,262 @@
+"""CUDA graphs for the small forward passes that dominate token routing: decode at fixed batch sizes, and short
+extends (the suffix a request brings back from another model) at fixed token counts.
+
+A graph is captured per shape `GraphShape(num_seqs, num_tokens)`. A real batch replays the smallest graph it
+fits: its sequences fill the first rows, the rest of the rows are padding sequences with no tokens (both
+attention kernels skip them on the device), and tokens past the real ones belong to no sequence and write no
+KV (slot -1). Each graph holds the whole step on the device: the model, the logits of every sequence's last
+token, the greedy token, and the routing policy's tensor work on them (`step_hook`), so one replay plus one
+device-to-host copy of its results is a step.
+
+All graphs are captured largest first into one memory pool, so the smaller ones reuse the largest one's
+activation memory. Inputs go through static buffers: the host fills pinned mirrors and copies them with two
+asynchronous copies (the lengths and indices in one, the block tables in the other); nothing synchronizes
+before the replay.
+
+On a CPU (tests under TRITON_INTERPRET=1) nothing is captured: `run` executes the same padded static batch
+eagerly, so CI checks the padding and bucket logic against the unpadded path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tokenrouter.engine.scheduler import ScheduledChunk
+from tokenrouter.runner.attention import AttentionBackend
+from tokenrouter.runner.forward_batch import ForwardBatch
+from tokenrouter.runner.model import CausalLM
+
+log = logging.getLogger(__name__)
+
+# Decode batch sizes that get a graph (capped by the config's cuda_graph_max_batch): powers of two up to 8,
+# then steps of 8 up to 32 and 16 beyond, so padding wastes at most a quarter of a step's rows.
+_DECODE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+# Extend graphs: token counts in steps of 16 (a matmul over M rows costs nearly the same for M within one
+# 16-row MMA tile), and for each a few sequence counts, so a handful of returning requests does not run
+# the grids of a 64-sequence graph.
+_EXTEND_TOKEN_STEP = 16
+_EXTEND_SEQS = (4, 16, 64)
+
+StepHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+
+
+@dataclass(frozen=True, order=True)
+class GraphShape:
+    num_tokens: int
+    num_seqs: int
+
+    @property
+    def has_extend(self) -> bool:
+        return self.num_tokens > self.num_seqs
+
+
+def graph_shapes(max_batch: int, max_tokens: int) -> list[GraphShape]:
+    """Decode shapes up to `max_batch` sequences and extend shapes up to `max_tokens` tokens."""
+    shapes = {GraphShape(b, b) for b in _DECODE_SIZES if b <= max_batch}
+    for t in range(_EXTEND_TOKEN_STEP, max_tokens + 1, _EXTEND_TOKEN_STEP):
+        for b in _EXTEND_SEQS:
+            shapes.add(GraphShape(t, min(b, t - 1, max_batch)))
+    return sorted(s for s in shapes if s.num_seqs >= 1)
+
+
+def pick_shape(shapes: list[GraphShape], num_seqs: int, num_tokens: int) -> GraphShape | None:
+    """The cheapest captured shape that fits the batch; a pure decode batch only fits decode graphs (they
+    launch no extend kernel), any other only extend graphs."""
+    decode = num_tokens == num_seqs
+    best = None
+    for s in shapes:  # sorted by (tokens, seqs): the first fit is the smallest
+        if s.has_extend == decode or s.num_tokens < num_tokens or s.num_seqs < num_seqs:
+            continue
+        best = s
+        break
+    return best
+
+
+@dataclass
+class GraphOutputs:
+    """Static result tensors of one graph: rows past the batch's real sequences are padding."""
+
+    logits: torch.Tensor  # [B, V] float32
+    hidden: torch.Tensor  # [B, H]
+    greedy: torch.Tensor  # [B] int64
+    step_values: torch.Tensor | None  # [B, ...] from the step hook
+
+
+class StaticInputs:
+    """Device buffers every graph reads its batch from (views of the largest shape), and their pinned host
+    mirrors. Layout of the int64 buffer: input_ids, positions, slots (T each), logits rows, kv_lens (B each),
+    cu_seqlens (B + 1)."""
+
+    def __init__(self, max_seqs: int, max_tokens: int, max_blocks: int, device: torch.device) -> None:
+        self.T, self.B, self.max_blocks = max_tokens, max_seqs, max_blocks
+        n = 3 * max_tokens + 3 * max_seqs + 1
+        pin = device.type == "cuda"
+        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        self.host_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.dev = torch.zeros(n, dtype=torch.int64, device=device)
+        self.dev_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
+        T, B = max_tokens, max_seqs
+        self._off = {"ids": 0, "pos": T, "slots": 2 * T, "logits": 3 * T, "kv_lens": 3 * T + B, "cu": 3 * T + 2 * B}
+        self._copied: torch.cuda.Event | None = None
+        self.clear()
+
+    def _view(self, buf: torch.Tensor, name: str, n: int) -> torch.Tensor:
+        o = self._off[name]
+        return buf[o : o + n]
+
+    def clear(self) -> None:
+        """All padding: no sequence has tokens, no token writes KV."""
+        self.host.zero_()
+        self._view(self.host, "slots", self.T).fill_(-1)
+        self.dev.copy_(self.host)
+        self.dev_tables.zero_()
+
+    def batch(self, shape: GraphShape, block_size: int) -> ForwardBatch:
+        """The ForwardBatch of views a graph of `shape` is captured on (and replays)."""
+        T, B = shape.num_tokens, shape.num_seqs
+        return ForwardBatch(
+            input_ids=self._view(self.dev, "ids", T),
+            positions=self._view(self.dev, "pos", T),
+            slot_mapping=self._view(self.dev, "slots", T),
+            block_tables=self.dev_tables[:B],
+            cu_seqlens_q=self._view(self.dev, "cu", B + 1),
+            kv_lens=self._view(self.dev, "kv_lens", B),
+            logits_indices=self._view(self.dev, "logits", B),
+            block_size=block_size,
+        )
+
+    def fill(self, chunks: list[ScheduledChunk], shape: GraphShape, block_size: int) -> None:
+        """Write the batch into the host mirrors (padded to `shape`) and start the copies to the device."""
+        if self._copied is not None:
+            # The previous step's copies read the mirrors asynchronously; they are long done when the caller
+            # synchronized on that step's results (the engine always does), so this rarely waits.
+            self._copied.synchronize()
+        T, B = shape.num_tokens, shape.num_seqs
+        ids, pos, slots, rows, kv_lens, cu = [], [], [], [], [], [0]
+        for i, c in enumerate(chunks):
+            seq, start, n = c.seq, c.seq.num_computed_tokens, c.num_new_tokens
+            table = seq.block_table
+            ids.extend(seq.token_ids[start : start + n])
+            pos.extend(range(start, start + n))
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+            rows.append(len(ids) - 1)
+            kv_lens.append(start + n)
+            cu.append(len(ids))
+            self.host_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        pad_t, pad_b = T - len(ids), B - len(chunks)
+        # Padding: tokens of no sequence (position 0, no KV write); sequences of no tokens (logits row 0).
+        ids += [0] * pad_t
+        pos += [0] * pad_t
+        slots += [-1] * pad_t
+        rows += [0] * pad_b
+        kv_lens += [0] * pad_b
+        cu += [cu[-1]] * pad_b
+        for name, vals in (("ids", ids), ("pos", pos), ("slots", slots), ("logits", rows), ("kv_lens", kv_lens),
+                           ("cu", cu)):  # fmt: skip
+            self._view(self.host, name, len(vals)).copy_(torch.tensor(vals, dtype=torch.int64))
+        self.dev.copy_(self.host, non_blocking=True)
+        # Only the rows this batch uses (whole rows: a contiguous pinned copy stays asynchronous); entries past
+        # a sequence's length are stale but never read.
+        if chunks:
+            self.dev_tables[: len(chunks)].copy_(self.host_tables[: len(chunks)], non_blocking=True)
+        if self.dev.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+
+class CudaGraphRunner:
+    """Captures and replays the step graphs of one model (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        backend: AttentionBackend,
+        device: torch.device,
+        block_size: int,
+        max_model_len: int,
+        shapes: list[GraphShape],
+        step_hook: StepHook | None = None,
+    ) -> None:
+        if not backend.supports_cuda_graphs:
+            raise ValueError(f"attention backend {backend.name!r} cannot run in a CUDA graph")
+        if not shapes:
+            raise ValueError("no CUDA graph shapes to capture")
+        self.model, self.backend, self.device = model, backend, device
+        self.block_size, self.max_model_len = block_size, max_model_len
+        self.shapes = sorted(shapes)
+        self.step_hook = step_hook
+        max_blocks = -(-max_model_len // block_size)
+        self.inputs = StaticInputs(
+            max(s.num_seqs for s in shapes), max(s.num_tokens for s in shapes), max_blocks, device
+        )
+        self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphShape, GraphOutputs] = {}
+        self.batches: dict[GraphShape, ForwardBatch] = {}
+        self.num_replays = 0
+
+    def _step(self, batch: ForwardBatch) -> GraphOutputs:
+        hidden = self.model(batch, self.backend)
+        last = hidden[batch.logits_indices]
+        logits = self.model.compute_logits(last)
+        greedy = logits.argmax(dim=-1)
+        values = self.step_hook(logits, last, greedy) if self.step_hook is not None else None
+        return GraphOutputs(logits, last, greedy, values)
+
+    def _batch(self, shape: GraphShape) -> ForwardBatch:
+        if shape not in self.batches:
+            batch = self.inputs.batch(shape, self.block_size)
+            batch.attn_state = self.backend.graph_state(
+                shape.num_seqs, shape.num_tokens, shape.has_extend, self.max_model_len
+            )
+            self.batches[shape] = batch
+        return self.batches[shape]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every shape, largest first, into one memory pool (CUDA only)."""
+        if self.device.type != "cuda":
+            return
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for shape in sorted(self.shapes, reverse=True):
+            batch = self._batch(shape)
+            self.inputs.clear()
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._step(batch)  # warm-up on the side stream: compiles the Triton kernels, sizes cuBLAS
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.outputs[shape] = self._step(batch)
+            self.graphs[shape] = graph
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - t0)
+
+    def fits(self, chunks: list[ScheduledChunk]) -> GraphShape | None:
+        """The shape to replay for this batch, or None when it must run eagerly: too big, or a chunk of a
+        longer prompt that does not sample (only whole steps, each sequence sampling once, are captured)."""
+        if not all(c.samples for c in chunks):
+            return None
+        return pick_shape(self.shapes, len(chunks), sum(c.num_new_tokens for c in chunks))
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk], shape: GraphShape) -> GraphOutputs:
+        """Replay `shape` for `chunks`; the returned tensors are the graph's own buffers, valid until the next
+        run (callers copy what they keep). Rows are cut to the real sequences."""
+        self.inputs.fill(chunks, shape, self.block_size)
+        if shape in self.graphs:
+            self.graphs[shape].replay()
+            out = self.outputs[shape]
+        else:
+            # No capture (CPU): the same padded static batch, executed directly.
+            out = self._step(self._batch(shape))
+        self.num_replays += 1
+        n = len(chunks)
+        values = None if out.step_values is None else out.step_values[:n]
+        return GraphOutputs(out.logits[:n], out.hidden[:n], out.greedy[:n], values)
