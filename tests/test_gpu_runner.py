@@ -1,5 +1,6 @@
-"""The runner on a GPU (bf16, Triton attention kernels) against transformers. Skipped without CUDA; run
-on the GPU machine with `TRITON_INTERPRET=0 python -m pytest tests/test_gpu_runner.py`."""
+"""The runner on a GPU (bf16; Triton attention and fused kernels, with and without CUDA graphs; and the torch
+path) against transformers. Skipped without CUDA; run on the GPU machine with
+`TRITON_INTERPRET=0 python -m pytest tests/test_gpu_runner.py`."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 PROMPT_LENS = [5, 9, 17, 33, 64, 100, 130, 200]
 
 
-def _engine(tiny_dir: Path, model: str, attention: str):
+def _engine(tiny_dir: Path, model: str, attention: str, graphs: bool):
     from tokenrouter import Engine
 
     cfg = {"models": {model: {"path": str(tiny_dir / model), "dtype": "bfloat16", "device": "cuda:0",
-                              "kv_cache_tokens": 16384, "attention": attention}}}
+                              "kv_cache_tokens": 16384, "attention": attention, "enforce_eager": not graphs}}}
     return Engine.from_config(cfg)
 
 
@@ -26,16 +27,17 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-@pytest.mark.parametrize("attention", ["triton", "torch"])
+@pytest.mark.parametrize(("attention", "graphs"), [("triton", True), ("triton", False), ("torch", False)])
 @pytest.mark.parametrize("model", ["small", "large"])
-def test_greedy_matches_transformers_bf16(tiny_dir: Path, model: str, attention: str) -> None:
+def test_greedy_matches_transformers_bf16(tiny_dir: Path, model: str, attention: str, graphs: bool) -> None:
     from transformers import AutoModelForCausalLM
 
     from tokenrouter import SamplingParams
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_dir / model, dtype=torch.bfloat16).cuda().eval()
-    engine = _engine(tiny_dir, model, attention)
+    engine = _engine(tiny_dir, model, attention, graphs)
     assert engine.runner.attn_backend.name == attention
+    assert (engine.runner.graphs is not None) == graphs
     prompts = _prompts(engine.vocab_size)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True))
     worst = 0.0
@@ -65,6 +67,8 @@ def test_greedy_matches_transformers_bf16(tiny_dir: Path, model: str, attention:
     assert worst <= 2e-2, f"logits relative error {worst:.3g}"
     # Every sequence either matches exactly or diverges only at a reference near-tie (asserted above).
     assert matched + near_ties == len(prompts)
+    if graphs:
+        assert engine.runner.graphs.num_replays > 0, "no step replayed a CUDA graph"
     engine.check_integrity()
     engine.shutdown()
 
@@ -80,7 +84,7 @@ def _teacher_forced_logits(engine, prompt: list[int], continuation: list[int]) -
 
     def record(chunks):
         out = orig(chunks)
-        rows.append(out.logits[0].float())
+        rows.append(out.logits[0].float().clone())  # a graph's logits buffer is overwritten by the next step
         return out
 
     engine.runner.forward = record
@@ -96,3 +100,29 @@ def _teacher_forced_logits(engine, prompt: list[int], continuation: list[int]) -
     finally:
         engine.runner.forward = orig
     return torch.stack(rows)
+
+
+def test_routed_generation_same_with_and_without_graphs(tiny_dir: Path) -> None:
+    """R2R on the tiny pair in float32 on the GPU: the router runs inside the small model's graphs and the large
+    model's returns replay extend graphs, yet every token and every routing decision equals the eager engine's."""
+    import yaml
+
+    from tokenrouter import Engine, SamplingParams
+
+    repo = Path(__file__).resolve().parents[1]
+    cfg = yaml.safe_load((repo / "config" / "r2r" / "tiny-small_tiny-large.yaml").read_text())
+    outs = {}
+    for graphs in (True, False):
+        for name, m in cfg["models"].items():
+            m.update(path=str(tiny_dir / name), device="cuda:0", enforce_eager=not graphs)
+        engine = Engine.from_config(cfg)
+        prompts = _prompts(engine.vocab_size)
+        outs[graphs] = engine.generate(prompts, SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True))
+        if graphs:
+            assert all(s.runner.graphs.num_replays > 0 for s in engine.subservers.values())
+        engine.check_integrity()
+        engine.shutdown()
+    for a, b in zip(outs[True], outs[False]):
+        assert a.token_ids == b.token_ids
+        assert a.stats == b.stats  # the same tokens from the same models
+    assert sum(o.stats["handoffs"] for o in outs[True]) > 0, "nothing was routed: the test checks nothing"

@@ -1,0 +1,120 @@
+"""The CUDA-graph step path (static buffers, padded batches, policy work inside the step) computes what the plain
+forward computes. On the CPU nothing is captured: the same padded static batch runs eagerly through the Triton
+kernels under TRITON_INTERPRET=1, which checks the padding, the bucket choice and the step hook; the GPU run of
+tests/test_gpu_runner.py covers the captured graphs themselves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenrouter.config import ModelConfig
+from tokenrouter.engine.block_manager import BlockManager
+from tokenrouter.engine.scheduler import ScheduledChunk
+from tokenrouter.engine.sequence import Sequence
+from tokenrouter.routing.policy import StepResult, make_policy
+from tokenrouter.runner.cuda_graph import GraphShape, graph_shapes, pick_shape
+from tokenrouter.runner.model_runner import ModelRunner
+from tokenrouter.sampling_params import SamplingParams
+
+
+def test_graph_shapes_cover_decode_and_short_extends() -> None:
+    shapes = graph_shapes(max_batch=8, max_tokens=32)
+    decode = sorted(s.num_seqs for s in shapes if not s.has_extend)
+    assert decode == [1, 2, 4, 8]
+    extend = sorted((s.num_tokens, s.num_seqs) for s in shapes if s.has_extend)
+    assert extend == [(16, 4), (16, 8), (32, 4), (32, 8)]
+    assert graph_shapes(max_batch=0, max_tokens=0) == []
+
+
+@pytest.mark.parametrize(
+    ("seqs", "tokens", "want"),
+    [
+        (1, 1, GraphShape(1, 1)),
+        (3, 3, GraphShape(4, 4)),  # decode pads to the next decode size
+        (8, 8, GraphShape(8, 8)),
+        (9, 9, None),  # more sequences than any decode graph
+        (1, 2, GraphShape(16, 4)),  # any extend row needs an extend graph, even if the tokens would fit (2, 2)
+        (3, 17, GraphShape(32, 4)),
+        (5, 20, GraphShape(32, 8)),
+        (2, 33, None),  # more tokens than any extend graph
+    ],
+)
+def test_pick_shape(seqs: int, tokens: int, want: GraphShape | None) -> None:
+    assert pick_shape(graph_shapes(max_batch=8, max_tokens=32), seqs, tokens) == want
+
+
+def _runner(tiny_dir: Path) -> ModelRunner:
+    cfg = ModelConfig(name="small", path=str(tiny_dir / "small"), dtype="float32", device="cpu",
+                      kv_cache_tokens=1024, attention="triton", cuda_graph_max_batch=8, cuda_graph_max_tokens=32)
+    return ModelRunner(cfg, default_kv_tokens=1024)
+
+
+def _hook(runner: ModelRunner):
+    policy = make_policy("r2r", ["small", "large"], "small", {"hidden_dim": 16, "top_k_logits": 8, "seed": 5})
+    a = runner.arch
+    policy.setup(runner.device, runner.dtype, a.hidden_size, a.vocab_size)
+    embed = runner.model.model.embed_tokens
+    return lambda logits, hidden, greedy: policy.step_tensors(StepResult(logits, hidden, greedy, embed))
+
+
+class _Driver:
+    """Sequences on one runner, advanced by hand: forward, then append the given tokens and commit them."""
+
+    def __init__(self, runner: ModelRunner, prompts: list[list[int]]) -> None:
+        self.runner = runner
+        self.bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
+        self.seqs = [Sequence(f"r{i}", list(p), len(p), SamplingParams()) for i, p in enumerate(prompts)]
+
+    def step(self, new_tokens: list[list[int]]):
+        """Append `new_tokens[i]` to sequence i (nothing for an empty list) and run them as one batch."""
+        chunks = []
+        for seq, toks in zip(self.seqs, new_tokens):
+            seq.token_ids.extend(toks)
+            n = seq.num_tokens - seq.num_computed_tokens
+            if n:
+                assert self.bm.ensure(seq, seq.num_tokens)
+                chunks.append(ScheduledChunk(seq, n))
+        out = self.runner.forward(chunks)
+        result = (out.logits.clone(), out.hidden.clone(), out.greedy.clone(),
+                  None if out.step_values is None else out.step_values.clone())
+        for c in chunks:
+            c.seq.num_computed_tokens += c.num_new_tokens
+        return result
+
+    def release(self) -> None:
+        for seq in self.seqs:
+            self.bm.release(seq)
+        assert self.bm.num_free_blocks == self.bm.num_blocks
+
+
+def test_padded_graph_step_matches_plain_forward(tiny_dir: Path) -> None:
+    graphed, plain = _runner(tiny_dir), _runner(tiny_dir)
+    hook = _hook(graphed)
+    graphed.setup_step(hook, capture=False)
+    plain.step_hook = hook
+    assert graphed.graphs is not None and plain.graphs is None
+    g = torch.Generator().manual_seed(0)
+    vocab = graphed.arch.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (40, 23, 37)]
+    a, b = _Driver(graphed, prompts), _Driver(plain, prompts)
+    steps = [
+        [[], [], []],  # prefill of 100 tokens: too many for a graph, eager on both
+        [[5], [6], [7]],  # decode of 3: the 4-sequence decode graph
+        [[8, 9, 10], [11], [12, 13]],  # extend of 6 tokens over 3 sequences: the (16, 4) graph
+        [[14], [], [15]],  # decode of 2
+    ]
+    for k, toks in enumerate(steps):
+        before = graphed.graphs.num_replays
+        ours, ref = a.step(toks), b.step(toks)
+        assert graphed.graphs.num_replays == before + (k > 0)
+        torch.testing.assert_close(ours[0], ref[0], rtol=1e-5, atol=1e-5)  # logits
+        torch.testing.assert_close(ours[1], ref[1], rtol=1e-5, atol=1e-5)  # hidden
+        assert torch.equal(ours[2], ref[2])  # greedy tokens
+        torch.testing.assert_close(ours[3], ref[3], rtol=1e-5, atol=1e-5)  # the router's logits
+    # Padding tokens wrote no KV: both pools hold the same cache, slot for slot.
+    torch.testing.assert_close(graphed.kv_cache, plain.kv_cache, rtol=1e-5, atol=1e-5)
+    a.release()
+    b.release()
