@@ -1,10 +1,11 @@
 """The CUDA-graph step path (static buffers, padded batches, policy work inside the step) computes what the plain
 forward computes. On the CPU nothing is captured: the same padded static batch runs eagerly through the Triton
-kernels under TRITON_INTERPRET=1, which checks the padding, the bucket choice and the step hook; the GPU run of
-tests/test_gpu_runner.py covers the captured graphs themselves."""
+kernels under TRITON_INTERPRET=1, which checks the padding, the bucket choice and the step hook. With
+`TRITON_INTERPRET=0` on a GPU the same test captures real graphs and replays them (float32)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -46,8 +47,14 @@ def test_pick_shape(seqs: int, tokens: int, want: GraphShape | None) -> None:
     assert pick_shape(graph_shapes(max_batch=8, max_tokens=32), seqs, tokens) == want
 
 
+ON_GPU = os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.cuda.is_available()
+# Row-order effects of GPU matmul kernels that differ with the padded batch size stay far below this.
+TOL = 1e-4 if ON_GPU else 1e-5
+
+
 def _runner(tiny_dir: Path) -> ModelRunner:
-    cfg = ModelConfig(name="small", path=str(tiny_dir / "small"), dtype="float32", device="cpu",
+    device = "cuda:0" if ON_GPU else "cpu"
+    cfg = ModelConfig(name="small", path=str(tiny_dir / "small"), dtype="float32", device=device,
                       kv_cache_tokens=1024, attention="triton", cuda_graph_max_batch=8, cuda_graph_max_tokens=32)
     return ModelRunner(cfg, default_kv_tokens=1024)
 
@@ -93,7 +100,8 @@ class _Driver:
 def test_padded_graph_step_matches_plain_forward(tiny_dir: Path) -> None:
     graphed, plain = _runner(tiny_dir), _runner(tiny_dir)
     hook = _hook(graphed)
-    graphed.setup_step(hook, capture=False)
+    graphed.setup_step(hook, capture=ON_GPU)
+    assert len(graphed.graphs.graphs) == (len(graphed.graphs.shapes) if ON_GPU else 0)
     plain.step_hook = hook
     assert graphed.graphs is not None and plain.graphs is None
     g = torch.Generator().manual_seed(0)
@@ -110,11 +118,11 @@ def test_padded_graph_step_matches_plain_forward(tiny_dir: Path) -> None:
         before = graphed.graphs.num_replays
         ours, ref = a.step(toks), b.step(toks)
         assert graphed.graphs.num_replays == before + (k > 0)
-        torch.testing.assert_close(ours[0], ref[0], rtol=1e-5, atol=1e-5)  # logits
-        torch.testing.assert_close(ours[1], ref[1], rtol=1e-5, atol=1e-5)  # hidden
+        torch.testing.assert_close(ours[0], ref[0], rtol=TOL, atol=TOL)  # logits
+        torch.testing.assert_close(ours[1], ref[1], rtol=TOL, atol=TOL)  # hidden
         assert torch.equal(ours[2], ref[2])  # greedy tokens
-        torch.testing.assert_close(ours[3], ref[3], rtol=1e-5, atol=1e-5)  # the router's logits
+        torch.testing.assert_close(ours[3], ref[3], rtol=TOL, atol=TOL)  # the router's logits
     # Padding tokens wrote no KV: both pools hold the same cache, slot for slot.
-    torch.testing.assert_close(graphed.kv_cache, plain.kv_cache, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(graphed.kv_cache, plain.kv_cache, rtol=TOL, atol=TOL)
     a.release()
     b.release()
