@@ -79,6 +79,17 @@ def time_both(runner: ModelRunner, chunks: list[ScheduledChunk], iters: int) -> 
     return graph_t, eager_t
 
 
+def time_replay(runner: ModelRunner, chunks: list[ScheduledChunk], iters: int) -> float | None:
+    """Median seconds of the graph replay alone (inputs already on the device): the step's GPU time, without the
+    host's batch preparation."""
+    graphs = runner.graphs
+    shape = graphs.fits(chunks) if graphs is not None else None
+    if shape is None or shape not in graphs.graphs:
+        return None
+    graphs.inputs.fill(chunks, shape, runner.block_size)
+    return median_gpu_seconds(graphs.graphs[shape].replay, iters=iters, warmup=3)
+
+
 def _ms(t: float | None) -> str:
     return "-" if t is None else f"{t * 1e3:.2f}"
 
@@ -136,23 +147,28 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
                  "graph_pool_mib": torch.cuda.memory_reserved() / 2**20,
                  "decode": [], "extend": [], "prefill": [], "router": []}
 
-    def case(batch: int, context: int, new: int, n_iters: int = iters) -> tuple[float | None, float]:
+    def case(batch: int, context: int, new: int, n_iters: int = iters, replay: bool = False):
         chunks = make_chunks(bm, batch, context, new, arch.vocab_size)
         try:
-            return time_both(runner, chunks, n_iters)
+            g, e = time_both(runner, chunks, n_iters)
+            return (g, e, time_replay(runner, chunks, n_iters)) if replay else (g, e)
         finally:
             release(bm, chunks)
 
+    # KV bytes one decode token reads per context token (K and V of every layer).
+    kv_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 2
     for context in (1024, 8192):
         for batch in (1, 4, 8, 16, 32, 64):
             if batch * (context + 1) > runner.num_blocks * runner.block_size:
                 continue
-            g, e = case(batch, context, 1)
+            g, e, r = case(batch, context, 1, replay=True)
+            kv_floor = (floor_bytes + batch * context * kv_per_token) / bandwidth
             row = {"batch": batch, "context": context, "graph_ms": g and g * 1e3, "eager_ms": e * 1e3,
-                   "graph_x_floor": g and g / floor, "eager_x_floor": e / floor}
+                   "replay_ms": r and r * 1e3, "graph_x_floor": g and g / floor, "eager_x_floor": e / floor,
+                   "weights_kv_floor_ms": kv_floor * 1e3, "graph_x_weights_kv_floor": g and g / kv_floor}
             out["decode"].append(row)
             print(f"{name} decode b={batch:3d} ctx={context:5d}: graph {_ms(g)} ms ({row['graph_x_floor'] or 0:.2f}x "
-                  f"floor), eager {_ms(e)} ms", flush=True)
+                  f"floor; replay alone {_ms(r)} ms), eager {_ms(e)} ms", flush=True)
     decode8 = next(d for d in out["decode"] if d["batch"] == 8 and d["context"] == 1024)
     # Suffixes a returning request brings: 1..64 tokens for one request, and 8 requests x 1..10 tokens.
     for batch, new in ((1, 2), (1, 4), (1, 8), (1, 16), (1, 32), (1, 64), (8, 2), (8, 4), (8, 8), (8, 10)):
@@ -224,16 +240,20 @@ def markdown(results: dict) -> str:
              f"Device-to-device copy bandwidth (read + write), measured in the same run: "
              f"{results['copy_bandwidth_tb_s']:.2f} TB/s. Weight-read floor = decode weight bytes / that bandwidth. "
              "Every time is the median of CUDA-event-timed steps including the host's batch preparation "
-             "(graph: fill static inputs + one replay; eager: the same model, fused kernels, no graph).", ""]
+             "(graph: fill static inputs + one replay; eager: the same model, fused kernels, no graph); "
+             "'replay alone' times the graph with its inputs already on the device. The (weights + KV) floor adds "
+             "the KV bytes a decode step reads.", ""]
     for m in results["models"]:
         lines += [f"## {m['model']} (attention: {m['attention']}, weight-read floor "
                   f"{m['weight_read_floor_ms']:.2f} ms, {m['num_graphs']} graphs captured in {m['capture_s']:.1f} s)",
                   "",
-                  "| decode batch | context | graph ms | x floor | eager ms | x floor | eager / graph |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| decode batch | context | graph ms | x floor | replay alone ms | x (weights + KV) floor | eager ms "
+                  "| x floor | eager / graph |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for d in m["decode"]:
             ratio = d["eager_ms"] / d["graph_ms"] if d["graph_ms"] else None
             lines.append(f"| {d['batch']} | {d['context']} | {_f(d['graph_ms'])} | {_f(d['graph_x_floor'])} | "
+                         f"{_f(d['replay_ms'])} | {_f(d['graph_x_weights_kv_floor'])} | "
                          f"{d['eager_ms']:.2f} | {d['eager_x_floor']:.2f} | {_f(ratio)} |")
         lines += ["", "| extend (requests x suffix, 1k context) | tokens | graph ms | eager ms | graph / decode b8 |",
                   "|---|---|---|---|---|"]

@@ -18,7 +18,7 @@ if [[ $what == tests || $what == all ]]; then
     echo "# Command: TRITON_INTERPRET=0 PYTHONPATH=backends python3 -m pytest -q -rs tests/test_gpu_runner.py" \
          "tests/test_cuda_graph_runner.py tests/test_fused_ops.py tests/test_triton_attention.py"
     echo "# Machine: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F)"
-    timeout 420 python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_runner.py tests/test_cuda_graph_runner.py \
+    timeout 420 python3 -m pytest -q -rsP -p no:cacheprovider tests/test_gpu_runner.py tests/test_cuda_graph_runner.py \
       tests/test_fused_ops.py tests/test_triton_attention.py 2>&1
   } | tee "$out/gpu_tests.log" | tail -40
 fi

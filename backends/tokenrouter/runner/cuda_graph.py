@@ -207,8 +207,10 @@ class CudaGraphRunner:
         values = self.step_hook(logits, last, greedy) if self.step_hook is not None else None
         return GraphOutputs(logits, last, greedy, values)
 
-    def _batch(self, shape: GraphShape) -> ForwardBatch:
-        if shape not in self.batches:
+    def _batch(self, shape: GraphShape, fresh: bool = False) -> ForwardBatch:
+        """The static batch of `shape`; `fresh` renews its attention state, so that scratch the backend keeps
+        there is allocated again (inside a capture: from the shared pool, not held by each graph)."""
+        if shape not in self.batches or fresh:
             batch = self.inputs.batch(shape, self.block_size)
             batch.attn_state = self.backend.graph_state(
                 shape.num_seqs, shape.num_tokens, shape.has_extend, self.max_model_len
@@ -231,6 +233,7 @@ class CudaGraphRunner:
             with torch.cuda.stream(stream):
                 self._step(batch)  # warm-up on the side stream: compiles the Triton kernels, sizes cuBLAS
             torch.cuda.current_stream(self.device).wait_stream(stream)
+            batch = self._batch(shape, fresh=True)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self.outputs[shape] = self._step(batch)

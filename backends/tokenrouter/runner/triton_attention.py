@@ -25,6 +25,8 @@ from tokenrouter.runner.forward_batch import ForwardBatch
 _LOG2E = math.log2(math.e)
 # Cap on KV splits per (sequence, KV head) in decode: more splits than this only grow the reduction.
 _MAX_KV_SPLITS = 64
+# Extend partials hold a row per (token, head, split): fewer splits than decode keep that scratch small.
+_MAX_EXTEND_SPLITS = 16
 # A split shorter than this does too little work to pay for its share of the reduction.
 _MIN_TOKENS_PER_SPLIT = 256
 # Decode programs to aim for per SM: a few resident programs per SM hide the block-table -> K/V load latency.
@@ -55,6 +57,7 @@ def _attend_tile(
     BLOCK_N: tl.constexpr,
     BOUNDED: tl.constexpr,
     CAUSAL: tl.constexpr,
+    SAFE: tl.constexpr = False,
 ):
     """One BLOCK_N-key step of online softmax for a tile of query rows that share one KV head."""
     n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
@@ -74,11 +77,16 @@ def _attend_tile(
         s = tl.where((n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
     elif BOUNDED:
         s = tl.where(n_ok[None, :], s, float("-inf"))
-    # Callers order tiles so that every row sees >= 1 key in its first tile, so m_new is finite and no NaN
-    # comes from (-inf) - (-inf).
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if SAFE:
+        # A row may have seen no key yet (a KV split of an extend that ends before its position): keep its
+        # reference point finite so that (-inf) - (-inf) never makes a NaN; alpha and p are then 0.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        # Callers order tiles so that every row sees >= 1 key in its first tile, so m_new is finite.
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + slot[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -213,10 +221,13 @@ def _extend_kernel(
     k_ptr,  # [num_slots, Hkv, D]
     v_ptr,
     o_ptr,  # [T, Hq, D]
+    mid_o_ptr,  # [T, Hq, num_splits, HEAD_DIM] float32, only read with SPLIT
+    mid_lse_ptr,  # [T, Hq, num_splits] float32
     block_tables_ptr,  # [B, max_blocks] int32
     cu_seqlens_q_ptr,  # [B + 1] int32
     kv_lens_ptr,  # [B] int32
     sm_scale_log2,
+    num_splits,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -234,17 +245,29 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     Q_PER_PROG: tl.constexpr,  # BLOCK_M // GROUP queries per program
     SKIP_DECODE: tl.constexpr,  # q_len == 1 rows are left to the decode kernel (mixed batches)
+    SPLIT: tl.constexpr,  # num_splits > 1: write per-split partials for _extend_reduce_kernel
 ):
-    """Grid (B, Hkv, cdiv(max_q_len, Q_PER_PROG)): Q_PER_PROG new tokens x GROUP heads of one KV head.
+    """Grid (B, Hkv, cdiv(max_q_len, Q_PER_PROG) * num_splits): Q_PER_PROG new tokens x GROUP heads of one KV
+    head, over one KV split.
 
     The BLOCK_M rows of the tile are (query, head) pairs, row = query_local * GROUP + g, so the K/V tile feeds
     all heads of the group at once. Keys are visited in two phases: tiles strictly before the first query's
     position need no mask (every row sees them), the rest up to the last query's position get the causal mask.
+    A short suffix over a long prefix (a request returning from another model) has only a few such programs,
+    each walking the whole prefix: with SPLIT the keys are divided among num_splits programs, as in decode.
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
+    if SPLIT:
+        split = tl.program_id(2) % num_splits
+        m_prog = tl.program_id(2) // num_splits
+        num_m = tl.num_programs(2) // num_splits
+    else:
+        split = 0
+        m_prog = tl.program_id(2)
+        num_m = tl.num_programs(2)
     # Causal work grows with m_block: hand out the longest query tiles first so the short ones fill the tail.
-    m_block = tl.num_programs(2) - 1 - tl.program_id(2)
+    m_block = num_m - 1 - m_prog
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     m_first = m_block * Q_PER_PROG  # first new token (index within the sequence's new tokens) of this program
@@ -281,22 +304,97 @@ def _extend_kernel(
     full_end = ((prefix + m_first) // BLOCK_N) * BLOCK_N
     # The last real query sees keys up to its own position; prefix + m_last + 1 <= kv_len.
     causal_end = prefix + m_last + 1
-    for tile in range(0, full_end, BLOCK_N):
+    if SPLIT:
+        # This split's keys: a BLOCK_N-aligned share of the sequence (as in the decode kernel), so both phase
+        # boundaries below stay tile-aligned. Rows may see no key here; the reduce kernel drops those splits.
+        split_len = (kv_len + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, causal_end)
+    else:
+        lo = 0
+        hi = causal_end
+    for tile in range(lo, tl.minimum(hi, full_end), BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row_ptr, tile, full_end, kv_head,
             stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2, d, d_ok,
-            PAGE, BLOCK_N, False, False,
+            PAGE, BLOCK_N, False, False, SPLIT,
         )  # fmt: skip
-    # The first masked tile starts at full_end <= prefix + m_first <= every row's q_pos, so each row sees a key.
-    for tile in range(full_end, causal_end, BLOCK_N):
+    # Without splits the first masked tile starts at full_end <= prefix + m_first <= every row's q_pos, so each
+    # row sees a key.
+    for tile in range(tl.maximum(lo, full_end), hi, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row_ptr, tile, causal_end, kv_head,
+            acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row_ptr, tile, hi, kv_head,
             stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2, d, d_ok,
-            PAGE, BLOCK_N, True, True,
+            PAGE, BLOCK_N, True, True, SPLIT,
         )  # fmt: skip
-    out = acc / l_i[:, None]
+    if SPLIT:
+        seen = l_i > 0.0
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        row = (tok * (tl.num_programs(1) * GROUP) + head) * num_splits + split  # [BLOCK_M] (token, head, split)
+        tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
+        tl.store(mid_lse_ptr + row, lse, mask=row_ok)
+    else:
+        out = acc / l_i[:, None]
+        o_ptrs = o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _extend_reduce_kernel(
+    mid_o_ptr,  # [T, Hq, num_splits, HEAD_DIM] float32
+    mid_lse_ptr,  # [T, Hq, num_splits] float32
+    o_ptr,  # [T, Hq, D]
+    cu_seqlens_q_ptr,  # [B + 1]
+    num_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    Q_PER_PROG: tl.constexpr,
+    SKIP_DECODE: tl.constexpr,
+):
+    """Grid (B, Hkv, cdiv(max_q_len, Q_PER_PROG)), the extend kernel's tiles: merge each (token, head) row's split
+    partials. Only the rows the extend kernel owns are touched (decode rows belong to the decode kernel)."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    m_first = tl.program_id(2) * Q_PER_PROG
+    skip = m_first >= q_len
+    if SKIP_DECODE:
+        skip = skip | (q_len == 1)
+    if skip:
+        return
+    rows = tl.arange(0, BLOCK_M)
+    m_idx = m_first + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < Q_PER_PROG * GROUP) & (m_idx < q_len)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    tok = (q_start + m_idx).to(tl.int64)
+    base = (tok * (tl.num_programs(1) * GROUP) + head) * num_splits  # [BLOCK_M]
+    # Online merge over the splits: every real row saw its own position's key in some split, so lse_max ends
+    # finite; splits a row saw nothing of carry lse = -inf and weigh 0.
+    lse_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    num = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    den = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(mid_lse_ptr + base + s, mask=row_ok, other=float("-inf"))
+        new_max = tl.maximum(lse_max, lse)
+        ref = tl.where(new_max == float("-inf"), 0.0, new_max)
+        alpha = tl.exp2(lse_max - ref)
+        w = tl.exp2(lse - ref)
+        part = tl.load(mid_o_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :],
+                       mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        num = num * alpha[:, None] + part * w[:, None]
+        den = den * alpha + w
+        lse_max = new_max
+    out = num / tl.where(den > 0.0, den, 1.0)[:, None]
     o_ptrs = o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @dataclass
@@ -307,6 +405,9 @@ class _TritonState:
     num_extend: int  # sequences with q_len > 1 (extend kernel)
     max_decode_kv_len: int
     max_extend_q_len: int
+    max_extend_kv_len: int = 0
+    # CUDA graphs: the number of sequences to size the extend KV split for (lengths are unknown on the host).
+    extend_seqs_hint: int = 0
     # Decode scratch reused by every layer of the step, keyed by (B, Hq, splits, D, device).
     scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -352,6 +453,7 @@ class TritonAttention(AttentionBackend):
             num_extend=len(ext_q),
             max_decode_kv_len=max(dec_kv, default=0),
             max_extend_q_len=max(ext_q, default=0),
+            max_extend_kv_len=max((kv for q, kv in zip(batch.q_lens_cpu, batch.kv_lens_cpu) if q != 1), default=0),
         )
 
     def graph_state(self, num_seqs: int, num_tokens: int, has_extend: bool, max_kv_len: int) -> _TritonState:
@@ -363,6 +465,8 @@ class TritonAttention(AttentionBackend):
             num_extend=1 if has_extend else 0,
             max_decode_kv_len=max_kv_len,
             max_extend_q_len=num_tokens,
+            max_extend_kv_len=max_kv_len,
+            extend_seqs_hint=num_seqs,
         )
 
     def forward(
@@ -493,12 +597,34 @@ class TritonAttention(AttentionBackend):
         cfg = self._extend_config(d_pad, k_cache.element_size())
         cfg["BLOCK_M"] = max(cfg["BLOCK_M"], _next_pow2(group))  # at least one query (all its heads) per program
         q_per_prog = cfg["BLOCK_M"] // group
-        grid = (batch.num_seqs, num_kv_heads, triton.cdiv(state.max_extend_q_len, q_per_prog))
-        _extend_kernel[grid](
-            q, k_cache, v_cache, out, batch.block_tables, batch.cu_seqlens_q, batch.kv_lens,
-            scale * _LOG2E,
+        num_m = triton.cdiv(state.max_extend_q_len, q_per_prog)
+        # Programs with real work: a graph only knows its bounds, so it assumes the case splits are for (one
+        # short suffix per sequence); eagerly, the longest suffix's tile count for every extend sequence.
+        programs = state.extend_seqs_hint or state.num_extend * num_m
+        splits = min(self._pick_num_splits(q.device, programs, num_kv_heads, state.max_extend_kv_len),
+                     _MAX_EXTEND_SPLITS)  # fmt: skip
+        skip_decode = state.num_decode > 0
+        mid_o = mid_lse = out  # never read without SPLIT
+        if splits > 1:
+            key = ("extend", q.shape[0], num_heads, splits, head_dim, q.device)
+            if key not in state.scratch:
+                T = q.shape[0]
+                state.scratch[key] = (
+                    torch.empty(T, num_heads, splits, head_dim, dtype=torch.float32, device=q.device),
+                    torch.empty(T, num_heads, splits, dtype=torch.float32, device=q.device),
+                )
+            mid_o, mid_lse = state.scratch[key]
+        _extend_kernel[(batch.num_seqs, num_kv_heads, num_m * splits)](
+            q, k_cache, v_cache, out, mid_o, mid_lse, batch.block_tables, batch.cu_seqlens_q, batch.kv_lens,
+            scale * _LOG2E, splits,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             out.stride(0), out.stride(1), batch.block_tables.stride(0),
             HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, PAGE=batch.block_size,
-            Q_PER_PROG=q_per_prog, SKIP_DECODE=state.num_decode > 0, **cfg,
+            Q_PER_PROG=q_per_prog, SKIP_DECODE=skip_decode, SPLIT=splits > 1, **cfg,
         )  # fmt: skip
+        if splits > 1:
+            _extend_reduce_kernel[(batch.num_seqs, num_kv_heads, num_m)](
+                mid_o, mid_lse, out, batch.cu_seqlens_q, splits, out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, BLOCK_M=cfg["BLOCK_M"], Q_PER_PROG=q_per_prog,
+                SKIP_DECODE=skip_decode, num_warps=4, num_stages=1,
+            )  # fmt: skip
