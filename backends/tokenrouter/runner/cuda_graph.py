@@ -103,6 +103,8 @@ class StaticInputs:
         T, B = max_tokens, max_seqs
         self._off = {"ids": 0, "pos": T, "slots": 2 * T, "logits": 3 * T, "kv_lens": 3 * T + B, "cu": 3 * T + 2 * B}
         self._copied: torch.cuda.Event | None = None
+        self._host_np = self.host.numpy()  # views sharing the pinned memory
+        self._tables_np = self.host_tables.numpy()
         self.clear()
 
     def _view(self, buf: torch.Tensor, name: str, n: int) -> torch.Tensor:
@@ -138,16 +140,17 @@ class StaticInputs:
             self._copied.synchronize()
         T, B = shape.num_tokens, shape.num_seqs
         ids, pos, slots, rows, kv_lens, cu = [], [], [], [], [], [0]
+        tables = self._tables_np
         for i, c in enumerate(chunks):
             seq, start, n = c.seq, c.seq.num_computed_tokens, c.num_new_tokens
             table = seq.block_table
-            ids.extend(seq.token_ids[start : start + n])
-            pos.extend(range(start, start + n))
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+            ids += seq.token_ids[start : start + n]
+            pos += range(start, start + n)
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
             rows.append(len(ids) - 1)
             kv_lens.append(start + n)
             cu.append(len(ids))
-            self.host_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            tables[i, : len(table)] = table
         pad_t, pad_b = T - len(ids), B - len(chunks)
         # Padding: tokens of no sequence (position 0, no KV write); sequences of no tokens (logits row 0).
         ids += [0] * pad_t
@@ -156,9 +159,12 @@ class StaticInputs:
         rows += [0] * pad_b
         kv_lens += [0] * pad_b
         cu += [cu[-1]] * pad_b
+        # Through numpy views of the pinned mirrors: a list lands in one C loop, with no torch op per field (the
+        # host's share of a small model's step is mostly this function).
+        host, off = self._host_np, self._off
         for name, vals in (("ids", ids), ("pos", pos), ("slots", slots), ("logits", rows), ("kv_lens", kv_lens),
                            ("cu", cu)):  # fmt: skip
-            self._view(self.host, name, len(vals)).copy_(torch.tensor(vals, dtype=torch.int64))
+            host[off[name] : off[name] + len(vals)] = vals
         self.dev.copy_(self.host, non_blocking=True)
         # Only the rows this batch uses (whole rows: a contiguous pinned copy stays asynchronous); entries past
         # a sequence's length are stale but never read.
