@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU-machine session for the runner: correctness tests compiled on the GPU, then the runner benchmark.
-# Usage (repository root, on the GPU machine): bash perf/gpu_session.sh OUT_DIR [tests|bench|gemm|all] [bench args]
+# Usage (repository root, on the GPU machine): bash perf/gpu_session.sh OUT_DIR [tests|bench|all] [bench args...]
 # Results: OUT_DIR/gpu_tests.log (pytest), OUT_DIR/runner.json + runner.md (bench_runner).
 set -uo pipefail
 out=${1:?output directory}
@@ -15,7 +15,7 @@ print("torch", torch.__version__, "triton", triton.__version__, "transformers", 
 PY
 if [[ $what == tests || $what == all ]]; then
   {
-    echo "# Command: TRITON_INTERPRET=0 PYTHONPATH=backends python3 -m pytest -q -rs tests/test_gpu_runner.py" \
+    echo "# Command: TRITON_INTERPRET=0 PYTHONPATH=backends python3 -m pytest -q -rsP tests/test_gpu_runner.py" \
          "tests/test_cuda_graph_runner.py tests/test_fused_ops.py tests/test_triton_attention.py"
     echo "# Machine: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F)"
     timeout 420 python3 -m pytest -q -rsP -p no:cacheprovider tests/test_gpu_runner.py tests/test_cuda_graph_runner.py \
@@ -24,7 +24,4 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 perf/bench_runner.py --out "$out/runner.json" "$@" 2>&1 | tee "$out/bench.log" | grep -v "^|" | tail -80
-fi
-if [[ $what == gemm || $what == all ]]; then
-  python3 perf/bench_gemm.py --out "$out/gemm.json" 2>&1 | tee "$out/gemm.log"
 fi

@@ -1,0 +1,85 @@
+"""Where a captured decode step's GPU time goes: kernel times of one graph replay, grouped.
+
+    python perf/profile_step.py --model qwen3-32b --batch 8 --context 1024 [--suffix 10]
+
+Builds the model with dummy weights, captures its graphs, and profiles `--iters` replays of the graph the
+batch picks (torch.profiler, CUDA activity). Prints per-kernel totals per step, and the split between matmuls
+(cuBLAS), our Triton kernels, and the rest, against the weight-read floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_runner import ROOT, copy_bandwidth, make_chunks  # noqa: E402
+
+from tokenrouter.config import ModelConfig  # noqa: E402
+from tokenrouter.engine.block_manager import BlockManager  # noqa: E402
+from tokenrouter.runner.model_runner import ModelRunner  # noqa: E402
+
+
+def kind(name: str) -> str:
+    low = name.lower()
+    if any(k in low for k in ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "cublas")):
+        return "matmul"
+    if name.startswith("_") and "kernel" in low:
+        return "triton (ours)"
+    return "other"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-32b")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--suffix", type=int, default=1, help="new tokens per request (1: decode)")
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    cfg = ModelConfig(name=args.model, path=str(ROOT / "perf" / "models" / args.model), dtype="bfloat16",
+                      device="cuda:0", load_format="dummy", kv_cache_tokens=200_000, max_model_len=16384)
+    runner = ModelRunner(cfg, default_kv_tokens=0)
+    runner.setup_step(None)
+    bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
+    chunks = make_chunks(bm, args.batch, args.context, args.suffix, runner.arch.vocab_size)
+    shape = runner.graphs.fits(chunks)
+    runner.graphs.inputs.fill(chunks, shape, runner.block_size)
+    graph = runner.graphs.graphs[shape]
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.iters):
+            graph.replay()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list[float]] = {}
+    for evt in prof.key_averages():
+        t = getattr(evt, "self_device_time_total", None)
+        t = evt.self_cuda_time_total if t is None else t
+        if t > 0:
+            per_kernel[evt.key] = [t / args.iters, evt.count]  # us per step, launches over all steps
+    total = sum(t for t, _ in per_kernel.values())
+    groups: dict[str, float] = defaultdict(float)
+    for name, (t, _) in per_kernel.items():
+        groups[kind(name)] += t
+    floor_bytes = runner.arch.weight_bytes(2) - (0 if runner.arch.tie_word_embeddings else
+                                                 runner.arch.vocab_size * runner.arch.hidden_size * 2)
+    print(f"{args.model} batch {args.batch} x {args.suffix} new tokens, context {args.context}, graph {shape}: "
+          f"kernel time {total / 1e3:.2f} ms per step; weight-read floor {floor_bytes / bw * 1e3:.2f} ms")
+    for g, t in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"  {g:14s} {t / 1e3:7.3f} ms ({t / total:5.1%})")
+    print("top kernels (us per step, launches per step):")
+    for name, (t, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:14]:
+        print(f"  {t:9.1f} us {n / args.iters:6.0f}x  {name[:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
