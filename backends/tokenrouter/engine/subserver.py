@@ -195,19 +195,21 @@ class Subserver:
             if c.seq.ready_since is not None:
                 self._queue_waits.append(now - c.seq.ready_since)
                 c.seq.ready_since = None
-        out = self.runner.forward(chunks)
         sampling = [c.seq for c in chunks if c.samples]
-        tokens_dev, values_dev = out.greedy, out.step_values
-        if not all(s.params.greedy for s in sampling):
-            # The step's policy values were computed on the greedy tokens: redo them on the sampled ones.
-            tokens_dev = sample(out.logits, [s.params for s in sampling], [s.generator for s in sampling])
-            values_dev = self._step_values(out.logits, out.hidden, tokens_dev)
+        with self.runner.stream_context():
+            out = self.runner.forward(chunks)
+            tokens_dev, values_dev = out.greedy, out.step_values
+            if not all(s.params.greedy for s in sampling):
+                # The step's policy values were computed on the greedy tokens: redo them on the sampled ones.
+                tokens_dev = sample(out.logits, [s.params for s in sampling], [s.generator for s in sampling])
+                values_dev = self._step_values(out.logits, out.hidden, tokens_dev)
+            if sampling:
+                # The step's one host synchronization: its tokens and the policy's values together.
+                tokens, values = to_host(tokens_dev, values_dev)
         for c in chunks:
             c.seq.num_computed_tokens += c.num_new_tokens
             self.block_manager.register_full_blocks(c.seq)
         if sampling:
-            # The step's one host synchronization: its tokens and the policy's values together.
-            tokens, values = to_host(tokens_dev, values_dev)
             views = [self._route_view(s) for s in sampling]
             embed = self.runner.model.model.embed_tokens
             result = StepResult(out.logits, out.hidden, tokens_dev, embed, step_values=values)

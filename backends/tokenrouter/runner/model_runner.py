@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -67,6 +68,14 @@ class ModelRunner:
         self.num_forwarded_tokens = 0
         self.step_hook: StepHook | None = None
         self.graphs: CudaGraphRunner | None = None
+        # Each model steps on its own stream: models sharing a GPU (threads of one process) then overlap on
+        # the device instead of queueing behind each other on the default stream, and a step's synchronization
+        # waits for this model's work only.
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def stream_context(self) -> contextlib.AbstractContextManager:
+        """Run a step's device work (forward, sampling, policy tensors, copies to the host) inside this."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def _load_model(self, fused: bool) -> CausalLM:
         prev = torch.get_default_dtype()
