@@ -28,6 +28,10 @@ def test_graph_shapes_cover_decode_and_short_extends() -> None:
     extend = sorted((s.num_tokens, s.num_seqs) for s in shapes if s.has_extend)
     assert extend == [(16, 4), (16, 8), (32, 4), (32, 8)]
     assert graph_shapes(max_batch=0, max_tokens=0) == []
+    # Extend graphs without decode graphs; and the scheduler's sequence limit caps both kinds.
+    assert [s for s in graph_shapes(0, 16, max_seqs=8) if not s.has_extend] == []
+    assert graph_shapes(0, 16, max_seqs=8) == [GraphShape(16, 4), GraphShape(16, 8)]
+    assert max(s.num_seqs for s in graph_shapes(64, 128, max_seqs=6)) == 6
 
 
 @pytest.mark.parametrize(

@@ -55,12 +55,14 @@ class GraphShape:
         return self.num_tokens > self.num_seqs
 
 
-def graph_shapes(max_batch: int, max_tokens: int) -> list[GraphShape]:
-    """Decode shapes up to `max_batch` sequences and extend shapes up to `max_tokens` tokens."""
-    shapes = {GraphShape(b, b) for b in _DECODE_SIZES if b <= max_batch}
+def graph_shapes(max_batch: int, max_tokens: int, max_seqs: int | None = None) -> list[GraphShape]:
+    """Decode shapes up to `max_batch` sequences and extend shapes up to `max_tokens` tokens over at most
+    `max_seqs` sequences (default: max_batch)."""
+    max_seqs = max_batch if max_seqs is None else max_seqs
+    shapes = {GraphShape(b, b) for b in _DECODE_SIZES if b <= min(max_batch, max_seqs)}
     for t in range(_EXTEND_TOKEN_STEP, max_tokens + 1, _EXTEND_TOKEN_STEP):
         for b in _EXTEND_SEQS:
-            shapes.add(GraphShape(t, min(b, t - 1, max_batch)))
+            shapes.add(GraphShape(t, min(b, t - 1, max_seqs)))
     return sorted(s for s in shapes if s.num_seqs >= 1)
 
 
@@ -244,6 +246,9 @@ class CudaGraphRunner:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self.outputs[shape] = self._step(batch)
             self.graphs[shape] = graph
+            # The graph keeps raw addresses; dropping the batch's attention scratch returns it to the shared pool
+            # for the next captures (its content is dead between replays). Only the outputs stay owned.
+            del self.batches[shape], batch
         torch.cuda.synchronize(self.device)
         log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - t0)
 

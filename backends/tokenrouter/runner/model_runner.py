@@ -180,7 +180,7 @@ class ModelRunner:
         if not (self.cuda_graphs_possible or (not capture and self.attn_backend.supports_cuda_graphs)):
             return
         cfg = self.cfg
-        shapes = graph_shapes(min(cfg.cuda_graph_max_batch, cfg.max_num_seqs), cfg.cuda_graph_max_tokens)
+        shapes = graph_shapes(cfg.cuda_graph_max_batch, cfg.cuda_graph_max_tokens, cfg.max_num_seqs)
         if not shapes:
             return
         self.graphs = CudaGraphRunner(
