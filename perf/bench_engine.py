@@ -8,8 +8,8 @@
     python perf/bench_engine.py --config config/r2r/qwen3-0.6b_qwen3-32b.yaml \
         --concurrency 1,4,8,16,32,64 --num-requests 256 --prompt-len 512 --output-len 256
 
-For each variant (the routed deployment, always-small, always-large) the engine is built once and run in
-background mode (`engine.start()`: one decoding-loop thread per model plus the coordinator), then for each
+For each variant (the routed deployment, always-small, always-large) the engine is built once (in a process
+of its own when a model is on a GPU, `--isolate`) and run in background mode (`engine.start()`: one decoding-loop thread per model plus the coordinator), then for each
 concurrency C a closed loop keeps C requests in flight: a request is submitted with `add_request` and a
 listener; when one finishes, the next is submitted, until `--num-requests` have finished. Prompts are
 random token ids of exactly `--prompt-len` (dummy-weight models have no tokenizer), identical across
@@ -39,7 +39,9 @@ import gc
 import json
 import queue
 import random
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -449,12 +451,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", help="results name (default: bench_engine_<policy>_<config>)")
     p.add_argument("--note", action="append", default=[], help="a line for the markdown header (repeatable)")
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
+    p.add_argument(
+        "--isolate",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run each variant in its own process (auto: when a model is on a GPU, so that each variant starts "
+        "with the whole device: an in-process run once kept a previous variant's memory on an H200)",
+    )
+    p.add_argument("--rows-out", help=argparse.SUPPRESS)  # internal: a child of --isolate writes its rows here
     args = p.parse_args(argv)
     args.concurrency = parse_concurrency(p, args.concurrency)
     if args.prompt_len < 1 or args.output_len < 1:
         p.error("--prompt-len and --output-len must be >= 1")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     return args
+
+
+def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """argv minus the given options and their values (`--opt value` and `--opt=value`)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in names:
+            skip = True
+        elif not a.startswith(tuple(f"{n}=" for n in names)):
+            out.append(a)
+    return out
+
+
+def run_variant_in_child(name: str, argv: list[str] | None) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """One variant in a fresh interpreter (same arguments otherwise): its device memory ends with it."""
+    base = _without_options(sys.argv[1:] if argv is None else argv, ("--variants", "--isolate", "--rows-out"))
+    with tempfile.TemporaryDirectory() as tmp:
+        rows_path = Path(tmp) / "rows.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), *base, "--variants", name, "--isolate", "off",
+               "--rows-out", str(rows_path)]  # fmt: skip
+        rc = subprocess.run(cmd).returncode
+        if not rows_path.is_file():
+            return [], [{"variant": name, "error": f"the variant's process exited with code {rc} and no results"}]
+        data = json.loads(rows_path.read_text())
+    return data["results"], data["failures"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -527,15 +564,28 @@ def main(argv: list[str] | None = None) -> int:
     }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    isolate = args.isolate == "on" or (
+        args.isolate == "auto" and any(m.device.startswith("cuda") for c in configs.values() for m in c.models.values())
+    )
     for name, vcfg in configs.items():
-        try:
-            results += run_variant(name, vcfg, args, large, prompts_for)
-        except Exception as e:  # one variant failing (say, out of memory) must not lose the others' figures
-            traceback.print_exc()
-            failures.append({"variant": name, "error": f"{type(e).__name__}: {e}"})
+        if isolate and args.rows_out is None:
+            rows, failed = run_variant_in_child(name, argv)
+            results += rows
+            failures += failed
+        else:
+            try:
+                results += run_variant(name, vcfg, args, large, prompts_for)
+            except Exception as e:  # one variant failing (say, out of memory) must not lose the others' figures
+                traceback.print_exc()
+                failures.append({"variant": name, "error": f"{type(e).__name__}: {e}"})
+        if args.rows_out is not None:
+            continue
         # Written after every variant, so a long GPU sweep that dies late keeps what it measured.
         (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
         (out_dir / f"{stem}.md").write_text(markdown(report))
+    if args.rows_out is not None:
+        Path(args.rows_out).write_text(json.dumps({"results": results, "failures": failures}))
+        return 0
     print(f"\nwrote {out_dir / stem}.json and .md")
     return 1 if failures or any(r["errors"] for r in results) else 0
 
