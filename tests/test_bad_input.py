@@ -179,6 +179,9 @@ def test_bad_config_values(tiny_dir: Path) -> None:
         (dict(device="tpu"), r"models\.small\.device must be"),
         (dict(kv_cache_tokens=2), r"models\.small\.kv_cache_tokens must hold at least one block"),
         (dict(max_model_len=1), r"models\.small\.max_model_len must be >= 2"),
+        (dict(cuda_graph_max_batch="8"), r"models\.small\.cuda_graph_max_batch must be an integer >= 0"),
+        (dict(cuda_graph_max_tokens=-1), r"models\.small\.cuda_graph_max_tokens must be an integer >= 0"),
+        (dict(enforce_eager="yes"), r"models\.small\.enforce_eager must be true or false"),
     ]
     for kw, msg in cases:
         with pytest.raises(ConfigError, match=msg):
@@ -187,6 +190,26 @@ def test_bad_config_values(tiny_dir: Path) -> None:
         Engine.from_config({"models": {MODEL: model_cfg(tiny_dir)}, "entry": "nope"})
     with pytest.raises(ConfigError, match=r"models\.small: .*path"):
         Engine.from_config({"models": {MODEL: {"dtype": "float32"}}})
+
+
+def test_gpu_memory_fractions_must_fit_one_gpu(tiny_dir: Path) -> None:
+    """Validated from the config alone (no GPU needed): models sized by fraction on one GPU split it."""
+    from tokenrouter.config import load_config
+
+    def gpu_model(name: str, fraction: float, **kw) -> dict:
+        return {"path": str(tiny_dir / name), "device": "cuda:0", "kv_memory_fraction": fraction, **kw}
+
+    over = {"models": {"small": gpu_model("small", 0.5), "large": {**gpu_model("large", 0.6), "device": "cuda"}},
+            "entry": "small"}
+    with pytest.raises(ConfigError, match=r"models on cuda:0 claim kv_memory_fraction 1\.1 .*small: 0\.5, large: 0\.6"):
+        load_config(over)
+    # Fine: fractions that fit, different GPUs, or a pool sized in tokens.
+    for models in (
+        {"small": gpu_model("small", 0.3), "large": gpu_model("large", 0.7)},
+        {"small": gpu_model("small", 0.9), "large": {**gpu_model("large", 0.9), "device": "cuda:1"}},
+        {"small": gpu_model("small", 0.9, kv_cache_tokens=1024), "large": gpu_model("large", 0.9)},
+    ):
+        load_config({"models": models, "entry": "small"})
 
 
 def test_context_limited_by_kv_pool(tiny_dir: Path) -> None:

@@ -53,7 +53,7 @@ class ModelConfig:
     # the triton package is importable, else torch).
     attention: Literal["auto", "torch", "triton"] = "auto"
     # CUDA graphs (GPU with the triton attention backend): decode steps of up to cuda_graph_max_batch
-    # sequences and extends of up to cuda_graph_max_tokens tokens replay captured graphs; 0 or
+    # sequences and extends of up to cuda_graph_max_tokens tokens (in steps of 16) replay captured graphs; 0 or
     # enforce_eager turns them off. Capture takes memory (one shared pool) and a few seconds at startup.
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 64
@@ -80,8 +80,11 @@ class ModelConfig:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{where}.{key} must be >= 1, got {getattr(self, key)}")
         for key in ("cuda_graph_max_batch", "cuda_graph_max_tokens"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"{where}.{key} must be >= 0, got {getattr(self, key)}")
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{where}.{key} must be an integer >= 0, got {v!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"{where}.enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ConfigError(f"{where}.kv_cache_tokens must hold at least one block ({self.block_size})")
         if not 0.0 < self.kv_memory_fraction <= 1.0:

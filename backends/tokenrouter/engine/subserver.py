@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 def to_host(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
     """Copy device tensors to the host with one synchronization for all of them."""
     out = [t if t is None or t.device.type == "cpu" else t.to("cpu", non_blocking=True) for t in tensors]
-    if any(t is not None and t.device.type == "cuda" for t in tensors):
-        torch.cuda.current_stream(next(t.device for t in tensors if t is not None)).synchronize()
+    cuda = [t.device for t in tensors if t is not None and t.device.type == "cuda"]
+    if cuda:
+        torch.cuda.current_stream(cuda[0]).synchronize()
     return out
 
 
@@ -213,7 +214,8 @@ class Subserver:
             views = [self._route_view(s) for s in sampling]
             embed = self.runner.model.model.embed_tokens
             result = StepResult(out.logits, out.hidden, tokens_dev, embed, step_values=values)
-            targets = self._route(views, result)
+            with self.runner.stream_context():  # device work a policy does in route() stays on this model's stream
+                targets = self._route(views, result)
             for seq, view, tok, target in zip(sampling, views, tokens.tolist(), targets):
                 self._postprocess(seq, view, tok, target)
             done = time.monotonic()  # one clock read per step: when these requests became ready again

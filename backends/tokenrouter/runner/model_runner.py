@@ -177,6 +177,10 @@ class ModelRunner:
 
         `capture=False` on the CPU builds the graph runner without capturing (tests of the padded path)."""
         self.step_hook = step_hook
+        if self.stream is not None:
+            # The model's stream does not wait for the default stream by itself: order the steps after the
+            # set-up work queued there (weight init, the KV pool's zero fill, the policy's network).
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         if not (self.cuda_graphs_possible or (not capture and self.attn_backend.supports_cuda_graphs)):
             return
         cfg = self.cfg

@@ -25,8 +25,10 @@ from tokenrouter.runner.forward_batch import ForwardBatch
 _LOG2E = math.log2(math.e)
 # Cap on KV splits per (sequence, KV head) in decode: more splits than this only grow the reduction.
 _MAX_KV_SPLITS = 64
-# Extend partials hold a row per (token, head, split): fewer splits than decode keep that scratch small.
+# Extend partials hold a row per (token, head, split) of the whole batch: fewer splits than decode, and a bound
+# on their bytes (a big mixed batch with one short suffix would otherwise allocate hundreds of MB per step).
 _MAX_EXTEND_SPLITS = 16
+_MAX_EXTEND_SCRATCH_BYTES = 64 << 20
 # A split shorter than this does too little work to pay for its share of the reduction.
 _MIN_TOKENS_PER_SPLIT = 256
 # Decode programs to aim for per SM: a few resident programs per SM hide the block-table -> K/V load latency.
@@ -601,8 +603,9 @@ class TritonAttention(AttentionBackend):
         # Programs with real work: a graph only knows its bounds, so it assumes the case splits are for (one
         # short suffix per sequence); eagerly, the longest suffix's tile count for every extend sequence.
         programs = state.extend_seqs_hint or state.num_extend * num_m
+        per_split = q.shape[0] * num_heads * (head_dim + 1) * 4  # float32 partial output + lse per split
         splits = min(self._pick_num_splits(q.device, programs, num_kv_heads, state.max_extend_kv_len),
-                     _MAX_EXTEND_SPLITS)  # fmt: skip
+                     _MAX_EXTEND_SPLITS, max(1, _MAX_EXTEND_SCRATCH_BYTES // per_split))  # fmt: skip
         skip_decode = state.num_decode > 0
         mid_o = mid_lse = out  # never read without SPLIT
         if splits > 1:
