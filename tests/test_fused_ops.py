@@ -1,56 +1,17 @@
 """The fused decoder-layer kernels against the torch reference (layers.py / model.py math), via Triton's interpreter.
 
-As in test_triton_attention.py, TRITON_INTERPRET=1 must be in effect when triton is imported, so CI runs the kernels
-on the CPU; on a GPU machine `TRITON_INTERPRET=0 pytest tests/test_fused_ops.py` runs the same checks compiled, on
-CUDA tensors (and then also in bfloat16, which the interpreter cannot round correctly, see `_dtype_params`).
+TRITON_INTERPRET=1 is in effect when triton is imported (`triton_interpreter`), so CI runs the kernels on the CPU;
+on a GPU machine `TRITON_INTERPRET=0 pytest tests/test_fused_ops.py` runs the same checks compiled, on CUDA tensors
+(and then also in bfloat16, which the interpreter cannot round correctly, see `_dtype_params`).
 Shapes are tiny but cover the awkward cases: a hidden size that is not a power of two, GQA with padded head tiles,
 arbitrary positions, scattered slots with padding (-1) tokens, strided inputs and KV pool views.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before this module imports triton
-INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
-_KERNEL_MODULES = ("tokenrouter.runner.fused_ops", "tokenrouter.runner.triton_attention")
-
-
-def _reimport_triton_interpreted() -> None:
-    """Make triton and our kernel modules interpreted even if an earlier test module imported them compiled.
-
-    Same reason as in test_triton_attention.py: transformers (via torch._dynamo) imports triton in compiled mode
-    before this module is collected, and the compiled tl.sum/tl.max cannot be called by the interpreter. The pure
-    Python part of triton is dropped and imported again; the native extension stays. Our kernel modules are dropped
-    too when they were decorated by the compiled triton (e.g. imported by model code in an earlier test), so both
-    this file and test_triton_attention.py, whichever runs first, get interpreted kernels.
-    """
-    std = sys.modules.get("triton.language.standard")
-    if std is not None and type(std.max).__name__ != "InterpretedFunction":
-        for name in [m for m in sys.modules if m.split(".")[0] == "triton" and not m.startswith("triton._C")]:
-            sys.modules.pop(name, None)
-        for name in _KERNEL_MODULES:
-            _drop_module(name)
-    ops = sys.modules.get("tokenrouter.runner.fused_ops")
-    if ops is not None and type(ops._rms_norm_kernel).__name__ != "InterpretedFunction":
-        _drop_module("tokenrouter.runner.fused_ops")
-
-
-def _drop_module(name: str) -> None:
-    """Forget a submodule so the next import runs it again.
-
-    The parent package's attribute must go too: `from tokenrouter.runner import fused_ops` takes that attribute
-    when it exists and would hand back the stale module even though sys.modules no longer has it.
-    """
-    sys.modules.pop(name, None)
-    parent, _, child = name.rpartition(".")
-    if parent in sys.modules and hasattr(sys.modules[parent], child):
-        delattr(sys.modules[parent], child)
-
-
-if INTERPRET and "triton" in sys.modules:
-    _reimport_triton_interpreted()
+# isort: off
+from triton_interpreter import INTERPRET  # first: before anything here imports triton
+# isort: on
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -8,34 +8,9 @@ sizes small so that tile edges, KV splits, partial pages and GQA packing are all
 
 from __future__ import annotations
 
-import os
-import sys
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before this module imports triton
-INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
-
-
-def _reimport_triton_interpreted() -> None:
-    """Make triton's Python layer interpreted even if an earlier test module imported it compiled.
-
-    Importing transformers pulls in torch._dynamo, which imports triton when it is installed, so in a full
-    `pytest tests` run triton is usually already loaded, in compiled mode, before this module is collected;
-    its tl.max/tl.sum/... are then compiled-only functions that the interpreter cannot call. Dropping its pure
-    Python modules and importing again re-decorates them under TRITON_INTERPRET=1. The native extension
-    (triton._C) stays loaded: it cannot be initialised twice. Modules imported before keep the old copy, which
-    CPU-only tests never launch.
-    """
-    std = sys.modules.get("triton.language.standard")
-    if std is None or type(std.max).__name__ == "InterpretedFunction":
-        return
-    stale = [m for m in sys.modules if m.split(".")[0] == "triton" and not m.startswith("triton._C")]
-    stale.append("tokenrouter.runner.triton_attention")  # its kernels were decorated by the old triton
-    for name in stale:
-        sys.modules.pop(name, None)
-
-
-if INTERPRET and "triton" in sys.modules:
-    _reimport_triton_interpreted()
+# isort: off
+from triton_interpreter import INTERPRET  # first: before anything here imports triton
+# isort: on
 
 import dataclasses  # noqa: E402
 
