@@ -410,8 +410,22 @@ class _TritonState:
     max_extend_kv_len: int = 0
     # CUDA graphs: the number of sequences to size the extend KV split for (lengths are unknown on the host).
     extend_seqs_hint: int = 0
-    # Decode scratch reused by every layer of the step, keyed by (B, Hq, splits, D, device).
+    # Split scratch reused by every layer of the step (`_split_scratch`).
     scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def _split_scratch(
+    state: _TritonState, kernel: str, rows: int, num_heads: int, splits: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-split partial outputs [rows, Hq, splits, D] and log-sum-exps [rows, Hq, splits] (float32), allocated
+    once per step and shape and shared by every layer."""
+    key = (kernel, rows, num_heads, splits, head_dim, device)
+    if key not in state.scratch:
+        state.scratch[key] = (
+            torch.empty(rows, num_heads, splits, head_dim, dtype=torch.float32, device=device),
+            torch.empty(rows, num_heads, splits, dtype=torch.float32, device=device),
+        )
+    return state.scratch[key]
 
 
 def _next_pow2(x: int) -> int:
@@ -557,14 +571,9 @@ class TritonAttention(AttentionBackend):
         d_pad = max(16, _next_pow2(head_dim))
         cfg = self._decode_config(d_pad)
         splits = self._pick_num_splits(q.device, state.num_decode, num_kv_heads, state.max_decode_kv_len)
-        key = (B, num_heads, splits, head_dim, q.device)
-        if splits > 1 and key not in state.scratch:
-            state.scratch[key] = (
-                torch.empty(B, num_heads, splits, head_dim, dtype=torch.float32, device=q.device),
-                torch.empty(B, num_heads, splits, dtype=torch.float32, device=q.device),
-            )
-        # With one split the kernel writes `out` directly and never touches the scratch pointers.
-        mid_o, mid_lse = state.scratch.get(key, (out, out))
+        mid_o = mid_lse = out  # with one split the kernel writes `out` directly, never the scratch
+        if splits > 1:
+            mid_o, mid_lse = _split_scratch(state, "decode", B, num_heads, splits, head_dim, q.device)
         # Grid over all B sequences: in a mixed batch the extend rows' programs return at once.
         _decode_split_kernel[(B, num_kv_heads, splits)](
             q, k_cache, v_cache, out, mid_o, mid_lse, batch.block_tables, batch.cu_seqlens_q, batch.kv_lens,
@@ -609,14 +618,7 @@ class TritonAttention(AttentionBackend):
         skip_decode = state.num_decode > 0
         mid_o = mid_lse = out  # never read without SPLIT
         if splits > 1:
-            key = ("extend", q.shape[0], num_heads, splits, head_dim, q.device)
-            if key not in state.scratch:
-                T = q.shape[0]
-                state.scratch[key] = (
-                    torch.empty(T, num_heads, splits, head_dim, dtype=torch.float32, device=q.device),
-                    torch.empty(T, num_heads, splits, dtype=torch.float32, device=q.device),
-                )
-            mid_o, mid_lse = state.scratch[key]
+            mid_o, mid_lse = _split_scratch(state, "extend", q.shape[0], num_heads, splits, head_dim, q.device)
         _extend_kernel[(batch.num_seqs, num_kv_heads, num_m * splits)](
             q, k_cache, v_cache, out, mid_o, mid_lse, batch.block_tables, batch.cu_seqlens_q, batch.kv_lens,
             scale * _LOG2E, splits,
