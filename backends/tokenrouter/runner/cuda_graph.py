@@ -28,7 +28,7 @@ import torch
 
 from tokenrouter.engine.scheduler import ScheduledChunk
 from tokenrouter.runner.attention import AttentionBackend
-from tokenrouter.runner.forward_batch import ForwardBatch
+from tokenrouter.runner.forward_batch import ForwardBatch, HostBatch
 from tokenrouter.runner.model import CausalLM
 
 log = logging.getLogger(__name__)
@@ -141,26 +141,17 @@ class StaticInputs:
             # synchronized on that step's results (the engine always does), so this rarely waits.
             self._copied.synchronize()
         T, B = shape.num_tokens, shape.num_seqs
-        ids, pos, slots, rows, kv_lens, cu = [], [], [], [], [], [0]
-        tables = self._tables_np
+        h = HostBatch.from_chunks(chunks, block_size)  # every chunk samples: one logits row per sequence
         for i, c in enumerate(chunks):
-            seq, start, n = c.seq, c.seq.num_computed_tokens, c.num_new_tokens
-            table = seq.block_table
-            ids += seq.token_ids[start : start + n]
-            pos += range(start, start + n)
-            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
-            rows.append(len(ids) - 1)
-            kv_lens.append(start + n)
-            cu.append(len(ids))
-            tables[i, : len(table)] = table
-        pad_t, pad_b = T - len(ids), B - len(chunks)
+            self._tables_np[i, : len(c.seq.block_table)] = c.seq.block_table
+        pad_t, pad_b = T - len(h.input_ids), B - len(chunks)
         # Padding: tokens of no sequence (position 0, no KV write); sequences of no tokens (logits row 0).
-        ids += [0] * pad_t
-        pos += [0] * pad_t
-        slots += [-1] * pad_t
-        rows += [0] * pad_b
-        kv_lens += [0] * pad_b
-        cu += [cu[-1]] * pad_b
+        ids = h.input_ids + [0] * pad_t
+        pos = h.positions + [0] * pad_t
+        slots = h.slot_mapping + [-1] * pad_t
+        rows = h.logits_indices + [0] * pad_b
+        kv_lens = h.kv_lens + [0] * pad_b
+        cu = h.cu_seqlens_q + [h.cu_seqlens_q[-1]] * pad_b
         # Through numpy views of the pinned mirrors: a list lands in one C loop, with no torch op per field (the
         # host's share of a small model's step is mostly this function).
         host, off = self._host_np, self._off

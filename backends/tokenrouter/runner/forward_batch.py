@@ -3,9 +3,40 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from tokenrouter.engine.scheduler import ScheduledChunk
+
+
+@dataclass
+class HostBatch:
+    """A batch's index lists on the host, built once from the scheduled chunks (the eager path turns them into
+    fresh tensors, the CUDA-graph path writes them into its static buffers)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    cu_seqlens_q: list[int]
+    kv_lens: list[int]
+    logits_indices: list[int]  # last token of every chunk that samples
+
+    @classmethod
+    def from_chunks(cls, chunks: list[ScheduledChunk], block_size: int) -> HostBatch:
+        b = cls([], [], [], [0], [], [])
+        for c in chunks:
+            seq, start, n = c.seq, c.seq.num_computed_tokens, c.num_new_tokens
+            table = seq.block_table
+            b.input_ids += seq.token_ids[start : start + n]
+            b.positions += range(start, start + n)
+            b.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+            b.cu_seqlens_q.append(len(b.input_ids))
+            b.kv_lens.append(start + n)
+            if c.samples:
+                b.logits_indices.append(len(b.input_ids) - 1)
+        return b
 
 
 @dataclass

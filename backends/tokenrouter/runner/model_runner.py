@@ -13,7 +13,7 @@ from tokenrouter.engine.scheduler import ScheduledChunk
 from tokenrouter.runner.arch import ArchConfig
 from tokenrouter.runner.attention import get_backend
 from tokenrouter.runner.cuda_graph import CudaGraphRunner, StepHook, graph_shapes
-from tokenrouter.runner.forward_batch import ForwardBatch
+from tokenrouter.runner.forward_batch import ForwardBatch, HostBatch
 from tokenrouter.runner.model import CausalLM
 from tokenrouter.runner.weights import init_dummy, load_safetensors
 
@@ -126,27 +126,13 @@ class ModelRunner:
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         bs = self.block_size
-        input_ids, positions, slots, q_lens, kv_lens, logits_idx = [], [], [], [], [], []
+        h = HostBatch.from_chunks(chunks, bs)
         max_blocks = max(len(c.seq.block_table) for c in chunks)
-        tables = []
-        for c in chunks:
-            seq, start, n = c.seq, c.seq.num_computed_tokens, c.num_new_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            q_lens.append(n)
-            kv_lens.append(start + n)
-            if c.samples:
-                logits_idx.append(len(input_ids) - 1)
-            tables.append(table + [0] * (max_blocks - len(table)))
-        cu = [0]
-        for n in q_lens:
-            cu.append(cu[-1] + n)
+        tables = [b for c in chunks for b in c.seq.block_table + [0] * (max_blocks - len(c.seq.block_table))]
         # Two host-to-device copies (one per dtype) instead of seven; views split them on the device.
-        T, B, S = len(input_ids), len(chunks), len(logits_idx)
-        i64 = torch.tensor(input_ids + positions + slots + logits_idx, dtype=torch.int64)
-        i32 = torch.tensor(cu + kv_lens + [b for row in tables for b in row], dtype=torch.int32)
+        T, B, S = len(h.input_ids), len(chunks), len(h.logits_indices)
+        i64 = torch.tensor(h.input_ids + h.positions + h.slot_mapping + h.logits_indices, dtype=torch.int64)
+        i32 = torch.tensor(h.cu_seqlens_q + h.kv_lens + tables, dtype=torch.int32)
         i64, i32 = i64.to(self.device, non_blocking=True), i32.to(self.device, non_blocking=True)
         return ForwardBatch(
             input_ids=i64[:T],
@@ -156,8 +142,8 @@ class ModelRunner:
             cu_seqlens_q=i32[: B + 1],
             kv_lens=i32[B + 1 : 2 * B + 1],
             block_tables=i32[2 * B + 1 :].view(B, max_blocks),
-            q_lens_cpu=q_lens,
-            kv_lens_cpu=kv_lens,
+            q_lens_cpu=[b - a for a, b in zip(h.cu_seqlens_q, h.cu_seqlens_q[1:])],
+            kv_lens_cpu=h.kv_lens,
             block_size=bs,
         )
 
