@@ -9,12 +9,12 @@
         --concurrency 1,4,8,16,32,64 --num-requests 256 --prompt-len 512 --output-len 256
 
 For each variant (the routed deployment, always-small, always-large) the engine is built once (in a process
-of its own when a model is on a GPU, `--isolate`) and run in background mode (`engine.start()`: one decoding-loop thread per model plus the coordinator), then for each
-concurrency C a closed loop keeps C requests in flight: a request is submitted with `add_request` and a
-listener; when one finishes, the next is submitted, until `--num-requests` have finished. Prompts are
-random token ids of exactly `--prompt-len` (dummy-weight models have no tokenizer), identical across
-variants and fresh for each concurrency (so the prefix cache never hits across points); every request
-generates exactly `--output-len` tokens (`ignore_eos`).
+of its own when a model is on a GPU, `--isolate`) and run in background mode (`engine.start()`: one
+decoding-loop thread per model plus the coordinator), then for each concurrency C a closed loop keeps C
+requests in flight: a request is submitted with `add_request` and a listener; when one finishes, the next
+is submitted, until `--num-requests` have finished. Prompts are random token ids of exactly `--prompt-len`
+(dummy-weight models have no tokenizer), identical across variants and fresh for each concurrency (so the
+prefix cache never hits across points); every request generates exactly `--output-len` tokens (`ignore_eos`).
 
 Measured per (variant, concurrency), all from the listener's timestamps (time.perf_counter at delivery):
 - output tok/s: output tokens of all requests / (first submit -> last finish), ramp-up and drain included.

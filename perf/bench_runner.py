@@ -113,13 +113,12 @@ def release(bm: BlockManager, chunks: list[ScheduledChunk]) -> None:
 
 def r2r_hook(runner: ModelRunner):
     """R2R's router (hidden_dim 1024, top-100 logits) as the step hook, as the small model's subserver runs it."""
-    from tokenrouter.routing.policy import StepResult, make_policy
+    from tokenrouter.routing.policy import make_policy, step_hook
 
     policy = make_policy("r2r", ["small", "large"], "small", {"threshold": 0.5})
     a = runner.arch
     policy.setup(runner.device, runner.dtype, a.hidden_size, a.vocab_size)
-    embed = runner.model.model.embed_tokens
-    return lambda logits, hidden, greedy: policy.step_tensors(StepResult(logits, hidden, greedy, embed))
+    return step_hook(policy, runner.model.model.embed_tokens)
 
 
 def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_router: bool) -> dict:

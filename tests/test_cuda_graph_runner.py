@@ -15,7 +15,7 @@ from tokenrouter.config import ModelConfig
 from tokenrouter.engine.block_manager import BlockManager
 from tokenrouter.engine.scheduler import ScheduledChunk
 from tokenrouter.engine.sequence import Sequence
-from tokenrouter.routing.policy import StepResult, make_policy
+from tokenrouter.routing.policy import make_policy, step_hook
 from tokenrouter.runner.cuda_graph import GraphShape, graph_shapes, pick_shape
 from tokenrouter.runner.model_runner import ModelRunner
 from tokenrouter.sampling_params import SamplingParams
@@ -67,8 +67,7 @@ def _hook(runner: ModelRunner):
     policy = make_policy("r2r", ["small", "large"], "small", {"hidden_dim": 16, "top_k_logits": 8, "seed": 5})
     a = runner.arch
     policy.setup(runner.device, runner.dtype, a.hidden_size, a.vocab_size)
-    embed = runner.model.model.embed_tokens
-    return lambda logits, hidden, greedy: policy.step_tensors(StepResult(logits, hidden, greedy, embed))
+    return step_hook(policy, runner.model.model.embed_tokens)
 
 
 class _Driver:

@@ -23,7 +23,7 @@ from tokenrouter.engine.scheduler import Scheduler
 from tokenrouter.engine.sequence import SeqStatus, Sequence
 from tokenrouter.engine.step_stats import StepStats
 from tokenrouter.engine.stop import StopChecker
-from tokenrouter.routing.policy import Policy, RouteRequest, StepResult, resolve
+from tokenrouter.routing.policy import Policy, RouteRequest, StepResult, resolve, step_hook
 from tokenrouter.runner.model_runner import ModelRunner
 from tokenrouter.runner.sampler import sample
 from tokenrouter.transport.messages import Append, Arrive, Commit, Event, Failed, Handoff, Release, Released
@@ -59,7 +59,8 @@ class Subserver:
         policy.tokenizer = stop.tokenizer
         a = self.runner.arch
         policy.setup(self.runner.device, self.runner.dtype, a.hidden_size, a.vocab_size)
-        self.runner.setup_step(self._step_hook() if len(policy.models) > 1 else None)
+        embed = self.runner.model.model.embed_tokens
+        self.runner.setup_step(step_hook(policy, embed) if len(policy.models) > 1 else None)
         self.stop = stop
         self.emit = emit
         self.seqs: dict[str, Sequence] = {}
@@ -225,15 +226,6 @@ class Subserver:
         self.last_batch_size = len(chunks)
         self.stats.record_step(len(chunks), time.perf_counter() - t0)
         return len(chunks)
-
-    def _step_hook(self):
-        """The policy's device work on each step's outputs, for the runner to run (and capture) with the step."""
-        embed = self.runner.model.model.embed_tokens
-
-        def hook(logits: torch.Tensor, hidden: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor | None:
-            return self.policy.step_tensors(StepResult(logits, hidden, greedy, embed))
-
-        return hook
 
     def _step_values(self, logits: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
         if self.runner.step_hook is None or not len(tokens):

@@ -183,6 +183,16 @@ class Policy(ABC):
         return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") / 2**64
 
 
+def step_hook(policy: Policy, embed_tokens: torch.nn.Module):
+    """`policy.step_tensors` as a runner's step hook: (logits, hidden, greedy tokens) -> per-row values, run (and
+    captured in CUDA graphs) right after each forward pass."""
+
+    def hook(logits: torch.Tensor, hidden: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor | None:
+        return policy.step_tensors(StepResult(logits, hidden, greedy, embed_tokens))
+
+    return hook
+
+
 POLICIES: dict[str, type[Policy]] = {}
 
 
