@@ -104,8 +104,9 @@ def results_path(value: str | os.PathLike, suffix: str) -> Path:
 
 
 @contextmanager
-def serving(config: str, work: Path) -> Iterator[str]:
-    """Start tritonserver on a repository written for `config` (free ports), yield its gRPC url, stop it."""
+def serving(config: str, work: Path) -> Iterator[Any]:
+    """Start tritonserver on a repository written for `config` (free ports), yield it, stop it. The
+    server's `grpc_url` and `metrics_url` say where it answers."""
     from tokenrouter.serving import triton_install
     from tokenrouter.serving.repository import write_repository
     from tokenrouter.serving.server import TritonServer, ensure_models, free_ports
@@ -126,7 +127,7 @@ def serving(config: str, work: Path) -> Iterator[str]:
             # The log lives in a temporary folder that is about to go: show its end now.
             print(log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)", file=sys.stderr)
             raise
-        yield f"127.0.0.1:{grpc}"
+        yield server
     finally:
         server.stop()
 

@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         env = genai_perf_env(work)
         if args.serve:
-            with serving(args.serve, work) as url:
+            with serving(args.serve, work) as server:
+                url = server.grpc_url
                 results = run(args, url, exe, env, out_dir)
         else:
             url = args.url or "127.0.0.1:8001"

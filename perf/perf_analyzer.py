@@ -314,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tr-pa-") as tmp:
         work = Path(tmp)
         if args.serve:
-            with serving(args.serve, work) as url:
+            with serving(args.serve, work) as server:
+                url = server.grpc_url
                 summary = measure(args, url, work)
         else:
             url = args.url or "127.0.0.1:8001"

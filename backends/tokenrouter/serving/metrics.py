@@ -4,7 +4,6 @@ decode loop: the subserver's counters are read by a metrics thread; events are c
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 from tokenrouter.transport.messages import Commit, Event, Handoff
@@ -90,13 +89,26 @@ class RouterMetrics:
         self._finished: dict[str, Any] = {}
         self._labels = labels
         self._lock = threading.Lock()
-        self._t0 = time.monotonic()
+        self._tuned_family = mf(
+            "tokenrouter_tuned_threshold", "Batching threshold B chosen by the tuner (thresholds: auto)", mf.mf.GAUGE
+        )
+        self._tuned: dict[str, Any] = {}
+        self.predicted = mf(
+            "tokenrouter_predicted_throughput", "Output tokens/s the tuner predicts for its thresholds", mf.mf.GAUGE
+        ).Metric(labels)
 
     def time_to_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
 
     def inter_token_latency(self, seconds: float) -> None:
         self.itl.observe(seconds)
+
+    def tuned(self, thresholds: dict[str, int], predicted_tok_s: float) -> None:
+        for model, b in thresholds.items():
+            if model not in self._tuned:
+                self._tuned[model] = self._tuned_family.Metric({"model": model})
+            self._tuned[model].set(b)
+        self.predicted.set(predicted_tok_s)
 
     def finished(self, reason: str) -> None:
         with self._lock:

@@ -1,14 +1,17 @@
-"""Role `router` (the `tokenrouter` model, the entry point): a decoupled BLS orchestrator.
+"""Role `router` (the `tokenrouter` model, the entry point): the coordinator of a Triton deployment.
 
 It tokenizes, admits each request to the entry subserver and forwards every handoff's token suffix and
-routing state to its target with `async_exec(decoupled=True)`; one BLS stream per visit brings back that
-model's events (commits, then a handoff or the end). Routing decisions stay inside the subservers: only
-handoffs cross models. Everything runs on one asyncio loop thread; `execute` only enqueues.
+routing state to its target over that model's local socket (`transport.ipc`); each model's events come
+back on the same connection. Routing decisions stay inside the subservers: only handoffs cross models.
+Everything runs on one asyncio loop thread; `execute` only enqueues, socket reader threads only post.
+With `thresholds: auto` the router also solves the delayed-batching thresholds from the step statistics
+the subservers report, and exports them and the predicted throughput as metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import threading
@@ -19,23 +22,28 @@ from typing import Any
 import numpy as np
 
 from tokenrouter.config import EngineConfig, load_config
+from tokenrouter.engine.autotune import solve_thresholds
 from tokenrouter.engine.coordinator import Coordinator
 from tokenrouter.engine.outputs import RequestOutput
+from tokenrouter.engine.step_stats import StepStats
 from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.routing.policy import make_policy
 from tokenrouter.runner.arch import ArchConfig, declared_context_limit
 from tokenrouter.serving.metrics import RouterMetrics
 from tokenrouter.serving.tensors import GenerateRequest, parse_request
-from tokenrouter.transport import codec
-from tokenrouter.transport.messages import Append, Arrive, Failed, Release, Released
+from tokenrouter.transport import ipc
+from tokenrouter.transport.messages import Append, Arrive, Failed, Release, Released, StepStatsReport
 
 log = logging.getLogger(__name__)
 
+# How often the router asks Triton whether a client cancelled (one IPC round trip per live request).
+CANCEL_POLL_S = 0.05
 
-class BLSCoordinator(Coordinator):
-    """The coordinator with Triton BLS as its transport: each message is one decoupled BLS call."""
 
-    def __init__(self, config: EngineConfig, pb_utils: Any, loop: asyncio.AbstractEventLoop) -> None:
+class SocketCoordinator(Coordinator):
+    """The coordinator with the local sockets as its transport. Call it on the loop thread only."""
+
+    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop) -> None:
         tokenizer = load_tokenizer(config.tokenizer_path)
         archs = {n: ArchConfig.from_dir(m.path) for n, m in config.models.items()}
         vocab = {n: a.vocab_size for n, a in archs.items()}
@@ -44,46 +52,69 @@ class BLSCoordinator(Coordinator):
         name, pol = config.policy_spec()
         entry_policy = make_policy(name, list(config.models), config.entry, pol)
         super().__init__(config, tokenizer, vocab[config.entry], declared_context_limit(config), entry_policy)
-        self.pb = pb_utils
         self.loop = loop
+        self.step_stats: dict[str, StepStats] = {}
+        self.links = {
+            m: ipc.ModelLink(m, functools.partial(self._events_from, m), functools.partial(self._lost, m))
+            for m in self.model_names
+        }
         self._update_thresholds()
 
     def _deliver(self, model: str, msg: Arrive | Append | Release) -> None:
         if isinstance(msg, Arrive):
             msg.threshold = self.thresholds.get(model)
-        self.loop.create_task(self._call(model, msg))
-
-    async def _call(self, model: str, msg: Arrive | Append | Release) -> None:
-        pb = self.pb
-        request = pb.InferenceRequest(
-            model_name=model,
-            inputs=[pb.Tensor("text_input", np.array([codec.encode([msg]).encode()], dtype=np.object_))],
-            requested_output_names=["text_output"],
-        )
         try:
-            responses = await request.async_exec(decoupled=True)
-            async for response in _aiter(responses):
-                if response.has_error():
-                    raise RuntimeError(response.error().message())
-                tensor = pb.get_output_tensor_by_name(response, "text_output")
-                if tensor is None:
-                    continue
-                for item in tensor.as_numpy().reshape(-1):
-                    for ev in codec.decode(item):
-                        self._on_event(ev)
-        except Exception as e:  # the model is unreachable or failed: end the request cleanly
-            log.exception("BLS call to %s failed", model)
-            self._on_event(Failed(msg.request_id, model, f"model {model!r} failed: {e}"))
-            self._on_event(Released(msg.request_id, model, 0, 0, held=False))
+            self.links[model].send([msg])
+        except ConnectionError as e:
+            log.error("%s", e)
+            # Deferred: we may be inside the coordinator's own bookkeeping for this request.
+            self.loop.call_soon(self._unreachable, model, msg.request_id, str(e))
 
+    def _unreachable(self, model: str, request_id: str, error: str) -> None:
+        self._on_event(Failed(request_id, model, error))
+        self._on_event(Released(request_id, model, 0, 0, held=False))
 
-async def _aiter(responses: Any):
-    if hasattr(responses, "__aiter__"):
-        async for r in responses:
-            yield r
-    else:
-        for r in responses:
-            yield r
+    # -- from the reader threads ------------------------------------------------------------------------
+
+    def _events_from(self, model: str, events: list[Any]) -> None:
+        self.loop.call_soon_threadsafe(self._handle_events, events)
+
+    def _lost(self, model: str) -> None:
+        self.loop.call_soon_threadsafe(self._model_gone, model)
+
+    # -- on the loop thread -----------------------------------------------------------------------------
+
+    def _handle_events(self, events: list[Any]) -> None:
+        for ev in events:
+            if isinstance(ev, StepStatsReport):
+                try:
+                    self.step_stats[ev.model] = StepStats.from_snapshot(ev.stats)
+                except ValueError as e:
+                    log.error("bad step statistics from %s: %s", ev.model, e)
+            else:
+                self._on_event(ev)
+
+    def _model_gone(self, model: str) -> None:
+        """The model's process exited: everything it held is lost; fail those requests cleanly."""
+        held = [rid for rid, r in self.requests.items() if model in r.holders]
+        if held:
+            log.error("model %r went away holding %d request(s); failing them", model, len(held))
+        for rid in held:
+            self._unreachable(model, rid, f"model {model!r} went away (its process exited) during the request")
+
+    def retune(self) -> Any:
+        """`thresholds: auto`: solve B* from the reported statistics (blocking: run it off the loop)."""
+        if set(self.step_stats) != set(self.model_names):
+            return None
+        return solve_thresholds(self.model_names, dict(self.step_stats), max(1, len(self.requests)))
+
+    def apply_tuned(self, tuned: dict[str, int]) -> None:
+        self._tuned = tuned
+        self._update_thresholds()
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
 
 
 class _Client:
@@ -102,7 +133,7 @@ class RouterModel:
         self.pb = pb_utils
         self.config = load_config(settings["config"])
         self.loop = asyncio.new_event_loop()
-        self.coordinator = BLSCoordinator(self.config, pb_utils, self.loop)
+        self.coordinator = SocketCoordinator(self.config, self.loop)
         self.metrics = RouterMetrics(pb_utils, args["model_name"])
         self.clients: dict[str, _Client] = {}
         self._thread = threading.Thread(target=self._run_loop, name="tr-router-loop", daemon=True)
@@ -111,6 +142,8 @@ class RouterModel:
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.create_task(self._watch_cancellations())
+        if self.config.batching.thresholds == "auto":
+            self.loop.create_task(self._tune_forever())
         self.loop.run_forever()
 
     # -- Triton entry points ------------------------------------------------------------------------------
@@ -134,6 +167,7 @@ class RouterModel:
         def stop() -> None:
             for rid in list(self.clients):
                 self.coordinator.abort(rid)
+            self.coordinator.close()
             self.loop.stop()
 
         self.loop.call_soon_threadsafe(stop)
@@ -197,10 +231,26 @@ class RouterModel:
     async def _watch_cancellations(self) -> None:
         """Client cancelled the stream (or disconnected): abort on every model, which frees its KV."""
         while True:
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(CANCEL_POLL_S)
             for rid, client in list(self.clients.items()):
                 if not client.done and client.sender.is_cancelled():
                     self.coordinator.abort(rid)
+
+    async def _tune_forever(self) -> None:
+        """Re-solve the thresholds every auto_interval_s while requests are in the system; the solve runs
+        on a worker thread so the loop keeps serving."""
+        while True:
+            await asyncio.sleep(self.config.batching.auto_interval_s)
+            if not self.coordinator.requests:
+                continue
+            try:
+                tuned = await self.loop.run_in_executor(None, self.coordinator.retune)
+            except Exception:  # tuning is an optimization: never let it take serving down
+                log.exception("threshold tuning failed")
+                continue
+            if tuned is not None:
+                self.coordinator.apply_tuned(tuned.thresholds)
+                self.metrics.tuned(tuned.thresholds, tuned.predicted_tok_s)
 
     def _send_error(self, sender: Any, message: str) -> None:
         response = self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message))

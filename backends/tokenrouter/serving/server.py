@@ -72,6 +72,14 @@ class TritonServer:
         self.verbose = verbose
         self.proc: subprocess.Popen | None = None
 
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
     def command(self) -> list[str]:
         backends = triton_install.prepare_backends()
         cmd = [

@@ -1,9 +1,9 @@
 """Role `subserver` (models `small`, `large`, ...): one model's decoding loop in its own Triton instance.
 
-`execute` only decodes messages and hands them to the loop thread; events leave from a separate response
-thread. Each visit of a request (an `Arrive`) is one decoupled BLS stream from the router: commits stream
-back on it, and it ends (final flag) with the handoff, or when the request's KV is freed here. A `Release`
-call ends with the `Released` event.
+The router reaches it over a local socket (`transport.ipc`), not through Triton requests: messages come in
+on a connection's reader thread and go to the decoding loop; events leave from a response thread,
+batched per router connection. If a router goes away, every request it brought here is released (its KV
+freed). Triton requests sent to this model directly are answered with an error: it is internal.
 """
 
 from __future__ import annotations
@@ -11,10 +11,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections import defaultdict
+import time
 from typing import Any
-
-import numpy as np
 
 from tokenrouter.config import load_config
 from tokenrouter.engine.stop import StopChecker
@@ -23,8 +21,8 @@ from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.routing.policy import make_policy
 from tokenrouter.runner.arch import ArchConfig, declared_context_limit
 from tokenrouter.serving.metrics import SubserverMetrics
-from tokenrouter.transport import codec
-from tokenrouter.transport.messages import Arrive, Commit, Event, Failed, Handoff, Release, Released
+from tokenrouter.transport import ipc
+from tokenrouter.transport.messages import Append, Arrive, Event, Handoff, Release, Released, StepStatsReport
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +34,7 @@ class SubserverModel:
         name = settings["model"]
         if name not in config.models:
             raise ValueError(f"model.json names model {name!r}, which the config does not define")
+        self.name = name
         mcfg = config.models[name]
         if args.get("model_instance_kind") == "GPU":
             mcfg.device = f"cuda:{args['model_instance_device_id']}"
@@ -54,12 +53,12 @@ class SubserverModel:
             max_wait_s=config.batching.max_wait_ms / 1000.0,
         )
         self.sub.stop.max_model_len = min(max_len, self.sub.runner.max_model_len)
-        # Senders by request id: the open visit stream, and pending Release calls.
+        # Which router connection each request came from: its events go back there.
         self._lock = threading.Lock()
-        self._visits: dict[str, Any] = {}
-        self._releases: dict[str, list[Any]] = defaultdict(list)
+        self._owner: dict[str, ipc.Peer] = {}
         self._stop = threading.Event()
         self.metrics = SubserverMetrics(pb_utils, name, self.sub)
+        self._report_every = config.batching.auto_interval_s if config.batching.thresholds == "auto" else None
         self._threads = [
             threading.Thread(target=self.sub.serve_forever, args=(self._stop,), name=f"tr-{name}", daemon=True),
             threading.Thread(target=self._send_forever, name=f"tr-{name}-responses", daemon=True),
@@ -67,78 +66,82 @@ class SubserverModel:
         ]
         for t in self._threads:
             t.start()
+        self.listener = ipc.ModelListener(name, self._on_messages, self._on_router_gone)
 
-    def execute(self, requests: list[Any]) -> None:
-        for request in requests:
-            sender = request.get_response_sender()
-            try:
-                raw = self.pb.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)[0]
-                messages = codec.decode(raw)
-            except Exception as e:
-                self._final_error(sender, f"malformed subserver message: {e}")
+    # -- from the router (connection reader threads) ----------------------------------------------------
+
+    def _on_messages(self, peer: ipc.Peer, messages: list[Any]) -> None:
+        for msg in messages:
+            if not isinstance(msg, Arrive | Append | Release):
+                log.error("%s: ignoring a %s from the router", self.name, type(msg).__name__)
                 continue
-            for msg in messages:
-                with self._lock:
-                    if isinstance(msg, Arrive):
-                        self._visits[msg.request_id] = sender
-                    elif isinstance(msg, Release):
-                        self._releases[msg.request_id].append(sender)
-                self.sub.submit(msg)
-        return None
+            with self._lock:
+                self._owner[msg.request_id] = peer
+            self.sub.submit(msg)
+
+    def _on_router_gone(self, peer: ipc.Peer) -> None:
+        with self._lock:
+            orphans = [rid for rid, p in self._owner.items() if p is peer]
+        if orphans:
+            log.warning("%s: a router connection closed; releasing its %d request(s)", self.name, len(orphans))
+        for rid in orphans:
+            self.sub.submit(Release(rid, "abort"))
+
+    # -- to the router ------------------------------------------------------------------------------------
 
     def _send_forever(self) -> None:
-        """Drain events, batching what is ready per request into one response (fewer IPC round trips)."""
+        """Drain events and send each router connection what is ready for it as one batch."""
+        next_report = 0.0
         while not self._stop.is_set():
             try:
                 first = self._events.get(timeout=0.1)
+                batch = [first]
             except queue.Empty:
-                continue
-            batch = [first]
+                batch = []
             while True:
                 try:
                     batch.append(self._events.get_nowait())
                 except queue.Empty:
                     break
-            per_request: dict[str, list[Event]] = {}
-            for ev in batch:
-                rid = ev.arrive.request_id if isinstance(ev, Handoff) else ev.request_id
-                per_request.setdefault(rid, []).append(ev)
-                self.metrics.observe(ev)
-            for rid, events in per_request.items():
-                self._send(rid, events)
+            per_peer: dict[ipc.Peer, list[Event]] = {}
+            with self._lock:
+                for ev in batch:
+                    self.metrics.observe(ev)
+                    rid = ev.arrive.request_id if isinstance(ev, Handoff) else ev.request_id
+                    peer = self._owner.get(rid)
+                    if isinstance(ev, Released):
+                        self._owner.pop(rid, None)
+                    if peer is None or peer.closed:
+                        continue  # its router went away; the request was released here
+                    per_peer.setdefault(peer, []).append(ev)
+                peers = {p for p in self._owner.values() if not p.closed}
+            if self._report_every is not None and time.monotonic() >= next_report and peers:
+                next_report = time.monotonic() + self._report_every
+                report = StepStatsReport(self.name, self.sub.stats.snapshot())
+                for p in peers:
+                    per_peer.setdefault(p, []).append(report)
+            for peer, events in per_peer.items():
+                try:
+                    peer.send(events)
+                except OSError:
+                    peer.close()  # its reader thread releases what that router brought here
 
-    def _send(self, rid: str, events: list[Event]) -> None:
-        last = events[-1]
-        ends_visit = isinstance(last, Handoff | Released)
-        with self._lock:
-            visit = self._visits.pop(rid, None) if ends_visit else self._visits.get(rid)
-            releases = self._releases.pop(rid, []) if isinstance(last, Released) else []
-        payload = self._response(events)
-        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        if visit is not None:
-            _try_send(visit, payload, final if ends_visit else 0)
-        for sender in releases:
-            _try_send(sender, self._response([last]), final)
-        if visit is None and not releases and isinstance(last, Commit | Failed):
-            log.warning("%s: events for %s with no open stream", self.sub.name, rid)
+    # -- Triton entry points ----------------------------------------------------------------------------
 
-    def _response(self, events: list[Event]) -> Any:
-        data = np.array([codec.encode(events).encode()], dtype=np.object_)
-        return self.pb.InferenceResponse(output_tensors=[self.pb.Tensor("text_output", data)])
-
-    def _final_error(self, sender: Any, message: str) -> None:
-        response = self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message))
-        _try_send(sender, response, self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    def execute(self, requests: list[Any]) -> None:
+        message = (
+            f"model {self.name!r} is internal to the tokenrouter deployment; send requests to model 'tokenrouter'"
+        )
+        for request in requests:
+            response = self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message))
+            try:
+                request.get_response_sender().send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except Exception:
+                log.debug("could not answer a direct request")
+        return None
 
     def finalize(self) -> None:
+        self.listener.close()
         self._stop.set()
         for t in self._threads:
             t.join(timeout=5)
-
-
-def _try_send(sender: Any, response: Any, flags: int) -> None:
-    try:
-        sender.send(response, flags=flags)
-    except Exception:  # the router went away (server shutting down)
-        log.debug("response could not be sent")
-

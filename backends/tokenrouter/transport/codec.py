@@ -1,4 +1,4 @@
-"""JSON encoding of the messages, for transports that cross a process boundary (Triton BLS, gRPC)."""
+"""JSON encoding of the messages, for transports that cross a process boundary (the deployment's local socket)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,20 @@ import json
 from typing import Any
 
 from tokenrouter.sampling_params import SamplingParams
-from tokenrouter.transport.messages import Append, Arrive, Commit, Failed, Handoff, Release, Released
+from tokenrouter.transport.messages import (
+    Append,
+    Arrive,
+    Commit,
+    Failed,
+    Handoff,
+    Release,
+    Released,
+    StepStatsReport,
+)
 
-_TYPES = {cls.__name__: cls for cls in (Arrive, Append, Release, Commit, Handoff, Released, Failed)}
+_TYPES = {
+    cls.__name__: cls for cls in (Arrive, Append, Release, Commit, Handoff, Released, Failed, StepStatsReport)
+}
 
 
 def _plain(obj: Any) -> Any:

@@ -89,4 +89,13 @@ class Failed:
     error: str
 
 
+@dataclass
+class StepStatsReport:
+    """A model's step statistics so far (`StepStats.snapshot()`), for a threshold tuner in another process.
+    Not about one request: it travels beside the events."""
+
+    model: str
+    stats: dict[str, Any]
+
+
 Event = Commit | Handoff | Released | Failed

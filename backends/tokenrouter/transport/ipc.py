@@ -1,0 +1,192 @@
+"""The Triton deployment's transport between the router and the subservers: one local socket per model.
+
+Every model of a deployment is its own Triton Python-backend stub process. Messages to a model and its
+events back travel over a Unix socket in the abstract namespace (no file to clean up), framed by
+`multiprocessing.connection` (bytes only: nothing is unpickled), as the JSON of `transport.codec`.
+
+Why not BLS: the Python backend of Triton 2.51 (python_backend r24.10) destroys a decoupled BLS response
+iterator on its cleanup thread without holding the GIL once the Python side has dropped it, and the numpy
+arrays behind its responses' tensors are then freed without the GIL (fixed upstream in python_backend
+PR #390, r24.12). Under load that corrupts the router's heap: the stub segfaults in numpy or libpython
+after a few hundred requests. Its pybind11 also predates numpy 2, so object (TYPE_STRING) tensors built
+in a stub with numpy 2 come out corrupt. A socket carries none of that, costs one write per message
+batch, and lets either side see at once when the other process is gone.
+
+The address names the tritonserver process (every stub is its child) and the model, so two servers on
+one machine never meet. A subserver accepts connections only from processes of its own user.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+from tokenrouter.transport import codec
+
+log = logging.getLogger(__name__)
+
+
+def address(model: str, server_pid: int | None = None) -> str:
+    """The abstract-namespace socket of `model` in the tritonserver whose pid is `server_pid` (default: this
+    process's parent, which for a Python-backend stub is tritonserver)."""
+    pid = os.getppid() if server_pid is None else server_pid
+    return f"\0tokenrouter/{pid}/{model}"
+
+
+def _peer_uid(conn: Connection) -> int:
+    fmt = "3i"  # struct ucred: pid, uid, gid
+    with socket.socket(fileno=os.dup(conn.fileno())) as s:
+        _, uid, _ = struct.unpack(fmt, s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize(fmt)))
+    return uid
+
+
+class Peer:
+    """One open connection: sends are serialized by a lock (several threads may send)."""
+
+    def __init__(self, conn: Connection, name: str) -> None:
+        self.conn, self.name = conn, name
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def send(self, items: list[Any]) -> None:
+        data = codec.encode(items).encode()
+        with self._lock:
+            self.conn.send_bytes(data)
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+
+
+def _read_forever(peer: Peer, on_items: Callable[[Peer, list[Any]], None], on_close: Callable[[Peer], None]) -> None:
+    try:
+        while True:
+            data = peer.conn.recv_bytes()
+            try:
+                items = codec.decode(data)
+            except (ValueError, TypeError, KeyError) as e:
+                log.error("%s: dropping a malformed message batch: %s", peer.name, e)
+                continue
+            on_items(peer, items)
+    except (EOFError, OSError):
+        pass
+    finally:
+        peer.closed = True
+        on_close(peer)
+
+
+class ModelListener:
+    """The subserver's side: accepts the router's connections; `on_messages(peer, msgs)` runs on the
+    connection's reader thread, `on_close(peer)` once when that router goes away."""
+
+    def __init__(
+        self,
+        model: str,
+        on_messages: Callable[[Peer, list[Any]], None],
+        on_close: Callable[[Peer], None],
+        addr: str | None = None,
+    ) -> None:
+        self.address = addr or address(model)
+        self.model = model
+        self._listener = Listener(self.address, family="AF_UNIX")
+        self._on_messages, self._on_close = on_messages, on_close
+        self._stopped = False
+        self._thread = threading.Thread(target=self._accept_forever, name=f"tr-{model}-accept", daemon=True)
+        self._thread.start()
+
+    def _accept_forever(self) -> None:
+        while not self._stopped:
+            try:
+                conn = self._listener.accept()
+            except OSError:
+                if self._stopped:
+                    return
+                log.exception("%s: accept failed", self.model)
+                continue
+            if _peer_uid(conn) != os.getuid():
+                log.warning("%s: refused a connection from another user", self.model)
+                conn.close()
+                continue
+            peer = Peer(conn, f"{self.model}<-router")
+            threading.Thread(
+                target=_read_forever, args=(peer, self._on_messages, self._on_close),
+                name=f"tr-{self.model}-reader", daemon=True,
+            ).start()
+
+    def close(self) -> None:
+        self._stopped = True
+        self._listener.close()
+
+
+class ModelLink:
+    """The router's side of one model: connects on first use, reads events on its own thread.
+
+    `on_events(events)` runs on the reader thread; `on_lost()` once per connection that breaks (the model's
+    process exited), after which the next `send` connects again."""
+
+    def __init__(
+        self,
+        model: str,
+        on_events: Callable[[list[Any]], None],
+        on_lost: Callable[[], None],
+        addr: str | None = None,
+        connect_timeout: float = 2.0,
+    ) -> None:
+        self.model = model
+        self.address = addr or address(model)
+        self._on_events, self._on_lost = on_events, on_lost
+        self.connect_timeout = connect_timeout
+        self._peer: Peer | None = None
+        self._lock = threading.Lock()
+
+    def _connect(self) -> Peer:
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            try:
+                conn = Client(self.address, family="AF_UNIX")
+                break
+            except OSError as e:
+                if time.monotonic() >= deadline:
+                    raise ConnectionError(f"model {self.model!r} is not reachable (is it loaded?): {e}") from None
+                time.sleep(0.05)
+        peer = Peer(conn, f"router->{self.model}")
+        threading.Thread(
+            target=_read_forever,
+            args=(peer, lambda _p, events: self._on_events(events), self._closed),
+            name=f"tr-link-{self.model}", daemon=True,
+        ).start()
+        return peer
+
+    def _closed(self, peer: Peer) -> None:
+        with self._lock:
+            if self._peer is peer:
+                self._peer = None
+        self._on_lost()
+
+    def send(self, messages: list[Any]) -> None:
+        """Send a batch of messages; ConnectionError when the model cannot be reached."""
+        with self._lock:
+            if self._peer is None or self._peer.closed:
+                self._peer = self._connect()
+            peer = self._peer
+        try:
+            peer.send(messages)
+        except OSError as e:
+            peer.close()
+            raise ConnectionError(f"model {self.model!r} went away: {e}") from None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._peer is not None:
+                self._peer.close()
+                self._peer = None
