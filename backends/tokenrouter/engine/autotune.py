@@ -1,40 +1,78 @@
 """`thresholds: auto`: re-solve the delayed-batching thresholds B* from what the subservers measured.
 
-The Markov-chain model (tuning/) takes the concurrency N, per-model step-latency tables and the observed
-routing rates, and returns the feasible threshold vector with the highest expected committed tokens per
-second. The chain's state space grows fast with N and the number of models, so N is capped for the
-solve (the shape of the optimum changes little past a few requests per model).
+The tuning model (tuning/) takes the concurrency N, per-model step-latency tables and the observed routing rates,
+and returns the feasible threshold vector with the highest expected committed tokens per second: from the exact
+Markov chain when it is small enough at a useful resolution, else from the discrete-event simulator (a 0.6B model
+next to a 32B one makes the chain huge). The number of candidate vectors grows fast with N and the number of models,
+so N is capped for the solve (the shape of the optimum changes little past a few requests per model).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from tokenrouter.engine.step_stats import StepStats
-from tokenrouter.tuning.markov import best_thresholds
-from tokenrouter.tuning.system import SystemModel
+from tokenrouter.tuning.choose import TOTAL_STATE_BUDGET, Method, choose_thresholds
+from tokenrouter.tuning.markov import DEFAULT_MAX_STATES
+from tokenrouter.tuning.system import SystemModel, sanitize_latency
 
 log = logging.getLogger(__name__)
 
-# Largest concurrency solved exactly, by number of models (see tuning/markov.py for state counts).
+# Largest concurrency solved, by number of models: C(N - 1 + M, M) candidates (136 for M=2, N=16; 120 for M=3, N=8).
 MAX_SOLVED_N = {1: 64, 2: 16, 3: 8}
 
 
-def solve_thresholds(models: list[str], stats: dict[str, StepStats], concurrency: int) -> dict[str, int] | None:
-    """Best thresholds for `concurrency` requests, or None while some model has no measurements yet."""
+@dataclass(frozen=True)
+class TunedThresholds:
+    """A solved threshold vector.
+
+    Attributes:
+        thresholds: model name -> B_i; feasible for ``concurrency`` (``sum(B_i - 1) < concurrency``).
+        predicted_tok_s: long-run committed tokens per second the tuning model expects under ``thresholds``.
+        method: "markov" (exact chain) or "simulator" (the chain was too large, see tuning/choose.py).
+        concurrency: the N solved for: the requested concurrency capped by :data:`MAX_SOLVED_N`.
+    """
+
+    thresholds: dict[str, int]
+    predicted_tok_s: float
+    method: Method
+    concurrency: int
+
+
+def solve_thresholds(
+    models: list[str],
+    stats: Mapping[str, StepStats],
+    concurrency: int,
+    *,
+    state_budget: float = TOTAL_STATE_BUDGET,
+    max_states: int = DEFAULT_MAX_STATES,
+) -> TunedThresholds | None:
+    """Best thresholds for `concurrency` requests, or None while some model has no measurements yet.
+
+    `stats` may come from other processes (:meth:`StepStats.from_snapshot`). `state_budget` and `max_states` bound
+    the exact chain (see tuning/choose.py); past them the simulator ranks the candidates, so this always answers.
+    """
     n = min(concurrency, MAX_SOLVED_N.get(len(models), 4))
-    if n < 1:
+    if n < 1 or not models:
         return None
     rows, tokens, latency = [], [], []
     for m in models:
-        route = stats[m].route_row(models, m)
-        table = stats[m].latency_table(n)
+        s = stats.get(m)
+        if s is None:
+            return None
+        route = s.route_row(models, m)
+        table = s.latency_table(n)
         if route is None or table is None:
             return None
         rows.append(route[0])
         tokens.append(route[1])
-        latency.append(table)
+        # The table comes from measurements and extrapolation; an entry of ~0 would count as a free step to the
+        # tuner (and, as the tick's scale, once made the chain explode), so bound it by what batching allows.
+        latency.append(sanitize_latency(table))
     system = SystemModel(concurrency=n, route_probs=rows, step_latency=latency, tokens=tokens)
-    best, throughput = best_thresholds(system)
-    log.info("auto thresholds for N=%d: %s (%.1f tok/s expected)", n, best, throughput)
-    return dict(zip(models, best))
+    choice = choose_thresholds(system, state_budget=state_budget, max_states=max_states)
+    best = dict(zip(models, choice.thresholds))
+    log.info("auto thresholds for N=%d: %s (%.1f tok/s expected, %s)", n, best, choice.throughput, choice.method)
+    return TunedThresholds(best, choice.throughput, choice.method, n)

@@ -162,7 +162,8 @@ class Engine(Coordinator):
         and routing rates, and apply it. Returns the thresholds, or None before enough was measured."""
         n = concurrency if concurrency is not None else max(1, len(self.requests))
         stats = {m: s.stats for m, s in self.subservers.items()}
-        best = solve_thresholds(self.model_names, stats, n)
+        tuned = solve_thresholds(self.model_names, stats, n)
+        best = tuned.thresholds if tuned is not None else None
         if best is not None:
             self._tuned = best
             self._update_thresholds()

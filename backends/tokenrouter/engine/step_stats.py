@@ -1,10 +1,22 @@
 """What a subserver measures about itself for threshold tuning: step latency by batch size, and where
-its requests go after a step (routing rates, and how many tokens such a step commits)."""
+its requests go after a step (routing rates, and how many tokens such a step commits).
+
+The served deployment runs each subserver in its own process and solves thresholds in the router's, so the
+measurements cross a process boundary as a plain, JSON-safe :meth:`StepStats.snapshot`, rebuilt (and validated) by
+:meth:`StepStats.from_snapshot`.
+"""
 
 from __future__ import annotations
 
+import bisect
+import math
 import threading
 from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+SNAPSHOT_VERSION = 1
+_SNAPSHOT_KEYS = {"version", "latency", "rows", "moves", "committed_on_move"}
 
 
 class StepStats:
@@ -17,6 +29,9 @@ class StepStats:
         self.committed_on_move: dict[str, int] = defaultdict(int)  # ... of which committed their token
 
     def record_step(self, batch_size: int, seconds: float) -> None:
+        # One zero, negative or NaN reading (a clock glitch) would poison the mean of its batch size forever.
+        if batch_size < 1 or not (math.isfinite(seconds) and seconds > 0.0):
+            return
         with self._lock:
             self.latency_sum[batch_size] += seconds
             self.latency_count[batch_size] += 1
@@ -30,19 +45,40 @@ class StepStats:
                 self.committed_on_move[target] += int(committed)
 
     def latency_table(self, max_batch: int) -> list[float] | None:
-        """Mean step time for batch sizes 1..max_batch; unmeasured sizes from a least-squares line through
-        the measured means (step time grows about linearly with batch size in the decode regime)."""
+        """Mean step time for batch sizes 1..max_batch, or None before any step was timed.
+
+        Unmeasured sizes between two measured ones are interpolated between those two. Outside the measured range
+        they follow the least-squares slope (step time grows about linearly with batch size in the decode regime)
+        from the nearest measured size, clamped to what batching allows: a smaller batch is no slower and no
+        cheaper per request than a larger one. The line alone can dive below zero: noisy means of 10 ms at batch 7
+        and 20 ms at batch 8 extrapolate to -50 ms at batch 1, which used to become a 1 us step and blow up the
+        tuner's Markov chain.
+        """
         with self._lock:
             points = {b: self.latency_sum[b] / c for b, c in self.latency_count.items() if c}
         if not points:
             return None
-        xs, ys = list(points), list(points.values())
+        xs = sorted(points)
+        ys = [points[x] for x in xs]
         n = len(xs)
         mx, my = sum(xs) / n, sum(ys) / n
         var = sum((x - mx) ** 2 for x in xs)
         slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var else 0.0
-        line = [max(1e-6, my + slope * (b - mx)) for b in range(1, max_batch + 1)]
-        return [points.get(b, line[b - 1]) for b in range(1, max_batch + 1)]
+        lo, hi = xs[0], xs[-1]
+        table = []
+        for b in range(1, max_batch + 1):
+            if b in points:
+                t = points[b]
+            elif b < lo:
+                t = min(points[lo], max(points[lo] * b / lo, points[lo] - slope * (lo - b)))
+            elif b > hi:
+                t = max(points[hi], min(points[hi] * b / hi, points[hi] + slope * (b - hi)))
+            else:
+                k = bisect.bisect_left(xs, b)
+                x0, x1 = xs[k - 1], xs[k]
+                t = ys[k - 1] + (ys[k] - ys[k - 1]) * (b - x0) / (x1 - x0)
+            table.append(t)
+        return table
 
     def route_row(self, models: list[str], me: str) -> tuple[list[float], list[float]] | None:
         """(probabilities of the next model, tokens committed for each choice), or None before any data."""
@@ -50,10 +86,105 @@ class StepStats:
             if self.rows == 0:
                 return None
             probs = [self.moves.get(m, 0) / self.rows for m in models]
-            tokens = [
-                (self.committed_on_move[m] / self.moves[m]) if self.moves.get(m) else 1.0 for m in models
-            ]
+            tokens = [(self.committed_on_move[m] / self.moves[m]) if self.moves.get(m) else 1.0 for m in models]
         i = models.index(me)
         probs[i] = max(0.0, 1.0 - sum(p for j, p in enumerate(probs) if j != i))
         tokens[i] = 1.0
         return probs, tokens
+
+    # -- crossing a process boundary ---------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The raw counters as plain JSON types: ``json.dumps`` works on it and :meth:`from_snapshot` inverts it.
+
+        Sums and counts travel, not means, so snapshots of one model's instances could later be merged exactly.
+        Batch sizes become string keys because JSON object keys are strings.
+        """
+        with self._lock:
+            return {
+                "version": SNAPSHOT_VERSION,
+                "latency": {
+                    str(b): [float(self.latency_sum[b]), int(c)] for b, c in sorted(self.latency_count.items()) if c
+                },
+                "rows": int(self.rows),
+                "moves": {m: int(c) for m, c in self.moves.items()},
+                "committed_on_move": {m: int(c) for m, c in self.committed_on_move.items()},
+            }
+
+    @classmethod
+    def from_snapshot(cls, d: Mapping[str, Any]) -> StepStats:
+        """Rebuild from :meth:`snapshot`'s output (after a JSON round trip or not); ``ValueError`` if malformed.
+
+        The router trusts nothing from another process: a wrong type, a negative count or more moves than rows
+        would otherwise surface later as a routing row that does not sum to 1, inside the tuner thread.
+        """
+        if not isinstance(d, Mapping):
+            raise ValueError(f"StepStats snapshot must be a mapping, got {type(d).__name__}")
+        if set(d) != _SNAPSHOT_KEYS:
+            raise ValueError(f"StepStats snapshot keys must be {sorted(_SNAPSHOT_KEYS)}, got {sorted(map(str, d))}")
+        if _count(d["version"], "version") != SNAPSHOT_VERSION:
+            raise ValueError(f"unsupported StepStats snapshot version {d['version']!r}")
+        out = cls()
+        latency = _mapping(d["latency"], "latency")
+        for key, value in latency.items():
+            b = _batch_size(key)
+            if not isinstance(value, (list, tuple)) or len(value) != 2:
+                raise ValueError(f"latency[{key!r}] must be [seconds_sum, count], got {value!r}")
+            total, count = _seconds(value[0], f"latency[{key!r}] sum"), _count(value[1], f"latency[{key!r}] count")
+            if count < 1 or total <= 0.0:
+                raise ValueError(f"latency[{key!r}] needs a positive sum over at least one step, got {value!r}")
+            if b in out.latency_count:
+                raise ValueError(f"batch size {b} appears twice in latency")
+            out.latency_sum[b], out.latency_count[b] = total, count
+        out.rows = _count(d["rows"], "rows")
+        moves = _mapping(d["moves"], "moves")
+        committed = _mapping(d["committed_on_move"], "committed_on_move")
+        for target, c in moves.items():
+            out.moves[_name(target)] = _count(c, f"moves[{target!r}]")
+        for target, c in committed.items():
+            if target not in moves:
+                raise ValueError(f"committed_on_move[{target!r}] has no matching moves entry")
+            out.committed_on_move[_name(target)] = _count(c, f"committed_on_move[{target!r}]")
+            if out.committed_on_move[target] > out.moves[target]:
+                raise ValueError(f"committed_on_move[{target!r}] exceeds moves[{target!r}]")
+        if sum(out.moves.values()) > out.rows:
+            raise ValueError(f"moves ({sum(out.moves.values())}) exceed rows ({out.rows})")
+        return out
+
+
+def _mapping(value: Any, what: str) -> Mapping[Any, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{what} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _count(value: Any, what: str) -> int:
+    # bool is an int subclass; True as a count is a bug upstream, not a 1.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be a non-negative int, got {value!r}")
+    return value
+
+
+def _seconds(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} must be a non-negative finite number, got {value!r}")
+    return float(value)
+
+
+def _batch_size(key: Any) -> int:
+    # JSON turns the int batch sizes into strings; a snapshot that never left the process still has them as str.
+    if isinstance(key, str) and key.isdigit() and key.isascii():
+        b = int(key)
+    elif isinstance(key, int) and not isinstance(key, bool):
+        b = key
+    else:
+        raise ValueError(f"latency key must be a batch size, got {key!r}")
+    if b < 1:
+        raise ValueError(f"latency batch size must be >= 1, got {key!r}")
+    return b
+
+
+def _name(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"model name must be a non-empty string, got {value!r}")
+    return value

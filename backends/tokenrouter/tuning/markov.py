@@ -1,11 +1,11 @@
 """Long-run throughput of the delayed-batching system (see :mod:`tokenrouter.tuning.system`) from a Markov chain.
 
-Time is counted in *ticks* of ``tick`` seconds (default: :func:`default_tick`, the smallest step latency over 3 to
-20). Every step latency is rounded to the nearest whole number of ticks, at least 1 (``rounding="nearest"``); that
-rounding is the only approximation of the continuous-time system of :mod:`tokenrouter.tuning.simulator`. A finer tick
-means a smaller rounding error and more states. ``rounding="stochastic"`` instead lasts ``floor(L / tick)`` or
-``ceil(L / tick)`` ticks with the probabilities that make the mean exact, which removes most of the systematic bias of
-a coarse tick (at ~1.5-2x the states).
+Time is counted in *ticks* of ``tick`` seconds (default: :func:`default_tick`, a fraction of the fastest model's
+typical step that keeps the chain within a state budget). Every step latency is rounded to the nearest whole number of
+ticks, at least 1 (``rounding="nearest"``); that rounding is the only approximation of the continuous-time system of
+:mod:`tokenrouter.tuning.simulator`. A finer tick means a smaller rounding error and more states.
+``rounding="stochastic"`` instead lasts ``floor(L / tick)`` or ``ceil(L / tick)`` ticks with the probabilities that
+make the mean exact, which removes most of the systematic bias of a coarse tick (at ~1.5-2x the states).
 
 State, observed at tick boundaries: per subserver ``i`` the queue length ``q_i``, the batch ``a_i`` of the step in
 flight (0 when idle) and its remaining ticks ``r_i`` (0 when idle), with ``sum(q_i + a_i) = N``. The chain starts with
@@ -39,19 +39,27 @@ Measured (2 shared CPU cores; reference system of ``tests/test_tuning.py``: smal
 * 2 models, default tick (smallest latency / 20): ``N = 8``: <= 3k states, ~10-60 ms per threshold vector, within
   0.7% of a 600 s simulation (1.8% worst over all 36 feasible vectors at 250 s); ``N = 16``: <= 12k states, <= 0.2 s
   per vector, 7 s for all 136 vectors, within 0.25% of the simulator.
-* 3 models, ``N = 8``, default tick (smallest latency / 6): <= 75k states, <= ~2 s per vector (mean 0.23 s, 28 s for
-  all 120 vectors); the coarse tick biases throughput by -1% to +4.6% (mean +2%) against the simulator. Pass a finer
-  ``tick`` (or ``rounding="stochastic"``) when that matters. ``N = 4``: tick / 20, within 3.3%.
+* 3 models, ``N = 8``, smallest latency / 6: <= 75k states, <= ~2 s per vector (mean 0.23 s, 28 s for all 120
+  vectors); the coarse tick biases throughput by -1% to +4.6% (mean +2%) against the simulator. Pass a finer ``tick``
+  (or ``rounding="stochastic"``) when that matters. ``N = 4``: tick / 20, within 3.3%.
 
-Limits: the state count grows roughly like ``C(N + 2M - 1, 2M - 1) * (ticks per step)^(M - 1)``; beyond
-``max_states`` (default 400k) a ``ValueError`` is raised -- coarsen the tick or shrink the system. ``max_wait`` (the
-simulator's bounded wait) is not modelled. Requests are statistically identical and routing is memoryless (a request's
-next model depends only on the model it just stepped on).
+Size of the chain: at a completion epoch one model has just relaunched (its residual time is fixed by its batch), so
+the residual times of the other ``M - 1`` models multiply the ``C(N + 2M - 1, 2M - 1)`` queue/batch configurations.
+Those are the *slowest* models' ticks per step, not the fastest's: with a 0.6B model at 1.5 ms next to a 32B model at
+20 ms, a tick fine enough for the small model gives the large one hundreds of residual values. Measured over all
+feasible vectors, the largest chain holds about ``C(N + 2M - 1, 2M - 1) / 4 * prod(ticks per step of the M - 1 slowest
+models)`` states (:func:`estimated_states`); :func:`default_tick` sizes the tick from that, using each model's median
+step latency so that one bogus entry of a latency table (an extrapolated 1 us next to 20 ms steps) cannot shrink the
+tick. Beyond ``max_states`` (default 400k) :func:`build_chain` raises a ``ValueError``; callers that must always get an
+answer (:mod:`tokenrouter.tuning.choose`) then rank thresholds with the simulator. ``max_wait`` (the simulator's bounded
+wait) is not modelled. Requests are statistically identical and routing is memoryless (a request's next model depends
+only on the model it just stepped on).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,8 +71,9 @@ MAX_TICKS_PER_MIN_LATENCY = 20
 """Finest default tick: the smallest step latency / 20, so that no latency is off by more than 2.5% after rounding."""
 
 MIN_TICKS_PER_MIN_LATENCY = 3
+"""Coarsest useful resolution of the fastest model: at 3 ticks per step nearest rounding is off by up to ~17%."""
 STATE_BUDGET = 60_000
-"""Rough state count the default tick aims at (the biggest chains then take about a second to solve)."""
+"""Rough state count of the largest chain the default tick aims at (such a chain takes about a second to solve)."""
 
 DEFAULT_MAX_STATES = 400_000
 _LAZY = 0.2  # self-loop weight of the lazy chain: breaks periodicity, costs ~25% more iterations than none would
@@ -119,22 +128,54 @@ class MarkovResult:
     tick: float
 
 
-def default_tick(model: SystemModel) -> float:
-    """The smallest latency any model can take, divided by a resolution that keeps the chain near :data:`STATE_BUDGET`.
+def latency_scales(model: SystemModel) -> list[float]:
+    """Each model's typical step time: the median of its latency row over the batch sizes it can run.
 
-    The chain has about ``C(N + 2M - 1, 2M - 1)`` queue/batch configurations (ways to spread ``N`` requests over ``2M``
-    queues and batches) times ``resolution^(M - 1)`` residual-time combinations, so the resolution is the largest in
-    ``[MIN_TICKS_PER_MIN_LATENCY, MAX_TICKS_PER_MIN_LATENCY]`` that keeps that product within the budget: 20 ticks per
-    smallest step for 2 models up to ``N`` ~ 25, 6 for 3 models at ``N = 8``, 20 for 3 models at ``N = 4``. It
-    depends on ``N`` and ``M`` only, so every threshold vector of one system is solved on the same tick.
+    The median, not the minimum, so that a single absurd entry (an unmeasured batch size extrapolated to ~0) neither
+    sets the tick nor counts as the model's speed; such an entry is then simply rounded up to one tick.
     """
-    smallest = min(min(model.step_latency[i][: model.batch_cap(i)]) for i in range(model.num_models))
+    return [statistics.median(model.step_latency[i][: model.batch_cap(i)]) for i in range(model.num_models)]
+
+
+def estimated_states(model: SystemModel, tick: float) -> float:
+    """Rough size of the largest chain over the feasible thresholds of ``model`` at ``tick`` (see the module docstring).
+
+    Calibrated on 2 and 3 models at N = 4..16 with latency ratios 1:3 to 1:13 between models: the measured worst chain
+    is 0.2x-1.1x this estimate.
+    """
     m = model.num_models
-    if m == 1:
-        return smallest / MAX_TICKS_PER_MIN_LATENCY
     configurations = math.comb(model.concurrency + 2 * m - 1, 2 * m - 1)
-    resolution = math.floor((STATE_BUDGET / configurations) ** (1.0 / (m - 1)))
-    return smallest / min(MAX_TICKS_PER_MIN_LATENCY, max(MIN_TICKS_PER_MIN_LATENCY, resolution))
+    ticks = sorted(max(1.0, s / tick) for s in latency_scales(model))
+    return configurations / 4 * math.prod(ticks[1:])  # all but the fastest: the slowest M - 1 residual clocks
+
+
+def default_tick(model: SystemModel, state_budget: float = STATE_BUDGET) -> float:
+    """The finest tick (at most :data:`MAX_TICKS_PER_MIN_LATENCY` per typical step of the fastest model) whose
+    :func:`estimated_states` stays within ``state_budget``.
+
+    With very different models (0.6B next to 32B) the budget can force a tick coarser than the fastest step; the chain
+    stays bounded but rounds that model's steps up to whole ticks. :func:`resolution` tells the caller how fine the
+    fastest model is resolved, so it can switch to the simulator instead (:mod:`tokenrouter.tuning.choose`). The tick
+    depends on ``N``, ``M`` and the latencies only, so every threshold vector of one system is solved on the same tick.
+    """
+    if not state_budget > 0.0:
+        raise ValueError(f"state_budget must be positive, got {state_budget}")
+    scales = sorted(latency_scales(model))
+    tick = scales[0] / MAX_TICKS_PER_MIN_LATENCY
+    m = model.num_models
+    if m == 1 or estimated_states(model, tick) <= state_budget:
+        return tick  # a single model never has another step in flight: the tick does not multiply its states
+    # estimated_states = c * prod(s_k / tick) over the M - 1 slowest models while each s_k >= tick; solve that for the
+    # budget. If even one tick per slow step is over budget (huge N), this is about their geometric mean and the
+    # chain may well exceed max_states: build_chain then refuses it early.
+    configurations = math.comb(model.concurrency + 2 * m - 1, 2 * m - 1)
+    residual_budget = max(1.0, state_budget / (configurations / 4))
+    return max(tick, (math.prod(scales[1:]) / residual_budget) ** (1.0 / (m - 1)))
+
+
+def resolution(model: SystemModel, tick: float) -> float:
+    """Ticks per typical step of the fastest model: below ~3 the chain's rounding dominates its answer."""
+    return min(latency_scales(model)) / tick
 
 
 def _multinomials(p: Sequence[float], a: int) -> list[tuple[tuple[int, ...], float]]:
@@ -465,29 +506,39 @@ def solve(
 
 
 def expected_throughput(
-    model: SystemModel, thresholds: Sequence[int], tick: float | None = None, *, rounding: str = "nearest"
+    model: SystemModel,
+    thresholds: Sequence[int],
+    tick: float | None = None,
+    *,
+    rounding: str = "nearest",
+    max_states: int = DEFAULT_MAX_STATES,
 ) -> float:
     """Long-run committed tokens per second of ``model`` under delayed-batching ``thresholds``.
 
-    ``tick`` defaults to :func:`default_tick`. Raises ``ValueError`` if the chain exceeds ``DEFAULT_MAX_STATES``.
+    ``tick`` defaults to :func:`default_tick`. Raises ``ValueError`` if the chain exceeds ``max_states``.
     """
-    return solve(model, thresholds, tick=tick, rounding=rounding).throughput
+    return solve(model, thresholds, tick=tick, rounding=rounding, max_states=max_states).throughput
 
 
 def best_thresholds(
-    model: SystemModel, tick: float | None = None, *, rounding: str = "nearest"
+    model: SystemModel,
+    tick: float | None = None,
+    *,
+    rounding: str = "nearest",
+    max_states: int = DEFAULT_MAX_STATES,
 ) -> tuple[tuple[int, ...], float]:
     """The feasible threshold vector with the highest :func:`expected_throughput`, and that throughput.
 
     Ties (within a relative 1e-9) go to the earlier vector in lexicographic order. Cost: one chain per feasible
-    vector, ``C(N - 1 + M, M)`` of them (36 for N=8, M=2; 136 for N=16, M=2; 120 for N=8, M=3).
+    vector, ``C(N - 1 + M, M)`` of them (36 for N=8, M=2; 136 for N=16, M=2; 120 for N=8, M=3). Raises ``ValueError``
+    if a chain exceeds ``max_states``; :func:`tokenrouter.tuning.choose.choose_thresholds` never does.
     """
     if tick is None:
         tick = default_tick(model)  # one tick for all candidates, so they are compared under the same rounding
     best: tuple[int, ...] | None = None
     best_tp = -math.inf
     for thr in feasible_thresholds(model.num_models, model.concurrency):
-        tp = expected_throughput(model, thr, tick=tick, rounding=rounding)
+        tp = expected_throughput(model, thr, tick=tick, rounding=rounding, max_states=max_states)
         if best is None or tp > best_tp + 1e-9 * abs(best_tp):
             best, best_tp = thr, tp
     assert best is not None

@@ -158,3 +158,26 @@ def feasible_thresholds(num_models: int, concurrency: int) -> Iterator[tuple[int
 def linear_latency(concurrency: int, base: float, per_request: float) -> list[float]:
     """A latency row ``base + per_request * b`` for ``b = 1..N`` (a decode step's usual shape)."""
     return [base + per_request * b for b in range(1, concurrency + 1)]
+
+
+def sanitize_latency(row: Sequence[float]) -> list[float]:
+    """A measured latency row made fit for the tuners: every entry positive and finite, and none absurdly small.
+
+    Non-finite or non-positive entries (a clock glitch, a sum over zero steps) take the value of the nearest valid
+    entry, the larger batch on a tie. Then no step may cost less per request than a larger batch does:
+    ``row[b - 1] >= row[b' - 1] * b / b'`` for every ``b' > b`` -- batching only amortizes work, so a smaller batch
+    never runs a request more cheaply. That bound lifts an extrapolated ~0 (1 us next to 20 ms steps), which would
+    otherwise count as a free step. Raises ``ValueError`` when the row has no valid entry at all.
+    """
+    values = [float(x) for x in row]
+    valid = [i for i, x in enumerate(values) if math.isfinite(x) and x > 0.0]
+    if not valid:
+        raise ValueError(f"latency row has no positive finite entry: {list(row)}")
+    ok = set(valid)
+    filled = [x if i in ok else values[min(valid, key=lambda v: (abs(v - i), -v))] for i, x in enumerate(values)]
+    floor_per_request = 0.0  # max over larger batches of (their step time / their batch size)
+    for i in range(len(filled) - 1, -1, -1):
+        b = i + 1
+        filled[i] = max(filled[i], floor_per_request * b)
+        floor_per_request = max(floor_per_request, filled[i] / b)
+    return filled

@@ -1,0 +1,66 @@
+"""The served path under sustained load: a real tritonserver on the CPU default deployment, 500 streamed
+gRPC requests at concurrency 8, a fifth of them cancelled at random points (perf/soak.py, the same soak
+the GPU scripts run). Every request must end with exactly one final response and no error, the server
+must count every request as finished, and once idle no model may hold a request or a KV block.
+
+Before the router and subservers talked over local sockets, the router's stub process crashed within a
+few hundred requests of this soak (Triton 2.51 frees decoupled BLS response tensors without the GIL)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from triton_harness import running_server
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "perf"))
+
+from soak import run_soak  # noqa: E402
+
+
+def _config(tmp: Path, tiny_dir: Path, policy: dict, thresholds: object) -> Path:
+    cfg = yaml.safe_load((REPO / "config" / "r2r" / "tiny-small_tiny-large.yaml").read_text())
+    for name, m in cfg["models"].items():
+        m["path"] = str(tiny_dir / name)
+        m["kv_cache_tokens"] = 4096
+    cfg["policy"] = policy
+    cfg["batching"]["thresholds"] = thresholds
+    if thresholds == "auto":
+        cfg["batching"]["auto_interval_s"] = 0.5
+    path = tmp / "soak.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+@pytest.mark.slow
+def test_served_soak_with_cancellations(tiny_dir: Path, tmp_path: Path) -> None:
+    # Random routing at 30 % gives many handoffs per request: the path that used to crash.
+    config = _config(tmp_path, tiny_dir, {"name": "random", "p": 0.3, "seed": 0}, {"small": 2, "large": 2})
+    with running_server(config, tmp_path) as server:
+        result = run_soak(server.grpc_url, requests=500, concurrency=8, cancel_fraction=0.2, max_tokens=24,
+                          metrics_url=server.metrics_url, seed=1)
+        assert result.problems() == [], result
+        assert result.cancelled >= 50 and result.completed >= 350
+        assert server.proc.poll() is None, "tritonserver exited during the soak"
+
+
+@pytest.mark.slow
+def test_served_auto_thresholds_are_solved_and_exported(tiny_dir: Path, tmp_path: Path) -> None:
+    """`thresholds: auto` in the Triton deployment: the subservers report their step statistics, the router
+    solves the thresholds online and exports them with the predicted throughput."""
+    from triton_harness import metrics
+
+    config = _config(tmp_path, tiny_dir, {"name": "random", "p": 0.2, "seed": 0}, "auto")
+    with running_server(config, tmp_path) as server:
+        result = run_soak(server.grpc_url, requests=120, concurrency=8, cancel_fraction=0.0, max_tokens=32,
+                          metrics_url=server.metrics_url, seed=2)
+        assert result.problems() == [], result
+        m = metrics(server)
+        tuned = {k: v for k, v in m.items() if k.startswith("tokenrouter_tuned_threshold")}
+        assert set(tuned) == {f'tokenrouter_tuned_threshold{{model="{m}"}}' for m in ("small", "large")}
+        assert all(v >= 1 for v in tuned.values())
+        assert m['tokenrouter_predicted_throughput{model="tokenrouter"}'] > 0
