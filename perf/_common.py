@@ -112,9 +112,8 @@ def serving(config: str, work: Path) -> Iterator[Any]:
     from tokenrouter.serving.server import TritonServer, ensure_models, free_ports
 
     config_path = Path(config).resolve()
-    triton_install.ensure_installed()
     ensure_models(config_path)
-    repo = write_repository(config_path, work / "model_repository")
+    repo = write_repository(config_path, work / "model_repository", execution_env=triton_install.execution_env())
     http, grpc, metrics = free_ports(3)
     log = work / "tritonserver.log"
     print(f"starting tritonserver for {config} (gRPC :{grpc}); log: {log}", flush=True)

@@ -111,7 +111,7 @@ def run_point(url: str, prompts: list[str], concurrency: int, output_len: int, t
     def work() -> None:
         client = grpcclient.InferenceServerClient(url)
         responses: queue.Queue = queue.Queue()
-        client.start_stream(callback=lambda r, e: responses.put((r, e)))
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
         try:
             while True:
                 try:
@@ -230,29 +230,34 @@ def main(argv: list[str] | None = None) -> int:
     if not args.out:
         p.error("--out is required")
     info = machine_info()
+    meta = {"tool": "perf/bench_served.py", "command": command_line(), "date": now_iso(), "machine": info,
+            "machine_line": machine_line(info)}
+    path = results_path(args.out, ".json")
+
+    def write(report: dict[str, Any]) -> None:
+        report.update(meta)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        path.with_suffix(".md").write_text(markdown(report))
+
     if args.compare:
         report = compare(*args.compare)
+        write(report)
     else:
         if not (args.url and args.config):
             p.error("--url and --config are required (or --compare)")
-        results = []
+        report = {"title": "Served throughput (Triton deployment, gRPC streaming)", "config": args.config,
+                  "workload": {"prompt_len": args.prompt_len, "output_len": args.output_len,
+                               "num_requests": args.num_requests or "max(16, 4 x C)", "seed": args.seed},
+                  "results": []}
         for c in parse_concurrency(p, args.concurrency):
             n = args.num_requests or max(16, 4 * c)
             prompts = make_prompts(args.config, n + c, args.prompt_len, args.seed + c)
             run_point(args.url, prompts[:c], c, 8, args.timeout)  # warm-up round, not measured
             row = summarize(c, run_point(args.url, prompts[c:], c, args.output_len, args.timeout))
-            results.append(row)
+            report["results"].append(row)
+            write(report)  # after every point: a run cut short keeps what it measured
             print(f"C={c}: {_fmt(row.get('output_tok_s'))} tok/s, TTFT p50 {_fmt(row.get('ttft_ms_p50'))} ms, "
                   f"{row['errors']} errors", flush=True)
-        report = {"title": "Served throughput (Triton deployment, gRPC streaming)", "config": args.config,
-                  "workload": {"prompt_len": args.prompt_len, "output_len": args.output_len,
-                               "num_requests": args.num_requests or "max(16, 4 x C)", "seed": args.seed},
-                  "results": results}
-    report.update({"tool": "perf/bench_served.py", "command": command_line(), "date": now_iso(),
-                   "machine": info, "machine_line": machine_line(info)})
-    path = results_path(args.out, ".json")
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    path.with_suffix(".md").write_text(markdown(report))
     print(markdown(report))
     failed = any(r.get("errors") for r in report.get("results", [])) or any(
         r["served_errors"] for r in report.get("comparison", []))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a fresh clone: the venv, every package, and the tiny local models.
-# Nothing is downloaded from a model hub: the tiny models are generated here.
+# Nothing is downloaded from a model hub: the tiny models and the benchmark tokenizer are generated here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -17,3 +17,5 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   touch "$stamp"
 fi
 tokenrouter make-tiny --out models/tiny
+# The tokenizer the dummy-weight qwen3 deployments name (generated, about a second).
+tokenrouter make-bench-tokenizer --out models/bench-tokenizer

@@ -28,3 +28,12 @@ def tiny_dir() -> Path:
 @pytest.fixture(scope="session")
 def small_config(tiny_dir: Path) -> dict:
     return {"models": {"small": {"path": str(tiny_dir / "small"), "kv_cache_tokens": 8192}}, "entry": "small"}
+
+
+@pytest.fixture(scope="session")
+def bench_tokenizer_dir() -> Path:
+    """The Qwen3-sized benchmark tokenizer where the qwen3 deployment configs look for it (built in about a
+    second on first use, reused after)."""
+    from tokenrouter.tools.bench_tokenizer import make_bench_tokenizer
+
+    return make_bench_tokenizer(REPO / "models" / "bench-tokenizer")

@@ -21,7 +21,7 @@ def test_configs_exist() -> None:
 
 
 @pytest.mark.parametrize("path", ALL, ids=lambda p: f"{p.parent.name}/{p.name}")
-def test_config_parses(path: Path, tiny_dir: Path) -> None:
+def test_config_parses(path: Path, tiny_dir: Path, bench_tokenizer_dir: Path) -> None:
     cfg = load_config(path)
     assert cfg.entry in cfg.models
 

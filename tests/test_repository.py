@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -25,13 +26,19 @@ def _tree(root: Path) -> dict[str, object]:
                 settings["config"] = str((p.parent / settings["config"]).resolve())
                 out[rel] = settings
             else:
-                out[rel] = p.read_text()
+                # The execution environment is written relative to the model folder: compare where it points.
+                out[rel] = re.sub(
+                    r"\$\$TRITON_MODEL_DIRECTORY/([^\"]+)",
+                    lambda m, folder=p.parent: str((folder / m.group(1)).resolve()),
+                    p.read_text(),
+                )
     return out
 
 
 def test_checked_in_repository_is_the_generated_one(tmp_path: Path) -> None:
-    out = write_repository(DEFAULT, tmp_path / "model_repository")
+    out = write_repository(DEFAULT, tmp_path / "model_repository", execution_env=REPO / ".venv")
     assert _tree(out) == _tree(REPO / "model_repository")
+    assert "EXECUTION_ENV_PATH" in (out / "small" / "config.pbtxt").read_text()
 
 
 def test_settings_point_at_the_config_and_roles(tmp_path: Path) -> None:
@@ -45,10 +52,11 @@ def test_settings_point_at_the_config_and_roles(tmp_path: Path) -> None:
         assert "KIND_CPU" in (out / name / "config.pbtxt").read_text()
 
 
-def test_gpu_placement_and_stale_models(tmp_path: Path) -> None:
+def test_gpu_placement_and_stale_models(tmp_path: Path, bench_tokenizer_dir: Path) -> None:
     cfg = yaml.safe_load((REPO / "config" / "mixture" / "qwen3-0.6b_qwen3-8b_qwen3-32b.yaml").read_text())
     for m in cfg["models"].values():
         m["path"] = str((REPO / "config" / "mixture" / m["path"]).resolve())
+    cfg["tokenizer"] = str(bench_tokenizer_dir)
     cfg["models"]["large"]["device"] = "cuda:1"
     path = tmp_path / "gpu.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))

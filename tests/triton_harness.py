@@ -14,9 +14,9 @@ from tokenrouter.serving.server import TritonServer, free_ports
 
 
 @contextmanager
-def running_server(config_path: Path, workdir: Path):
-    triton_install.ensure_installed()
-    repo = write_repository(config_path, workdir / "model_repository")
+def running_server(config_path: Path, workdir: Path, execution_env: Path | None = None):
+    env = execution_env or triton_install.execution_env()
+    repo = write_repository(config_path, workdir / "model_repository", execution_env=env)
     http, grpc, metrics = free_ports(3)
     server = TritonServer(repo, http, grpc, metrics, log_file=workdir / "tritonserver.log")
     server.start()

@@ -1,4 +1,4 @@
-"""`tokenrouter` command line: make-tiny, generate."""
+"""`tokenrouter` command line: make-tiny, make-bench-tokenizer, stub-env, serve, openai, generate."""
 
 from __future__ import annotations
 
@@ -14,6 +14,18 @@ def _make_tiny(args: argparse.Namespace) -> int:
     paths = make_tiny(args.out, seed=args.seed, force=args.force)
     for name, path in paths.items():
         print(f"{name}: {path}")
+    return 0
+
+
+def _make_bench_tokenizer(args: argparse.Namespace) -> int:
+    from tokenrouter.tools.bench_tokenizer import make_bench_tokenizer
+
+    try:
+        path = make_bench_tokenizer(args.out, args.vocab_size, args.special_start, force=args.force)
+    except (ValueError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"bench tokenizer ({args.vocab_size} ids): {path}")
     return 0
 
 
@@ -68,6 +80,15 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_main(args)
 
 
+def _stub_env(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tokenrouter.serving.stub_env import make
+
+    print(f"stub environment: {make(Path(args.out), args.find_links)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenrouter", description="Token-level LLM routing engine.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -79,7 +100,27 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--force", action="store_true", help="rebuild even if a complete set exists")
     t.set_defaults(func=_make_tiny)
 
-    s = sub.add_parser("serve", help="install Triton if needed and serve a deployment (HTTP/gRPC/metrics)")
+    b = sub.add_parser(
+        "make-bench-tokenizer",
+        help="build the benchmark tokenizer for dummy-weight deployments (every id decodes to its own piece)",
+    )
+    b.add_argument("--out", default="models/bench-tokenizer", help="output directory (default: %(default)s)")
+    b.add_argument("--vocab-size", type=int, default=151936, help="the model's vocab_size (default: Qwen3's)")
+    b.add_argument(
+        "--special-start",
+        type=int,
+        default=None,
+        help="id of <|endoftext|> (<|im_start|>, <|im_end|> follow); default: Qwen3's 151643 if it fits, else 0",
+    )
+    b.add_argument("--force", action="store_true", help="rebuild even if a complete one exists")
+    b.set_defaults(func=_make_bench_tokenizer)
+
+    e = sub.add_parser("stub-env", help="a venv for the Triton stubs: numpy<2 layered over this environment")
+    e.add_argument("--out", default=".cache/stub-env", help="output directory (default: %(default)s)")
+    e.add_argument("--find-links", help="install numpy from wheels in this folder only (no package index)")
+    e.set_defaults(func=_stub_env)
+
+    s = sub.add_parser("serve", help="serve a deployment with tritonserver (HTTP/gRPC/metrics)")
     from tokenrouter.serving.server import add_arguments
 
     add_arguments(s)

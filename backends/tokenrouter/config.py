@@ -153,7 +153,11 @@ class EngineConfig:
         self.batching.validate(list(self.models))
         self._validate_shared_devices()
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
-            raise ConfigError(f"tokenizer directory {self.tokenizer!r} does not exist")
+            hint = ""
+            if os.path.basename(self.tokenizer).startswith("bench-tokenizer"):
+                # Generated, not shipped (models/ is not in git): say how to make it.
+                hint = f" (build it: tokenrouter make-bench-tokenizer --out {self.tokenizer} --vocab-size <vocab_size>)"
+            raise ConfigError(f"tokenizer directory {self.tokenizer!r} does not exist{hint}")
 
     def _validate_shared_devices(self) -> None:
         """Models sized by memory fraction on one GPU split that GPU: their fractions may not add up past 1
@@ -189,7 +193,8 @@ class EngineConfig:
         return self.tokenizer or self.entry_model.path
 
 
-def _resolve_path(value: str, base: Path) -> str:
+def resolve_path(value: str, base: Path) -> str:
+    """A config path as the config means it: `$VARS` and `~` expanded, relative ones against `base`."""
     expanded = os.path.expanduser(os.path.expandvars(str(value)))
     p = Path(expanded)
     return str(p if p.is_absolute() else (base / p).resolve())
@@ -233,7 +238,7 @@ def load_config(source: str | os.PathLike | dict[str, Any] | EngineConfig) -> En
     for name, m in raw_models.items():
         m = dict(m or {})
         if "path" in m:
-            m["path"] = _resolve_path(m["path"], base)
+            m["path"] = resolve_path(m["path"], base)
         models[name] = _build(ModelConfig, m, f"models.{name}", name=str(name))
     if "entry" not in data and len(models) == 1:
         data["entry"] = next(iter(models))
@@ -242,7 +247,7 @@ def load_config(source: str | os.PathLike | dict[str, Any] | EngineConfig) -> En
     if isinstance(data.get("policy"), str):
         data["policy"] = {"name": data["policy"]}
     if data.get("tokenizer") is not None:
-        data["tokenizer"] = _resolve_path(data["tokenizer"], base)
+        data["tokenizer"] = resolve_path(data["tokenizer"], base)
     cfg = _build(EngineConfig, data, "config", models=models)
     cfg.source = origin
     cfg.validate()

@@ -1,7 +1,9 @@
 """A Triton model repository for a deployment: the `tokenrouter` router plus one subserver per model.
 
-Each model is two small files: config.pbtxt (backend and instance placement; `auto_complete_config`
-declares the tensors) and 1/model.json (the deployment YAML, relative to it, and the role).
+Each model is two small files: config.pbtxt (backend, instance placement and, when the stubs should run a
+given Python environment, its EXECUTION_ENV_PATH; `auto_complete_config` declares the tensors) and
+1/model.json (the deployment YAML, relative to it, and the role). Paths are written relative to the model
+folder, so a repository keeps working when it is moved together with what it points at.
 """
 
 from __future__ import annotations
@@ -15,12 +17,16 @@ from tokenrouter.config import load_config
 ROUTER = "tokenrouter"
 
 
-def _pbtxt(kind: str, gpu: int | None) -> str:
+def _pbtxt(kind: str, gpu: int | None, env: str | None) -> str:
     if kind == "KIND_GPU":
         group = f"instance_group [{{ kind: KIND_GPU, count: 1, gpus: [{gpu}] }}]"
     else:
         group = "instance_group [{ kind: KIND_CPU, count: 1 }]"
-    return f'backend: "tokenrouter"\n{group}\n'
+    text = f'backend: "tokenrouter"\n{group}\n'
+    if env is not None:
+        # Triton's documented way to give a Python-backend model its interpreter's packages.
+        text += f'parameters: {{ key: "EXECUTION_ENV_PATH", value: {{ string_value: "{env}" }} }}\n'
+    return text
 
 
 def _write(folder: Path, pbtxt: str, settings: dict) -> None:
@@ -29,8 +35,11 @@ def _write(folder: Path, pbtxt: str, settings: dict) -> None:
     (folder / "1" / "model.json").write_text(json.dumps(settings, indent=2) + "\n")
 
 
-def write_repository(config_path: str | os.PathLike, out: str | os.PathLike) -> Path:
-    """Write (or refresh) the repository for the deployment YAML at `config_path` under `out`."""
+def write_repository(
+    config_path: str | os.PathLike, out: str | os.PathLike, execution_env: str | os.PathLike | None = None
+) -> Path:
+    """Write (or refresh) the repository for the deployment YAML at `config_path` under `out`; with
+    `execution_env` (a Python environment folder with bin/activate) every model's stub runs that Python."""
     config_path = Path(config_path).resolve()
     cfg = load_config(config_path)
     if ROUTER in cfg.models:
@@ -41,15 +50,20 @@ def write_repository(config_path: str | os.PathLike, out: str | os.PathLike) -> 
     def rel(folder: Path) -> str:
         return os.path.relpath(config_path, (folder / "1").resolve())
 
+    def env(folder: Path) -> str | None:
+        if execution_env is None:
+            return None
+        return "$$TRITON_MODEL_DIRECTORY/" + os.path.relpath(Path(execution_env).resolve(), folder.resolve())
+
     router = out / ROUTER
     (router / "1").mkdir(parents=True, exist_ok=True)
-    _write(router, _pbtxt("KIND_CPU", None), {"role": "router", "config": rel(router)})
+    _write(router, _pbtxt("KIND_CPU", None, env(router)), {"role": "router", "config": rel(router)})
     for name, m in cfg.models.items():
         folder = out / name
         (folder / "1").mkdir(parents=True, exist_ok=True)
         gpu = int(m.device.split(":")[1]) if m.device.startswith("cuda:") else (0 if m.device == "cuda" else None)
         kind = "KIND_GPU" if gpu is not None else "KIND_CPU"
-        _write(folder, _pbtxt(kind, gpu), {"role": "subserver", "config": rel(folder), "model": name})
+        _write(folder, _pbtxt(kind, gpu, env(folder)), {"role": "subserver", "config": rel(folder), "model": name})
     # Models of an earlier deployment in the same folder would be loaded too: remove ours that are stale.
     for stale in out.iterdir():
         if stale.is_dir() and stale.name not in cfg.models and stale.name != ROUTER:

@@ -1,4 +1,4 @@
-"""`tokenrouter serve`: install Triton if needed, write the model repository, start tritonserver.
+"""`tokenrouter serve`: write the model repository, start CUDA MPS if models share a GPU, start tritonserver.
 
 Also the `TritonServer` process wrapper the end-to-end tests and benchmarks use.
 """
@@ -6,6 +6,7 @@ Also the `TritonServer` process wrapper the end-to-end tests and benchmarks use.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import subprocess
@@ -14,8 +15,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tokenrouter.config import load_config
-from tokenrouter.serving import triton_install
+from tokenrouter.config import ConfigError, load_config
+from tokenrouter.serving import mps, stub_env, triton_install
 from tokenrouter.serving.repository import write_repository
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -36,9 +37,12 @@ def free_ports(n: int) -> list[int]:
 
 
 def ensure_models(config_path: Path) -> None:
-    """Build the tiny local models a config points at if they are missing (nothing else is fetched)."""
+    """Build what a config points at and this repository generates, if it is missing: the tiny local
+    models and the benchmark tokenizer of dummy-weight deployments (nothing is fetched)."""
+    from tokenrouter.tools.bench_tokenizer import ensure_bench_tokenizer
     from tokenrouter.tools.make_tiny import make_tiny
 
+    ensure_bench_tokenizer(config_path)
     cfg_text = config_path.read_text()
     tiny = REPO_ROOT / "models" / "tiny"
     if "models/tiny/" in cfg_text and not (tiny / "MANIFEST.json").exists():
@@ -98,8 +102,10 @@ class TritonServer:
 
     def start(self) -> None:
         out = open(self.log_file, "ab") if self.log_file else None  # noqa: SIM115 (kept open for the child)
+        # Its own process group, so stop() can reach the model stubs even if the server dies first.
         self.proc = subprocess.Popen(
-            self.command(), env=triton_install.server_env(), stdout=out, stderr=subprocess.STDOUT if out else None
+            self.command(), env=triton_install.server_env(), stdout=out, stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,
         )
 
     def ready(self) -> bool:
@@ -120,14 +126,20 @@ class TritonServer:
         raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s; see {self.log_file}")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        self.proc.send_signal(signal.SIGINT)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        # Stubs that outlived the server (it crashed, or one ignored the shutdown) must not linger.
         try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def __enter__(self) -> TritonServer:
         self.start()
@@ -149,14 +161,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--log-verbose", type=int, default=0)
+    p.add_argument("--execution-env", help="Python environment (a venv folder) for the model stubs; default: "
+                   "this interpreter's venv (see `tokenrouter stub-env`)")
+    p.add_argument("--no-mps", action="store_true",
+                   help="do not start CUDA MPS when models share a GPU (they then time-slice it)")
 
 
 def serve_main(args: argparse.Namespace) -> int:
     config_path = Path(args.config).resolve()
-    load_config(config_path)  # fail fast, with the config's own error message
-    triton_install.ensure_installed()
-    ensure_models(config_path)
-    repo = write_repository(config_path, args.model_repository)
+    try:
+        ensure_models(config_path)
+        config = load_config(config_path)  # fail fast, with the config's own error message
+        backends = triton_install.prepare_backends()
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    env = Path(args.execution_env).resolve() if args.execution_env else triton_install.execution_env()
+    if env is not None and not (env / "bin" / "activate").is_file():
+        print(f"error: --execution-env {env} is not a Python environment (no bin/activate)", file=sys.stderr)
+        return 2
+    problem = stub_env.check(backends / "python" / "triton_python_backend_stub", env)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    repo = write_repository(config_path, args.model_repository, execution_env=env)
+    started_mps = False
+    shared = mps.shared_gpus(config)
+    if shared and not args.no_mps and not mps.running():
+        try:
+            mps.start()
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        started_mps = True
+        print(f"started CUDA MPS: models share GPU(s) {shared}", flush=True)
     server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port, verbose=args.log_verbose)
     print(f"starting tritonserver on {repo} (HTTP :{args.http_port}, gRPC :{args.grpc_port}, "
           f"metrics :{args.metrics_port})", flush=True)
@@ -176,6 +214,8 @@ def serve_main(args: argparse.Namespace) -> int:
             time.sleep(0.5)
     finally:
         server.stop()
+        if started_mps:
+            mps.stop()
     return 0 if stop else (server.proc.returncode or 0)
 
 

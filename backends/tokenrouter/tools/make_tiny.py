@@ -16,7 +16,6 @@ import os
 import pathlib
 import shutil
 import sysconfig
-import uuid
 from collections.abc import Iterator
 
 import torch
@@ -24,11 +23,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from transformers.utils import logging as hf_logging
 
+from tokenrouter.tools.build_dir import build_dir
+from tokenrouter.tools.chatml import CHAT_TEMPLATE, ENDOFTEXT, IM_END, IM_START
+
 # Bump whenever the output would change for the same seed, so stale sets get rebuilt.
 GENERATOR_VERSION = 1
 
 VOCAB_SIZE = 1024
-ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # Order matters: the trainer assigns ids in this order, so <|endoftext|> is id 0.
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
 
@@ -38,17 +39,6 @@ CORPUS_BYTES = 3_000_000
 
 MANIFEST = "MANIFEST.json"
 MODEL_NAMES = ("small", "medium", "large")
-
-# Qwen-style ChatML: every message is framed by <|im_start|>role\n ... <|im_end|>\n and
-# the generation prompt opens an assistant turn.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- endif -%}"
-)
 
 # hidden, layers, q heads, kv heads, intermediate, tied embeddings. head_dim is 16 for all.
 SHAPES: dict[str, tuple[int, int, int, int, int, bool]] = {
@@ -205,27 +195,6 @@ def make_tiny(out_dir: str | os.PathLike, seed: int = 0, force: bool = False) ->
     out_dir = pathlib.Path(out_dir).absolute()
     if not force and _is_complete(out_dir, seed):
         return _result(out_dir)
-    # Refuse to clobber a directory we did not create; a set of ours, even an outdated
-    # one, always has a manifest because it only appears through the rename below.
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).exists():
-        raise FileExistsError(f"{out_dir} exists and does not look like a make_tiny output")
-
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # Build next to the target (same filesystem) so moving it into place is one rename.
-    tmp = out_dir.parent / f".{out_dir.name}.building-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        with _quiet_progress():
-            _build_into(tmp, seed)
-        if out_dir.exists():
-            # rename() cannot replace a non-empty directory, so move the old set aside.
-            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    with _quiet_progress():
+        build_dir(out_dir, lambda tmp: _build_into(tmp, seed), MANIFEST, "make_tiny")
     return _result(out_dir)

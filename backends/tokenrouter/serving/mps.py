@@ -1,0 +1,74 @@
+"""CUDA MPS for models that share a GPU.
+
+Every model of a deployment is its own process (its own Triton Python-backend stub). Without MPS, the
+processes on one GPU time-slice it: one context runs at a time, so the small model's short steps queue
+behind the large model's long ones and the two never overlap. With the MPS control daemon running, their
+kernels share the GPU concurrently (TokenRouter's own deployment shares two A100s this way).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from tokenrouter.config import EngineConfig
+
+DAEMON = "nvidia-cuda-mps-control"
+_EXTRA_PATHS = ("/usr/local/nvidia/bin", "/usr/bin")
+
+
+def shared_gpus(config: EngineConfig) -> dict[int, list[str]]:
+    """GPU index -> the models placed on it, for GPUs that hold two or more models."""
+    by_gpu: dict[int, list[str]] = {}
+    for name, m in config.models.items():
+        if m.device.startswith("cuda"):
+            gpu = int(m.device.split(":")[1]) if ":" in m.device else 0
+            by_gpu.setdefault(gpu, []).append(name)
+    return {g: names for g, names in by_gpu.items() if len(names) > 1}
+
+
+def daemon_path() -> str | None:
+    found = shutil.which(DAEMON)
+    if found:
+        return found
+    for folder in _EXTRA_PATHS:
+        candidate = Path(folder) / DAEMON
+        if candidate.is_file():
+            return str(candidate)
+    return None
+
+
+def running() -> bool:
+    """An MPS control daemon of this machine is up (its process exists and its control pipe is there)."""
+    pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")) / "control"
+    if not pipe.exists():
+        return False
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if (proc / "comm").read_text().strip().startswith("nvidia-cuda-mps"):
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+def start() -> None:
+    """Start the control daemon; RuntimeError naming the command when that is not possible."""
+    exe = daemon_path()
+    if exe is None:
+        raise RuntimeError(
+            f"models share a GPU, which needs CUDA MPS, but {DAEMON} is not installed; start MPS yourself "
+            f"(`{DAEMON} -d`) or pass --no-mps to let the models time-slice the GPU"
+        )
+    proc = subprocess.run([exe, "-d"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"`{exe} -d` failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+
+
+def stop() -> None:
+    exe = daemon_path()
+    if exe is not None:
+        subprocess.run([exe], input="quit\n", capture_output=True, text=True, timeout=30)
