@@ -21,7 +21,8 @@ bundle=${4:-.gpu}
 work=$(mktemp -d /tmp/served-XXXX)
 res=$work/results
 mkdir -p "$out" "$res"
-step() { echo "== $(date -u +%T) $*"; }
+# The archive is rewritten after every step: a run cut short still brings back what it measured.
+step() { tar -C $work -czf "$out/results_$name.tgz" results 2> /dev/null; echo "== $(date -u +%T) $*"; }
 
 step "install the carried Triton server and client"
 tr=/tmp/triton-bundle
@@ -49,20 +50,23 @@ step "serve $cfg"
 python3 -m tokenrouter.cli serve --config "$cfg" --model-repository $work/repo "${envflag[@]}" > $res/serve.log 2>&1 &
 serve_pid=$!
 ready=0
-for _ in $(seq 1 300); do
+for _ in $(seq 1 240); do
   if curl -sf localhost:8000/v2/health/ready > /dev/null; then ready=1; break; fi
   kill -0 $serve_pid 2> /dev/null || break
   sleep 1
 done
 if [ $ready = 1 ]; then
   step "ready"
-  timeout 150 python3 perf/soak.py --url 127.0.0.1:8001 --metrics-url http://127.0.0.1:8002/metrics \
+  step "soak"
+  timeout 100 python3 perf/soak.py --url 127.0.0.1:8001 --metrics-url http://127.0.0.1:8002/metrics \
     --requests 300 --concurrency 16 --cancel-fraction 0.2 --max-tokens 64 --out $res/soak.json 2>&1 | tail -4
-  timeout 240 python3 perf/bench_served.py --url 127.0.0.1:8001 --config "$cfg" --concurrency 1,8,16 \
+  step "served benchmark"
+  timeout 200 python3 perf/bench_served.py --url 127.0.0.1:8001 --config "$cfg" --concurrency 1,8,16 \
     --prompt-len 100 --output-len 256 --out $res/served 2>&1 | tail -12
+  step "perf_analyzer"
   python3 perf/bench_served.py --config "$cfg" --num-requests 64 --prompt-len 100 --write-prompts $work/prompts.json
-  timeout 150 python3 perf/perf_analyzer.py --url 127.0.0.1:8001 --concurrency 8,16 --max-tokens 256 \
-    --prompt-file $work/prompts.json --perf-analyzer $tr/perf_analyzer --max-trials 4 \
+  timeout 130 python3 perf/perf_analyzer.py --url 127.0.0.1:8001 --concurrency 8,16 --max-tokens 256 \
+    --prompt-file $work/prompts.json --perf-analyzer $tr/perf_analyzer --max-trials 3 \
     --out $res/perf_analyzer.csv 2>&1 | tail -8
   curl -s localhost:8002/metrics | grep -E "^tokenrouter_(tuned|predicted|batching|kv_blocks_used|requests_held|requests_finished)" \
     > $res/metrics_after.txt
@@ -75,8 +79,7 @@ step "server stopped ($?)"
 tail -5 $res/serve.log
 
 step "in-process engine, same workload"
-timeout 240 python3 perf/bench_engine.py --config "$cfg" --variants routed --concurrency 1,8,16 \
+timeout 200 python3 perf/bench_engine.py --config "$cfg" --variants routed --concurrency 1,8,16 \
   --prompt-len 100 --output-len 256 --isolate on --out-dir $res --name engine 2>&1 | grep -v "^|" | tail -6
 python3 perf/bench_served.py --compare $res/served.json $res/engine.json --out $res/compare 2>&1 | tail -8
-tar -C $work -czf "$out/results_$name.tgz" results
 step "done: $out/results_$name.tgz"
