@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The served path on a GPU machine as it is (its image's Python, no package registry): a soak under load with
 # cancellations, the served benchmark (closed-loop gRPC clients) and perf_analyzer against `tokenrouter serve`,
-# then the in-process engine on the same workload, and the served / in-process table.
+# with the in-process engine on the same workload first (before MPS starts), and the served / in-process table.
 #
 # Usage (repository root, on the GPU machine):
 #   bash perf/gpu_served.sh OUT_DIR CONFIG NAME [BUNDLE_DIR]
 # BUNDLE_DIR (default .gpu) holds what the machine lacks, made on a CPU machine from the set-up venv:
 #   triton.txz        site-packages' pytriton/tritonserver + nvidia_pytriton.libs (the Triton 2.51 server)
 #   tritonclient.tgz  site-packages' tritonclient (the Python client; grpcio and protobuf are in the image)
+#   python_rapidjson-*-cp312-*.whl  the one client dependency the image lacks
 #   perf_analyzer.gz  the venv's bin/perf_analyzer (from tritonclient[all]==2.51.0)
 #   numpy-1.26.4-cp312-*.whl  numpy<2 for the stubs when the image has numpy 2 (see serving/stub_env.py)
 # The package is put on the image Python's path with a .pth file in its site-packages (the Python-backend
@@ -28,6 +29,7 @@ step "install the carried Triton server and client"
 tr=/tmp/triton-bundle
 mkdir -p $tr
 [ -x $tr/pytriton/tritonserver/bin/tritonserver ] || tar -C $tr -xJf "$bundle/triton.txz" && tar -C $tr -xzf "$bundle/tritonclient.tgz" || exit 1
+python3 -m pip install -q --no-index --no-deps --target $tr "$bundle"/python_rapidjson-*.whl || exit 1
 gunzip -c "$bundle/perf_analyzer.gz" > $tr/perf_analyzer && chmod +x $tr/perf_analyzer
 export TRITONSERVER_ROOT=$tr/pytriton/tritonserver
 sp=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -38,6 +40,10 @@ export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
 step "benchmark tokenizer (dummy-weight deployments)"
 python3 -m tokenrouter.cli make-bench-tokenizer || exit 1
+
+step "in-process engine, same workload"
+timeout 200 python3 perf/bench_engine.py --config "$cfg" --variants routed --concurrency 1,8,16 \
+  --prompt-len 100 --output-len 256 --isolate on --out-dir $res --name engine 2>&1 | grep -v "^|" | tail -6
 
 envflag=()
 if [ "$(python3 -c 'import numpy; print(numpy.__version__.split(".")[0])')" -ge 2 ]; then
@@ -65,7 +71,7 @@ if [ $ready = 1 ]; then
     --prompt-len 100 --output-len 256 --out $res/served 2>&1 | tail -12
   step "perf_analyzer"
   python3 perf/bench_served.py --config "$cfg" --num-requests 64 --prompt-len 100 --write-prompts $work/prompts.json
-  timeout 130 python3 perf/perf_analyzer.py --url 127.0.0.1:8001 --concurrency 8,16 --max-tokens 256 \
+  timeout 130 python3 perf/perf_analyzer.py --url 127.0.0.1:8001 --concurrency 16 --max-tokens 256 \
     --prompt-file $work/prompts.json --perf-analyzer $tr/perf_analyzer --max-trials 3 \
     --out $res/perf_analyzer.csv 2>&1 | tail -8
   curl -s localhost:8002/metrics | grep -E "^tokenrouter_(tuned|predicted|batching|kv_blocks_used|requests_held|requests_finished)" \
@@ -78,8 +84,5 @@ wait $serve_pid
 step "server stopped ($?)"
 tail -5 $res/serve.log
 
-step "in-process engine, same workload"
-timeout 200 python3 perf/bench_engine.py --config "$cfg" --variants routed --concurrency 1,8,16 \
-  --prompt-len 100 --output-len 256 --isolate on --out-dir $res --name engine 2>&1 | grep -v "^|" | tail -6
 python3 perf/bench_served.py --compare $res/served.json $res/engine.json --out $res/compare 2>&1 | tail -8
 step "done: $out/results_$name.tgz"

@@ -9,9 +9,14 @@ so N is capped for the solve (the shape of the optimum changes little past a few
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from tokenrouter.engine.step_stats import StepStats
 from tokenrouter.tuning.choose import TOTAL_STATE_BUDGET, Method, choose_thresholds
@@ -76,3 +81,33 @@ def solve_thresholds(
     best = dict(zip(models, choice.thresholds))
     log.info("auto thresholds for N=%d: %s (%.1f tok/s expected, %s)", n, best, choice.throughput, choice.method)
     return TunedThresholds(best, choice.throughput, choice.method, n)
+
+
+def solve_in_subprocess(
+    models: list[str], stats: Mapping[str, StepStats], concurrency: int, timeout: float = 60.0
+) -> TunedThresholds | None:
+    """`solve_thresholds` in a child Python process. The solve is seconds of pure-Python work: run inside a
+    serving process it would hold that process's GIL and stall the threads that forward handoffs."""
+    payload = {"models": models, "concurrency": concurrency, "stats": {m: s.snapshot() for m, s in stats.items()}}
+    python = Path(sys.prefix) / "bin" / "python"
+    exe = str(python) if python.exists() else sys.executable
+    proc = subprocess.run([exe, "-m", "tokenrouter.engine.autotune"], input=json.dumps(payload),
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"threshold solve failed: {proc.stderr.strip()[-2000:]}")
+    out = json.loads(proc.stdout)
+    if out is None:
+        return None
+    return TunedThresholds(out["thresholds"], out["predicted_tok_s"], out["method"], out["concurrency"])
+
+
+def _main() -> None:
+    """stdin: {"models", "concurrency", "stats": {model: StepStats.snapshot()}}; stdout: the solve as JSON."""
+    payload = json.loads(sys.stdin.read())
+    stats = {m: StepStats.from_snapshot(s) for m, s in payload["stats"].items()}
+    tuned = solve_thresholds(payload["models"], stats, int(payload["concurrency"]))
+    print(json.dumps(None if tuned is None else dataclasses.asdict(tuned)))
+
+
+if __name__ == "__main__":
+    _main()

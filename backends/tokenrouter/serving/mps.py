@@ -68,7 +68,14 @@ def start() -> None:
         raise RuntimeError(f"`{exe} -d` failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
 
 
-def stop() -> None:
+def stop(timeout: float = 30.0) -> bool:
+    """Ask the daemon to quit; True once it is gone. It waits for its clients to detach first, so a daemon
+    that outlives `timeout` is reported (False), not waited on forever."""
     exe = daemon_path()
-    if exe is not None:
-        subprocess.run([exe], input="quit\n", capture_output=True, text=True, timeout=30)
+    if exe is None:
+        return True
+    try:
+        subprocess.run([exe], input="quit\n", capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False
+    return not running()

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from tokenrouter.config import EngineConfig, load_config
-from tokenrouter.engine.autotune import solve_thresholds
+from tokenrouter.engine.autotune import solve_in_subprocess
 from tokenrouter.engine.coordinator import Coordinator
 from tokenrouter.engine.outputs import RequestOutput
 from tokenrouter.engine.step_stats import StepStats
@@ -103,10 +103,11 @@ class SocketCoordinator(Coordinator):
             self._unreachable(model, rid, f"model {model!r} went away (its process exited) during the request")
 
     def retune(self) -> Any:
-        """`thresholds: auto`: solve B* from the reported statistics (blocking: run it off the loop)."""
+        """`thresholds: auto`: solve B* from the reported statistics, in a child process (blocking: call it
+        off the loop)."""
         if set(self.step_stats) != set(self.model_names):
             return None
-        return solve_thresholds(self.model_names, dict(self.step_stats), max(1, len(self.requests)))
+        return solve_in_subprocess(self.model_names, dict(self.step_stats), max(1, len(self.requests)))
 
     def apply_tuned(self, tuned: dict[str, int]) -> None:
         self._tuned = tuned

@@ -214,8 +214,9 @@ def serve_main(args: argparse.Namespace) -> int:
             time.sleep(0.5)
     finally:
         server.stop()
-        if started_mps:
-            mps.stop()
+        if started_mps and not mps.stop():
+            print("warning: the CUDA MPS daemon did not quit within 30 s; stop it with "
+                  "`echo quit | nvidia-cuda-mps-control`", file=sys.stderr)
     return 0 if stop else (server.proc.returncode or 0)
 
 

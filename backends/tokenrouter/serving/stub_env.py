@@ -18,6 +18,23 @@ import sysconfig
 from pathlib import Path
 
 NUMPY_FOR_OLD_STUBS = "numpy>=1.23,<2"
+# Packages that libraries we import probe for optionally (transformers imports scikit-learn when it is
+# installed). An image built for numpy 2 can have ones that fail to import beside numpy<2.
+OPTIONAL_PROBED = ("sklearn", "scipy", "pandas", "numba", "cupy", "jax", "tensorflow", "torchvision", "torchaudio")
+_PROBE = """
+import importlib, importlib.util, sys
+broken = []
+for name in sys.argv[1:]:
+    if importlib.util.find_spec(name) is None:
+        continue
+    try:
+        importlib.import_module(name)
+        if name == "sklearn":
+            importlib.import_module("sklearn.metrics")  # what transformers takes from it
+    except Exception:
+        broken.append(name)
+print(" ".join(broken))
+"""
 
 
 def stub_knows_numpy2(stub: Path) -> bool:
@@ -68,4 +85,15 @@ def make(out: Path, find_links: str | None = None, numpy_spec: str = NUMPY_FOR_O
     ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     lines = [f"import site; site.addsitedir({p!r})" for p in sorted(ours)]
     (site / "zz-shared-environment.pth").write_text("\n".join(lines) + "\n")
+    python = str(out / "bin" / "python")
+    broken = subprocess.run([python, "-c", _PROBE, *OPTIONAL_PROBED], capture_output=True, text=True,
+                            check=True).stdout.split()
+    if broken:
+        # None in sys.modules is Python's own "not installed" marker: importlib.util.find_spec returns None,
+        # so optional probes skip these instead of failing on them.
+        (site / "zz-hidden-packages.pth").write_text(f"import sys; sys.modules.update(dict.fromkeys({broken!r}))\n")
+    check = subprocess.run([python, "-c", "import torch, transformers; from transformers import AutoTokenizer, "
+                            "GenerationMixin; import tokenrouter.serving.tensors"], capture_output=True, text=True)
+    if check.returncode != 0:
+        raise RuntimeError(f"the stub environment at {out} cannot import the package:\n{check.stderr[-2000:]}")
     return out
