@@ -24,7 +24,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from tokenrouter.config import EngineConfig, load_config
-from tokenrouter.engine.autotune import solve_thresholds
+from tokenrouter.engine.autotune import solve_in_subprocess, solve_thresholds
 from tokenrouter.engine.coordinator import Coordinator, Prompt
 from tokenrouter.engine.outputs import RequestOutput
 from tokenrouter.engine.stop import StopChecker
@@ -159,10 +159,13 @@ class Engine(Coordinator):
 
     def retune(self, concurrency: int | None = None) -> dict[str, int] | None:
         """`thresholds: auto`: solve B* for the current (or given) concurrency from measured step latencies
-        and routing rates, and apply it. Returns the thresholds, or None before enough was measured."""
+        and routing rates, and apply it. Returns the thresholds, or None before enough was measured.
+        With the model loops running in this process, the solve runs in a child process: it is seconds
+        of pure Python that would otherwise hold the GIL against the decoding threads."""
         n = concurrency if concurrency is not None else max(1, len(self.requests))
         stats = {m: s.stats for m, s in self.subservers.items()}
-        tuned = solve_thresholds(self.model_names, stats, n)
+        solve = solve_in_subprocess if self.running_in_background else solve_thresholds
+        tuned = solve(self.model_names, stats, n)
         best = tuned.thresholds if tuned is not None else None
         if best is not None:
             self._tuned = best
