@@ -262,8 +262,9 @@ def test_out_of_order_message_fails_only_its_request(tiny_dir: Path) -> None:
 
 
 def test_release_overtaking_a_returning_handoff(tiny_dir: Path) -> None:
-    """Over BLS a cancel's Release can reach a model before the handoff that was already on its way back
-    there; the late handoff must be answered as 'nothing held', never revive the request or kill the loop."""
+    """Over a transport without one order across messages, a cancel's Release can reach a model before
+    the handoff that was already on its way back there; the late handoff must be answered as 'nothing held',
+    never revive the request or kill the loop."""
     from tokenrouter.transport.messages import Arrive, Release, Released
 
     engine = make_engine(tiny_dir, *CASES["random"])

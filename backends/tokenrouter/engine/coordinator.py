@@ -3,7 +3,7 @@
 It admits requests to the entry model, forwards each handoff to its target, collects committed tokens
 for streaming, and finalizes a request (exactly one final output) once it finished and every model that
 held it freed its KV. It never touches a tensor. Subclasses say how a message reaches a model
-(`_deliver`): the in-process Engine calls its subservers; the Triton router makes BLS calls.
+(`_deliver`): the in-process Engine calls its subservers; the Triton router writes to their local sockets.
 """
 
 from __future__ import annotations

@@ -155,8 +155,9 @@ class Subserver:
         )
 
     def _forget(self, request_id: str) -> Sequence | None:
-        """Drop a request here for good. Its id is remembered: over a transport without ordering between
-        calls (Triton BLS), a handoff sent just before a cancel can arrive after the cancel's release."""
+        """Drop a request here for good. Its id is remembered: over a transport that does not keep one order
+        across messages (each message its own call), a handoff sent just before a cancel can arrive after the
+        cancel's release."""
         self._tombstones[request_id] = None
         while len(self._tombstones) > 65536:
             self._tombstones.popitem(last=False)

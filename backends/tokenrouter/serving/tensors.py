@@ -9,8 +9,8 @@ from typing import Any
 
 from tokenrouter.sampling_params import SamplingParams
 
-# One interface for both roles: a subserver reads a JSON message list from `text_input` and answers JSON
-# event lists in `text_output` (internal protocol; only the router is meant for clients).
+# Declared on every model of the deployment, so one backend serves both roles; subservers refuse requests
+# (the router reaches them over local sockets, transport/ipc.py): only the router is meant for clients.
 INPUTS: list[dict[str, Any]] = [
     {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]},
     {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},

@@ -32,6 +32,9 @@ from tokenrouter.transport import codec
 
 log = logging.getLogger(__name__)
 
+# How long a model that could not be reached is treated as down before the next connect attempt.
+RETRY_AFTER_S = 1.0
+
 
 def address(model: str, server_pid: int | None = None) -> str:
     """The abstract-namespace socket of `model` in the tritonserver whose pid is `server_pid` (default: this
@@ -61,7 +64,14 @@ class Peer:
             self.conn.send_bytes(data)
 
     def close(self) -> None:
+        """Shut the socket down first: a plain close() would neither wake this side's reader thread, blocked
+        in recv on the same socket, nor tell the other side."""
         self.closed = True
+        try:
+            with socket.socket(fileno=os.dup(self.conn.fileno())) as s:
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         try:
             self.conn.close()
         except OSError:
@@ -148,6 +158,10 @@ class ModelLink:
         self.connect_timeout = connect_timeout
         self._peer: Peer | None = None
         self._lock = threading.Lock()
+        # After a failed connect, sends fail at once for a while: the caller is the router's loop thread,
+        # which must not wait connect_timeout per message for a model that is gone.
+        self._down_until = 0.0
+        self._down_error = ""
 
     def _connect(self) -> Peer:
         deadline = time.monotonic() + self.connect_timeout
@@ -177,7 +191,13 @@ class ModelLink:
         """Send a batch of messages; ConnectionError when the model cannot be reached."""
         with self._lock:
             if self._peer is None or self._peer.closed:
-                self._peer = self._connect()
+                if time.monotonic() < self._down_until:
+                    raise ConnectionError(self._down_error)
+                try:
+                    self._peer = self._connect()
+                except ConnectionError as e:
+                    self._down_until, self._down_error = time.monotonic() + RETRY_AFTER_S, str(e)
+                    raise
             peer = self._peer
         try:
             peer.send(messages)

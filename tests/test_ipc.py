@@ -1,0 +1,96 @@
+"""The local-socket transport between the router and the subservers (transport/ipc.py): messages arrive in
+order and intact, a broken peer is noticed on both sides, an unreachable model fails fast."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import uuid
+from multiprocessing.connection import Client
+
+import pytest
+
+from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.transport import ipc
+from tokenrouter.transport.messages import Arrive, Commit, Release
+
+
+def _addr() -> str:
+    return f"\0tokenrouter-test/{os.getpid()}/{uuid.uuid4().hex}"
+
+
+def test_address_names_the_server_and_model() -> None:
+    assert ipc.address("large", server_pid=123) == "\0tokenrouter/123/large"
+    assert ipc.address("small") == f"\0tokenrouter/{os.getppid()}/small"
+
+
+def test_round_trip_in_order_and_close_seen_on_both_sides() -> None:
+    addr = _addr()
+    got: queue.Queue = queue.Queue()
+    closed = threading.Event()
+    peers: list[ipc.Peer] = []
+
+    def on_messages(peer: ipc.Peer, msgs: list) -> None:
+        peers.append(peer)
+        for m in msgs:
+            got.put(m)
+            peer.send([Commit(m.request_id, "small", [1, 2, 3])])  # answer on the same connection
+
+    listener = ipc.ModelListener("small", on_messages, lambda p: closed.set(), addr=addr)
+    events: queue.Queue = queue.Queue()
+    lost = threading.Event()
+    link = ipc.ModelLink("small", lambda evs: [events.put(e) for e in evs], lost.set, addr=addr)
+    try:
+        params = SamplingParams(max_new_tokens=4, temperature=0.0)
+        for i in range(50):
+            link.send([Arrive(f"r{i}", [5, 6, 7], True, 3, params, {"x": i}, None, {})])
+        link.send([Release("r0", "abort")])
+        received = [got.get(timeout=5) for _ in range(51)]
+        assert [m.request_id for m in received[:50]] == [f"r{i}" for i in range(50)]
+        assert received[3].state == {"x": 3} and received[3].params.max_new_tokens == 4
+        assert isinstance(received[50], Release) and received[50].reason == "abort"
+        answers = [events.get(timeout=5) for _ in range(51)]
+        assert all(isinstance(a, Commit) and a.token_ids == [1, 2, 3] for a in answers)
+        # The router goes away: the subserver's side notices (it releases what that router brought).
+        link.close()
+        assert closed.wait(5)
+        # A new connection works after that.
+        link.send([Release("r1")])
+        assert got.get(timeout=5).request_id == "r1"
+        # The subserver goes away: the router's side notices.
+        for p in peers:
+            p.close()
+        listener.close()
+        assert lost.wait(5)
+    finally:
+        link.close()
+        listener.close()
+
+
+def test_malformed_batch_is_dropped_and_the_connection_keeps_working() -> None:
+    addr = _addr()
+    got: queue.Queue = queue.Queue()
+    listener = ipc.ModelListener("m", lambda p, msgs: [got.put(m) for m in msgs], lambda p: None, addr=addr)
+    try:
+        conn = Client(addr, family="AF_UNIX")
+        conn.send_bytes(b"not json")
+        conn.send_bytes(b'[{"type": "Nope"}]')
+        conn.send_bytes(b'[{"type": "Release", "request_id": "ok", "reason": "finished"}]')
+        assert got.get(timeout=5).request_id == "ok"
+        conn.close()
+    finally:
+        listener.close()
+
+
+def test_unreachable_model_fails_fast_after_the_first_try() -> None:
+    link = ipc.ModelLink("gone", lambda evs: None, lambda: None, addr=_addr(), connect_timeout=0.3)
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="'gone' is not reachable"):
+        link.send([Release("a")])
+    assert time.monotonic() - start >= 0.3
+    start = time.monotonic()
+    with pytest.raises(ConnectionError):
+        link.send([Release("b")])  # within RETRY_AFTER_S: no second wait
+    assert time.monotonic() - start < 0.1
