@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 from _common import command_line, machine_info, machine_line, now_iso, parse_concurrency, results_path
+from soak import stream_inputs
 
 
 def make_prompts(config: str, n: int, prompt_len: int, seed: int) -> list[str]:
@@ -56,30 +57,12 @@ def make_prompts(config: str, n: int, prompt_len: int, seed: int) -> list[str]:
     return prompts
 
 
-def _inputs(prompt: str, output_len: int) -> list[Any]:
-    import tritonclient.grpc as grpcclient
-
-    values = [
-        ("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
-        ("stream", np.array([True]), "BOOL"),
-        ("sampling_parameters", np.array([json.dumps(
-            {"max_tokens": output_len, "temperature": 0.0, "ignore_eos": True}).encode()], dtype=np.object_), "BYTES"),
-        ("exclude_input_in_output", np.array([True]), "BOOL"),
-        ("return_num_output_tokens", np.array([True]), "BOOL"),
-        ("return_routing_stats", np.array([True]), "BOOL"),
-    ]
-    out = []
-    for name, arr, dtype in values:
-        t = grpcclient.InferInput(name, [1], dtype)
-        t.set_data_from_numpy(arr)
-        out.append(t)
-    return out
-
-
 def _one(client: Any, responses: queue.Queue, prompt: str, output_len: int, timeout: float) -> dict[str, Any]:
     """One streamed request on an open stream: timings and what its final response says."""
     start = time.perf_counter()
-    client.async_stream_infer("tokenrouter", _inputs(prompt, output_len), enable_empty_final_response=True)
+    inputs = stream_inputs(prompt, output_len, "exclude_input_in_output", "return_num_output_tokens",
+                           "return_routing_stats")
+    client.async_stream_infer("tokenrouter", inputs, enable_empty_final_response=True)
     first = None
     while True:
         result, error = responses.get(timeout=timeout)

@@ -78,16 +78,17 @@ class SoakResult:
         return out
 
 
-def _inputs(prompt: str, max_tokens: int) -> list[Any]:
+def stream_inputs(prompt: str, max_tokens: int, *flags: str) -> list[Any]:
+    """tritonclient gRPC inputs for one streamed greedy request of exactly `max_tokens` tokens (`ignore_eos`),
+    with the boolean request flags named in `flags` (e.g. "return_num_output_tokens") set."""
     import tritonclient.grpc as grpcclient
 
+    sampling = json.dumps({"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True})
     values = [
         ("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
         ("stream", np.array([True]), "BOOL"),
-        ("sampling_parameters", np.array([json.dumps(
-            {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}).encode()], dtype=np.object_), "BYTES"),
-        ("return_num_output_tokens", np.array([True]), "BOOL"),
-    ]
+        ("sampling_parameters", np.array([sampling.encode()], dtype=np.object_), "BYTES"),
+    ] + [(flag, np.array([True]), "BOOL") for flag in flags]
     inputs = []
     for name, arr, dtype in values:
         t = grpcclient.InferInput(name, [1], dtype)
@@ -113,8 +114,8 @@ class _Worker:
         self.client.start_stream(callback=lambda result, error: q.put((result, error)))
 
     def run_one(self, rid: str, prompt: str, max_tokens: int, cancel_after: int | None) -> None:
-        self.client.async_stream_infer("tokenrouter", _inputs(prompt, max_tokens), request_id=rid,
-                                       enable_empty_final_response=True)
+        inputs = stream_inputs(prompt, max_tokens, "return_num_output_tokens")
+        self.client.async_stream_infer("tokenrouter", inputs, request_id=rid, enable_empty_final_response=True)
         finals, seen, tokens, error = 0, 0, 0, None
         deadline = time.monotonic() + self.timeout
         while True:

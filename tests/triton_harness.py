@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
@@ -11,6 +12,10 @@ from pathlib import Path
 from tokenrouter.serving import triton_install
 from tokenrouter.serving.repository import write_repository
 from tokenrouter.serving.server import TritonServer, free_ports
+
+# perf/soak.py is the one client that reads the server's Prometheus metrics; the tests use it too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
+from soak import scrape  # noqa: E402
 
 
 @contextmanager
@@ -51,11 +56,4 @@ def _events(body: str) -> list[dict]:
 
 def metrics(server: TritonServer) -> dict[str, float]:
     """Prometheus text -> {'name{labels}': value} for our metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("tokenrouter_"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
+    return scrape(server.metrics_url)
