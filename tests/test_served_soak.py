@@ -9,6 +9,8 @@ few hundred requests of this soak (Triton 2.51 frees decoupled BLS response tens
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -56,11 +58,20 @@ def test_served_auto_thresholds_are_solved_and_exported(tiny_dir: Path, tmp_path
 
     config = _config(tmp_path, tiny_dir, {"name": "random", "p": 0.2, "seed": 0}, "auto")
     with running_server(config, tmp_path) as server:
-        result = run_soak(server.grpc_url, requests=120, concurrency=8, cancel_fraction=0.0, max_tokens=32,
-                          metrics_url=server.metrics_url, seed=2)
-        assert result.problems() == [], result
-        m = metrics(server)
-        tuned = {k: v for k, v in m.items() if k.startswith("tokenrouter_tuned_threshold")}
+        results: list = []
+        load = threading.Thread(target=lambda: results.append(run_soak(
+            server.grpc_url, requests=600, concurrency=8, cancel_fraction=0.0, max_tokens=32,
+            metrics_url=server.metrics_url, seed=2)))
+        load.start()
+        # The solve runs in a child process every auto_interval_s while requests are in flight.
+        tuned: dict = {}
+        deadline = time.monotonic() + 120
+        while load.is_alive() and not tuned and time.monotonic() < deadline:
+            time.sleep(0.5)
+            m = metrics(server)
+            tuned = {k: v for k, v in m.items() if k.startswith("tokenrouter_tuned_threshold")}
+        load.join()
+        assert results and results[0].problems() == [], results
         assert set(tuned) == {f'tokenrouter_tuned_threshold{{model="{m}"}}' for m in ("small", "large")}
         assert all(v >= 1 for v in tuned.values())
-        assert m['tokenrouter_predicted_throughput{model="tokenrouter"}'] > 0
+        assert metrics(server)['tokenrouter_predicted_throughput{model="tokenrouter"}'] > 0
