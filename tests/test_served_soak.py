@@ -1,10 +1,11 @@
-"""The served path under sustained load: a real tritonserver on the CPU default deployment, 500 streamed
+"""The served path under sustained load: a real tritonserver on the CPU default deployment, 1,000 streamed
 gRPC requests at concurrency 8, a fifth of them cancelled at random points (perf/soak.py, the same soak
 the GPU scripts run). Every request must end with exactly one final response and no error, the server
 must count every request as finished, and once idle no model may hold a request or a KV block.
 
-Before the router and subservers talked over local sockets, the router's stub process crashed within a
-few hundred requests of this soak (Triton 2.51 frees decoupled BLS response tensors without the GIL)."""
+Before the router and subservers talked over local sockets, the router's stub process crashed under this
+soak after about 700 to 1,000 requests in the runs tried (it survived one run of 500): Triton 2.51 frees
+decoupled BLS response tensors without the GIL. Hence 1,000 rather than 500."""
 
 from __future__ import annotations
 
@@ -43,10 +44,10 @@ def test_served_soak_with_cancellations(tiny_dir: Path, tmp_path: Path) -> None:
     # Random routing at 30 % gives many handoffs per request: the path that used to crash.
     config = _config(tmp_path, tiny_dir, {"name": "random", "p": 0.3, "seed": 0}, {"small": 2, "large": 2})
     with running_server(config, tmp_path) as server:
-        result = run_soak(server.grpc_url, requests=500, concurrency=8, cancel_fraction=0.2, max_tokens=24,
+        result = run_soak(server.grpc_url, requests=1000, concurrency=8, cancel_fraction=0.2, max_tokens=24,
                           metrics_url=server.metrics_url, seed=1)
         assert result.problems() == [], result
-        assert result.cancelled >= 50 and result.completed >= 350
+        assert result.cancelled >= 100 and result.completed >= 700
         assert server.proc.poll() is None, "tritonserver exited during the soak"
 
 
