@@ -146,6 +146,12 @@ class RouterModel:
         if self.config.batching.thresholds == "auto":
             self.loop.create_task(self._tune_forever())
         self.loop.run_forever()
+        # Stopped by finalize: let the background tasks end cleanly instead of being destroyed pending.
+        pending = asyncio.all_tasks(self.loop)
+        for task in pending:
+            task.cancel()
+        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self.loop.close()
 
     # -- Triton entry points ------------------------------------------------------------------------------
 

@@ -13,7 +13,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+
+import yaml
 
 from tokenrouter.config import ConfigError, load_config
 from tokenrouter.serving import mps, stub_env, triton_install
@@ -115,15 +118,19 @@ class TritonServer:
         except OSError:
             return False
 
-    def wait_ready(self, timeout: float = 300.0) -> None:
+    def wait_ready(self, timeout: float = 300.0, cancelled: Callable[[], bool] = lambda: False) -> bool:
+        """Wait until the server answers ready (True), or `cancelled()` says to give up (False)."""
+        where = f"; see {self.log_file}" if self.log_file else " (its log is above)"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if cancelled():
+                return False
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with code {self.proc.returncode}; see {self.log_file}")
+                raise RuntimeError(f"tritonserver exited with code {self.proc.returncode}{where}")
             if self.ready():
-                return
+                return True
             time.sleep(0.5)
-        raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s; see {self.log_file}")
+        raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s{where}")
 
     def stop(self) -> None:
         if self.proc is None:
@@ -167,13 +174,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not start CUDA MPS when models share a GPU (they then time-slice it)")
 
 
+def _ports_in_use(ports: list[int]) -> list[int]:
+    """Ports something already listens on: the server would fail on them, and our readiness probe would
+    reach that other process and report ready."""
+    busy = []
+    for port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                busy.append(port)
+    return busy
+
+
 def serve_main(args: argparse.Namespace) -> int:
     config_path = Path(args.config).resolve()
+    busy = _ports_in_use([args.http_port, args.grpc_port, args.metrics_port])
+    if busy:
+        print(f"error: port(s) {busy} already in use; pick others with --http-port/--grpc-port/--metrics-port",
+              file=sys.stderr)
+        return 2
     try:
         ensure_models(config_path)
         config = load_config(config_path)  # fail fast, with the config's own error message
         backends = triton_install.prepare_backends()
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, yaml.YAMLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     env = Path(args.execution_env).resolve() if args.execution_env else triton_install.execution_env()
@@ -208,10 +234,13 @@ def serve_main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        server.wait_ready()
-        print("ready: try `python clients/grpc_stream.py --prompt 'def main():'`", flush=True)
+        if server.wait_ready(cancelled=lambda: stop):
+            print(f"ready: try `python clients/grpc_stream.py --url localhost:{args.grpc_port} "
+                  "--prompt 'def main():'`", flush=True)
         while not stop and server.proc.poll() is None:
             time.sleep(0.5)
+    except (RuntimeError, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
     finally:
         server.stop()
         if started_mps and not mps.stop():
