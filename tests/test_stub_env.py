@@ -1,4 +1,4 @@
-"""The stubs' Python environment and numpy 2.
+"""The stubs' Python environment and numpy 2 (clients with numpy 2 are tested here too).
 
 Triton 2.51's Python backend reads numpy dtypes with the numpy-1 layout (its pybind11 predates numpy 2):
 with numpy 2 in a stub, a string input reaches the model as its first byte repeated and the stub aborts.
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tokenrouter.serving import stub_env, triton_install
+from tokenrouter.serving.server import free_ports
 from triton_harness import generate_stream, running_server
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,18 +32,39 @@ def test_this_triton_stub_predates_numpy2() -> None:
     assert not stub_env.stub_knows_numpy2(_stub())
 
 
-@pytest.mark.slow
-def test_serve_refuses_numpy2_stubs_and_names_the_fix(tmp_path: Path) -> None:
-    env = stub_env.make(tmp_path / "np2-env", numpy_spec="numpy>=2,<3")
+@pytest.fixture(scope="module")
+def np2_env(tmp_path_factory) -> Path:
+    """This environment with numpy 2 in front (what most current images ship)."""
+    env = stub_env.make(tmp_path_factory.mktemp("np2") / "env", numpy_spec="numpy>=2,<3")
     assert stub_env.numpy_major(env) == 2
+    return env
+
+
+@pytest.mark.slow
+def test_serve_refuses_numpy2_stubs_and_names_the_fix(tmp_path: Path, np2_env: Path) -> None:
+    ports = [str(p) for p in free_ports(3)]
     proc = subprocess.run(
-        [sys.executable, "-m", "tokenrouter.cli", "serve", "--config", str(CONFIG), "--execution-env", str(env),
-         "--model-repository", str(tmp_path / "repo")],
+        [sys.executable, "-m", "tokenrouter.cli", "serve", "--config", str(CONFIG), "--execution-env", str(np2_env),
+         "--model-repository", str(tmp_path / "repo"), "--http-port", ports[0], "--grpc-port", ports[1],
+         "--metrics-port", ports[2]],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "numpy 2.x" in proc.stderr and "tokenrouter stub-env" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_numpy2_clients_soak_the_served_deployment(tmp_path: Path, np2_env: Path, tiny_dir: Path) -> None:
+    """Only the stubs need numpy<2: gRPC clients running numpy 2 stream, cancel and finish cleanly."""
+    with running_server(CONFIG, tmp_path) as server:
+        proc = subprocess.run(
+            [str(np2_env / "bin" / "python"), str(REPO / "perf" / "soak.py"), "--url", server.grpc_url,
+             "--metrics-url", server.metrics_url, "--requests", "60", "--concurrency", "4", "--max-tokens", "16"],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+        assert "60 requests at concurrency 4" in proc.stdout and "PROBLEM" not in proc.stdout
 
 
 @pytest.mark.slow
