@@ -60,11 +60,21 @@ def bad_prompts(vocab: int) -> list[tuple[object, str]]:
 BAD_PARAMS = [
     (dict(max_new_tokens=-1), "max_new_tokens must be an integer >= 1, got -1"),
     (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
-    (dict(temperature=-0.5), "temperature must be >= 0"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(max_new_tokens=True), "max_new_tokens must be an integer >= 1, got True"),
+    (dict(temperature=-0.5), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature must be a finite number >= 0, got nan"),
+    (dict(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
+    (dict(temperature="0.7"), "temperature must be a finite number >= 0, got '0.7'"),
+    (dict(top_p=0.0), r"top_p must be a number in \(0, 1\]"),
+    (dict(top_p=float("nan")), r"top_p must be a number in \(0, 1\], got nan"),
     (dict(top_k=-2), "top_k must be"),
+    (dict(seed=2**64), r"seed must be an integer in \[0, 9223372036854775807\], got 18446744073709551616"),
+    (dict(seed=-1), r"seed must be an integer in \[0, "),
     (dict(stop_token_ids=[5000]), r"stop_token_ids token id 5000 .*out of the vocabulary"),
-    (dict(stop=[""]), "stop strings must be non-empty"),
+    (dict(stop_token_ids=7), "stop_token_ids must be a list of non-negative integers, got 7"),
+    (dict(stop=[""]), "stop must be a non-empty string or a list of them"),
+    (dict(stop=5), "stop must be a non-empty string or a list of them, got 5"),
+    (dict(ignore_eos="yes"), "ignore_eos must be a boolean"),
 ]
 
 
@@ -88,6 +98,15 @@ def test_bad_sampling_params(engine: Engine) -> None:
             engine.add_request(VALID, SamplingParams(**kw))
         with pytest.raises(ValueError, match=msg):
             engine.generate([VALID], SamplingParams(**kw))
+    assert_idle(engine)
+
+
+def test_tiny_temperature_samples_greedily_beside_other_requests(engine: Engine, valid_reference: list[int]) -> None:
+    """A legal but tiny temperature used to overflow the logits to NaN and fail every request of its step."""
+    tiny = SamplingParams(max_new_tokens=12, temperature=1e-300, ignore_eos=True)
+    outs = engine.generate([VALID, VALID], [tiny, GREEDY])
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert outs[0].token_ids == outs[1].token_ids == valid_reference
     assert_idle(engine)
 
 
