@@ -5,7 +5,7 @@
 #
 # Usage (repository root, on the GPU machine):
 #   bash perf/gpu_served.sh OUT_DIR CONFIG NAME [BUNDLE_DIR]
-# BUNDLE_DIR (default .gpu) holds what the machine lacks, made on a CPU machine from the set-up venv:
+# BUNDLE_DIR (default .gpu) holds what the machine lacks; perf/make_gpu_bundle.sh makes it on a CPU machine:
 #   triton.txz        site-packages' pytriton/tritonserver + nvidia_pytriton.libs (the Triton 2.51 server)
 #   tritonclient.tgz  site-packages' tritonclient (the Python client; grpcio and protobuf are in the image)
 #   python_rapidjson-*-cp312-*.whl  the one client dependency the image lacks
