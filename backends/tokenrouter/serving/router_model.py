@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from tokenrouter.config import EngineConfig, load_config
-from tokenrouter.engine.autotune import solve_in_subprocess
+from tokenrouter.engine.autotune import TunedThresholds, solve_in_subprocess
 from tokenrouter.engine.coordinator import Coordinator
 from tokenrouter.engine.outputs import RequestOutput
 from tokenrouter.engine.step_stats import StepStats
@@ -53,6 +53,7 @@ class SocketCoordinator(Coordinator):
         entry_policy = make_policy(name, list(config.models), config.entry, pol)
         super().__init__(config, tokenizer, vocab[config.entry], declared_context_limit(config), entry_policy)
         self.loop = loop
+        self._closing = False
         self.step_stats: dict[str, StepStats] = {}
         self.links = {
             m: ipc.ModelLink(m, functools.partial(self._events_from, m), functools.partial(self._lost, m))
@@ -80,7 +81,8 @@ class SocketCoordinator(Coordinator):
         self.loop.call_soon_threadsafe(self._handle_events, events)
 
     def _lost(self, model: str) -> None:
-        self.loop.call_soon_threadsafe(self._model_gone, model)
+        if not self._closing:  # at shutdown the router closed the link itself
+            self.loop.call_soon_threadsafe(self._model_gone, model)
 
     # -- on the loop thread -----------------------------------------------------------------------------
 
@@ -99,10 +101,11 @@ class SocketCoordinator(Coordinator):
         held = [rid for rid, r in self.requests.items() if model in r.holders]
         if held:
             log.error("model %r went away holding %d request(s); failing them", model, len(held))
+        error = f"model {model!r} went away during the request (its process exited, or the server is shutting down)"
         for rid in held:
-            self._unreachable(model, rid, f"model {model!r} went away (its process exited) during the request")
+            self._unreachable(model, rid, error)
 
-    def retune(self) -> Any:
+    def retune(self) -> TunedThresholds | None:
         """`thresholds: auto`: solve B* from the reported statistics, in a child process (blocking: call it
         off the loop)."""
         if set(self.step_stats) != set(self.model_names):
@@ -114,6 +117,7 @@ class SocketCoordinator(Coordinator):
         self._update_thresholds()
 
     def close(self) -> None:
+        self._closing = True
         for link in self.links.values():
             link.close()
 
@@ -172,8 +176,11 @@ class RouterModel:
 
     def finalize(self) -> None:
         def stop() -> None:
-            for rid in list(self.clients):
+            for rid, client in list(self.clients.items()):
                 self.coordinator.abort(rid)
+                if not client.done:  # its final response would come from models that are unloading
+                    client.done = True
+                    self._send_error(client.sender, "the server is shutting down")
             self.coordinator.close()
             self.loop.stop()
 
