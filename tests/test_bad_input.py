@@ -239,3 +239,35 @@ def test_context_limited_by_kv_pool(tiny_dir: Path) -> None:
     (out,) = eng.generate([list(range(28))], SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True))
     assert out.finish_reason == "length" and len(out.token_ids) == 32 - 28
     assert_idle(eng)
+
+
+def test_a_failing_step_fails_only_its_own_requests(tiny_dir: Path) -> None:
+    """An error inside one model's step (here a policy that raises for one request) fails the requests of
+    that step, not the others waiting on the model."""
+    from tokenrouter.routing.policy import Policy, register
+
+    @register
+    class FailsOnOneRequest(Policy):
+        name = "test-fails-on-one-request"
+        ARGS = {"request": "bad"}
+
+        def route(self, batch, result):
+            if any(r.request_id == self.args["request"] for r in batch):
+                raise RuntimeError("policy failure for one request")
+            return [self.model] * len(batch)
+
+    small = model_cfg(tiny_dir, max_num_seqs=1)  # one request per step: "good" is waiting while "bad" runs
+    large = {**model_cfg(tiny_dir), "path": str(tiny_dir / "large")}
+    cfg = {"models": {"small": small, "large": large}, "entry": "small",
+           "policy": {"name": "test-fails-on-one-request"}, "batching": {"thresholds": {"small": 1, "large": 1}}}
+    with Engine.from_config(cfg) as eng:
+        eng.add_request(VALID, GREEDY, request_id="bad")
+        eng.add_request(VALID, GREEDY, request_id="good")
+        finals = {}
+        while eng.has_unfinished():
+            for out in eng.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        assert finals["bad"].finish_reason == "error" and "policy failure" in finals["bad"].error
+        assert finals["good"].finish_reason == "length" and len(finals["good"].token_ids) == 12
+        assert_idle(eng)

@@ -79,6 +79,7 @@ class Subserver:
         self._queue_waits: deque[float] = deque(maxlen=65536)
         self.num_steps = 0
         self.last_batch_size = 0
+        self._in_step: list[str] = []  # request ids of the step in flight, for failing just those
 
     # -- messages in ------------------------------------------------------------------------------------
 
@@ -191,6 +192,7 @@ class Subserver:
         chunks = self.scheduler.schedule()
         if not chunks:
             return 0
+        self._in_step = [c.seq.request_id for c in chunks]
         self._ready_since = None
         t0 = time.perf_counter()
         now = time.monotonic()
@@ -235,13 +237,17 @@ class Subserver:
 
     def safe_step(self) -> int:
         """`step`, but an error (a policy routing to an unknown model, an internal failure) fails the
-        requests on this model with a clear message instead of taking the loop down."""
+        requests of that step with a clear message instead of taking the loop down; requests that were not
+        in it (waiting, or parked while another model has them) carry on."""
+        self._in_step = []
         try:
             return self.step()
         except Exception as e:
             log.exception("%s: step failed", self.name)
             msg = str(e) if isinstance(e, ValueError) else f"internal error on model {self.name}: {e!r}"
-            self.fail_all(msg)
+            for rid in self._in_step:
+                if rid in self.seqs:
+                    self._fail_request(rid, msg)
             return 0
 
     def _route(self, views: list[RouteRequest], result: StepResult) -> list[str]:
@@ -301,14 +307,6 @@ class Subserver:
             forwarded, cached = seq.num_forwarded_tokens, seq.num_cached_tokens
         self.emit(Failed(request_id, self.name, error))
         self.emit(Released(request_id, self.name, forwarded, cached, held=seq is not None))
-
-    def fail_all(self, error: str) -> None:
-        """After an internal error: fail every request here and free everything."""
-        for rid in list(self.seqs):
-            seq = self._forget(rid)
-            self.scheduler.finish(seq)
-            self.emit(Failed(rid, self.name, error))
-            self.emit(Released(rid, self.name, seq.num_forwarded_tokens, seq.num_cached_tokens))
 
     # -- background thread ------------------------------------------------------------------------------
 
