@@ -90,6 +90,9 @@ def _read_forever(peer: Peer, on_items: Callable[[Peer, list[Any]], None], on_cl
             on_items(peer, items)
     except (EOFError, OSError):
         pass
+    except Exception:  # closing the connection under a blocked read ends it in other ways too
+        if not peer.closed:
+            log.exception("%s: connection reader failed", peer.name)
     finally:
         peer.closed = True
         on_close(peer)
