@@ -63,11 +63,21 @@ def parse_sampling_parameters(raw: str | bytes | None) -> SamplingParams:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"sampling_parameters is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError("sampling_parameters is nested too deeply") from None
     if not isinstance(data, dict):
         raise ValueError("sampling_parameters must be a JSON object")
     unknown = sorted(set(data) - set(_SAMPLING_KEYS))
     if unknown:
         raise ValueError(f"unknown sampling parameter(s) {unknown}; supported: {sorted(_SAMPLING_KEYS)}")
+    # Numbers may come as strings, as vllm_backend accepts them (genai-perf sends "max_tokens": "16").
+    for key, convert in (("max_tokens", int), ("top_k", int), ("seed", int), ("temperature", float), ("top_p", float)):
+        if isinstance(data.get(key), str):
+            try:
+                data[key] = convert(data[key])
+            except ValueError:
+                kind = "an integer" if convert is int else "a number"
+                raise ValueError(f"{key} must be {kind}, got {data[key]!r}") from None
     kwargs = {_SAMPLING_KEYS[k]: v for k, v in data.items() if v is not None}
     for key in ("temperature", "top_p"):
         if key in kwargs:
