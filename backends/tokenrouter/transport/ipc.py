@@ -121,12 +121,13 @@ class ModelListener:
         while not self._stopped:
             try:
                 conn = self._listener.accept()
+                uid = _peer_uid(conn)
             except OSError:
                 if self._stopped:
                     return
                 log.exception("%s: accept failed", self.model)
                 continue
-            if _peer_uid(conn) != os.getuid():
+            if uid != os.getuid():
                 log.warning("%s: refused a connection from another user", self.model)
                 conn.close()
                 continue
