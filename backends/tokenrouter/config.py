@@ -62,6 +62,13 @@ class ModelConfig:
     # Token budget of one forward pass; longer prompts are prefilled in chunks.
     max_num_batched_tokens: int = 2048
 
+    @property
+    def gpu(self) -> int | None:
+        """The index of the GPU this model is placed on (`cuda` means GPU 0), or None on the CPU."""
+        if self.device == "cpu":
+            return None
+        return int(self.device.split(":")[1]) if ":" in self.device else 0
+
     def validate(self) -> None:
         where = f"models.{self.name}"
         if self.dtype not in DTYPES:
@@ -165,8 +172,8 @@ class EngineConfig:
         error in whichever model loads last)."""
         shares: dict[str, list[ModelConfig]] = {}
         for m in self.models.values():
-            if m.device != "cpu" and m.kv_cache_tokens is None:
-                shares.setdefault("cuda:0" if m.device == "cuda" else m.device, []).append(m)
+            if m.gpu is not None and m.kv_cache_tokens is None:
+                shares.setdefault(f"cuda:{m.gpu}", []).append(m)
         for device, ms in shares.items():
             total = sum(m.kv_memory_fraction for m in ms)
             if len(ms) > 1 and total > 1.0 + 1e-9:

@@ -23,9 +23,8 @@ def shared_gpus(config: EngineConfig) -> dict[int, list[str]]:
     """GPU index -> the models placed on it, for GPUs that hold two or more models."""
     by_gpu: dict[int, list[str]] = {}
     for name, m in config.models.items():
-        if m.device.startswith("cuda"):
-            gpu = int(m.device.split(":")[1]) if ":" in m.device else 0
-            by_gpu.setdefault(gpu, []).append(name)
+        if m.gpu is not None:
+            by_gpu.setdefault(m.gpu, []).append(name)
     return {g: names for g, names in by_gpu.items() if len(names) > 1}
 
 

@@ -61,9 +61,8 @@ def write_repository(
     for name, m in cfg.models.items():
         folder = out / name
         (folder / "1").mkdir(parents=True, exist_ok=True)
-        gpu = int(m.device.split(":")[1]) if m.device.startswith("cuda:") else (0 if m.device == "cuda" else None)
-        kind = "KIND_GPU" if gpu is not None else "KIND_CPU"
-        _write(folder, _pbtxt(kind, gpu, env(folder)), {"role": "subserver", "config": rel(folder), "model": name})
+        kind = "KIND_GPU" if m.gpu is not None else "KIND_CPU"
+        _write(folder, _pbtxt(kind, m.gpu, env(folder)), {"role": "subserver", "config": rel(folder), "model": name})
     # Models of an earlier deployment in the same folder would be loaded too: remove ours that are stale.
     for stale in out.iterdir():
         if stale.is_dir() and stale.name not in cfg.models and stale.name != ROUTER:
