@@ -8,7 +8,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from tokenrouter.engine.tokenizer import decode
+from tokenrouter.engine.detokenizer import Detokenizer
 from tokenrouter.sampling_params import SamplingParams
 from tokenrouter.transport.messages import Commit
 
@@ -42,13 +42,18 @@ class RequestState:
     forwarded: dict[str, int] = field(default_factory=dict)
     cached: dict[str, int] = field(default_factory=dict)
     finish_reason: str | None = None
-    stop_text_end: int | None = None
+    stop_trim: int | None = None  # a matched stop string: characters to drop from the end of the text
     error: str | None = None
     finalized: bool = False
     result_taken: bool = False  # the final output was handed out directly (abort), not via step()
+    # The text so far, decoded incrementally (never the whole output again): `decoded_text` is what the
+    # detokenizer emitted for the first `num_decoded` output ids.
+    detokenizer: Detokenizer | None = field(default=None, repr=False)
+    num_decoded: int = 0
+    decoded_text: str = ""
     # What has been sent to the listener already.
     sent_tokens: int = 0
-    sent_text: str = ""
+    sent_chars: int = 0
 
     @property
     def finished(self) -> bool:
@@ -59,7 +64,7 @@ class RequestState:
         self.tokens_per_model[ev.model] = self.tokens_per_model.get(ev.model, 0) + len(ev.token_ids)
         if ev.finish_reason is not None and self.finish_reason is None:
             self.finish_reason = ev.finish_reason
-            self.stop_text_end = ev.stop_text_end
+            self.stop_trim = ev.stop_trim
 
     def stats(self, models_order: list[str] | None = None) -> dict[str, Any]:
         produced = sum(self.tokens_per_model.values())
@@ -75,15 +80,30 @@ class RequestState:
         }
 
     def output(self, tokenizer: PreTrainedTokenizerBase | None, final: bool) -> RequestOutput:
-        """The cumulative output plus the delta since the previous call (which it consumes)."""
-        text = decode(tokenizer, self.output_ids)
-        if self.stop_text_end is not None:
-            text = text[: self.stop_text_end]
-        elif not final and text.endswith("\ufffd"):
-            text = text[: len(text.rstrip("\ufffd"))]  # hold back an incomplete UTF-8 character
+        """The cumulative output plus the delta since the previous call (which it consumes).
+
+        Text that a later token may still change is not sent yet: an incomplete UTF-8 character (see
+        `Detokenizer`) and, while stop strings are set, the last (longest stop - 1) characters, which may
+        be the start of a stop string the next token completes (its text is then cut before it)."""
+        if self.detokenizer is None:
+            self.detokenizer = Detokenizer(tokenizer)
+        if len(self.output_ids) > self.num_decoded:
+            self.decoded_text += self.detokenizer.push(self.output_ids[self.num_decoded :])
+            self.num_decoded = len(self.output_ids)
+        if final or self.stop_trim is not None:
+            # No more tokens: the held characters are final (with a stop string, `stop_trim` counts them).
+            self.decoded_text += self.detokenizer.flush()
+        end = len(self.decoded_text)
+        if self.stop_trim is not None:
+            end -= self.stop_trim
+        elif not final and self.params.stop:
+            end -= max(map(len, self.params.stop)) - 1
+        # Never take back what was sent; with the hold-back above, a stop string never starts before it.
+        end = min(len(self.decoded_text), max(end, self.sent_chars))
+        text = self.decoded_text[:end]
         delta_ids = self.output_ids[self.sent_tokens :]
-        delta_text = text[len(self.sent_text) :] if text.startswith(self.sent_text) else text
-        self.sent_tokens, self.sent_text = len(self.output_ids), text
+        delta_text = text[self.sent_chars :]
+        self.sent_tokens, self.sent_chars = len(self.output_ids), end
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=list(self.prompt_ids),

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenrouter.routing.policy import Lease
 from tokenrouter.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # stop.py imports this module
+    from tokenrouter.engine.stop import TextTail
 
 
 class SeqStatus(enum.Enum):
@@ -37,9 +41,10 @@ class Sequence:
     num_hashed_blocks: int = 0
     last_block_hash: bytes = b""
     status: SeqStatus = SeqStatus.WAITING
-    # Length of the output text at the last stop-string check here: the next check searches only
-    # where newly committed text could complete a stop string (one decode per token, not two).
-    checked_text_len: int = 0
+    # The output's newest text for stop strings, kept incrementally (created at the first check here, only
+    # for requests with stop strings), and the same for the current lease's stop pattern.
+    stop_text: TextTail | None = None
+    lease_text: tuple[Lease, TextTail] | None = None
     generator: torch.Generator | None = None
     # Routing: the policy's per-request state, the lease it resumes under here, tokens each model has seen.
     state: dict = field(default_factory=dict)

@@ -266,7 +266,7 @@ class Subserver:
             lease.produced += 1
             done = lease.max_tokens is not None and lease.produced >= lease.max_tokens
             if lease.stop_pattern is not None and not done:
-                done = self.stop.text_of(seq.token_ids[lease.start :] + [tok]).endswith(lease.stop_pattern)
+                done = self.stop.lease_done(seq, tok)  # incremental: no decode of the whole lease's text
             target = lease.return_to if done else self.name
             commit = True
         else:
@@ -274,8 +274,8 @@ class Subserver:
         self.stats.record_route(None if target == self.name else target, commit)
         if commit:
             seq.token_ids.append(tok)
-            reason, stop_at = self.stop.check(seq, tok)
-            self.emit(Commit(seq.request_id, self.name, [tok], reason, stop_at))
+            reason, stop_trim = self.stop.check(seq, tok)
+            self.emit(Commit(seq.request_id, self.name, [tok], reason, stop_trim))
             if reason is not None:
                 self._finish(seq)
                 return

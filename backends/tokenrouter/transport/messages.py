@@ -57,7 +57,10 @@ class Commit:
     model: str
     token_ids: list[int]
     finish_reason: str | None = None
-    stop_text_end: int | None = None  # where a matched stop string starts in the output text
+    # With a matched stop string: how many characters to drop from the end of the output text decoded
+    # through this commit (the stop string and what follows it). Counted from the end, so a model that
+    # only decodes the output's newest tokens can say it.
+    stop_trim: int | None = None
 
 
 @dataclass
