@@ -210,3 +210,40 @@ def test_max_new_tokens_without_ignore_eos(engine: Engine) -> None:
             assert o.finish_reason == "stop" and o.token_ids[-1] in eos
             assert not eos & set(o.token_ids[:-1])
     assert_idle(engine)
+
+
+# Wrongly typed values (what a JSON or YAML client sends by mistake) each name the field and what it accepts;
+# tests/test_bad_input.py drives the common ones through a live engine.
+WRONG_TYPES = [
+    (dict(max_new_tokens=2.0), r"max_new_tokens must be an integer >= 1, got 2\.0"),
+    (dict(max_new_tokens="5"), r"max_new_tokens must be an integer >= 1, got '5'"),
+    (dict(temperature=True), r"temperature must be a finite number >= 0, got True"),
+    (dict(temperature=None), r"temperature must be a finite number >= 0, got None"),
+    (dict(temperature=float("-inf")), r"temperature must be a finite number >= 0, got -inf"),
+    (dict(top_k=1.5), r"top_k must be -1, 0 \(disabled\) or a positive integer, got 1\.5"),
+    (dict(top_k=True), r"top_k must be -1, 0 \(disabled\) or a positive integer, got True"),
+    (dict(top_p="0.9"), r"top_p must be a number in \(0, 1\], got '0\.9'"),
+    (dict(top_p=float("inf")), r"top_p must be a number in \(0, 1\], got inf"),
+    (dict(seed=True), r"seed must be an integer in \[0, \d+\], got True"),
+    (dict(seed="1"), r"seed must be an integer in \[0, \d+\], got '1'"),
+    (dict(seed=1.0), r"seed must be an integer in \[0, \d+\], got 1\.0"),
+    (dict(stop_token_ids=[True]), r"stop_token_ids must be a list of non-negative integers, got \[True\]"),
+    (dict(stop_token_ids=[-1]), r"stop_token_ids must be a list of non-negative integers, got \[-1\]"),
+    (dict(stop_token_ids="5"), r"stop_token_ids must be a list of non-negative integers, got '5'"),
+    (dict(stop=None), r"stop must be a non-empty string or a list of them, got None"),
+    (dict(stop=["a", 3]), r"stop must be a non-empty string or a list of them, got \['a', 3\]"),
+    (dict(ignore_eos=1), r"ignore_eos must be a boolean, got 1"),
+]
+
+
+@pytest.mark.parametrize(("kw", "msg"), WRONG_TYPES, ids=lambda v: str(v)[:30])
+def test_validate_names_field_and_range(kw: dict, msg: str) -> None:
+    with pytest.raises(ValueError, match=f"^{msg}$"):
+        SamplingParams(**kw).validate()
+
+
+def test_validate_accepts_the_documented_forms() -> None:
+    for kw in (dict(stop="x"), dict(stop_token_ids=(1, 2)), dict(top_k=-1), dict(temperature=0), dict(top_p=1),
+               dict(seed=0), dict(seed=2**63 - 1), dict(temperature=1e-300)):
+        SamplingParams(**kw).validate()
+    assert SamplingParams(stop="x").stop == ["x"] and SamplingParams(stop_token_ids=(1, 2)).stop_token_ids == [1, 2]

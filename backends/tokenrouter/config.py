@@ -13,10 +13,14 @@ Relative model paths resolve against the YAML file's folder (or the working dire
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import yaml
 
@@ -25,8 +29,13 @@ class ConfigError(ValueError):
     """A deployment config that cannot be served: the message names the offending key."""
 
 
-DTYPES = ("float32", "bfloat16", "float16")
-LOAD_FORMATS = ("auto", "dummy")
+def _spec(
+    default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None, accepts: str = ""
+) -> Any:
+    """A field default plus the range `_check_fields` holds the number (or each value of a mapping) to;
+    `accepts` words the accepted values where the range alone says too little."""
+    meta = {"ge": ge, "gt": gt, "le": le, "accepts": accepts}
+    return field(default=default, metadata={k: v for k, v in meta.items() if v is not None and v != ""})
 
 
 @dataclass
@@ -41,13 +50,13 @@ class ModelConfig:
     # Seed of the random weights when load_format is dummy.
     seed: int = 0
     # Context limit; None takes max_position_embeddings from config.json.
-    max_model_len: int | None = None
-    block_size: int = 16
+    max_model_len: int | None = _spec(None, ge=2)
+    block_size: int = _spec(16, ge=1)
     # KV pool size: an explicit token budget wins; otherwise, on CUDA, this model may use
     # kv_memory_fraction of the whole GPU for its weights plus its KV pool (models sharing a GPU split it:
     # their fractions must sum to <= 1); on the CPU, `cpu_kv_cache_tokens`.
     kv_cache_tokens: int | None = None
-    kv_memory_fraction: float = 0.9
+    kv_memory_fraction: float = _spec(0.9, gt=0.0, le=1.0)
     enable_prefix_caching: bool = True
     # Attention backend: torch (exact, any device), triton (GPU kernels), auto (triton on CUDA when
     # the triton package is importable, else torch).
@@ -56,11 +65,11 @@ class ModelConfig:
     # sequences and extends of up to cuda_graph_max_tokens tokens (in steps of 16) replay captured graphs; 0 or
     # enforce_eager turns them off. Capture takes memory (one shared pool) and a few seconds at startup.
     enforce_eager: bool = False
-    cuda_graph_max_batch: int = 64
-    cuda_graph_max_tokens: int = 128
-    max_num_seqs: int = 256
+    cuda_graph_max_batch: int = _spec(64, ge=0, accepts="an integer >= 0 (0 turns CUDA graphs off)")
+    cuda_graph_max_tokens: int = _spec(128, ge=0, accepts="an integer >= 0 (0 turns CUDA graphs off)")
+    max_num_seqs: int = _spec(256, ge=1)
     # Token budget of one forward pass; longer prompts are prefilled in chunks.
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = _spec(2048, ge=1)
 
     @property
     def gpu(self) -> int | None:
@@ -71,33 +80,17 @@ class ModelConfig:
 
     def validate(self) -> None:
         where = f"models.{self.name}"
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"{where}.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.load_format not in LOAD_FORMATS:
-            raise ConfigError(f"{where}.load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
-        if self.attention not in ("auto", "torch", "triton"):
-            raise ConfigError(f"{where}.attention must be auto, torch or triton, got {self.attention!r}")
-        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
-            raise ConfigError(f"{where}.device must be 'cpu' or 'cuda:N', got {self.device!r}")
+        _check_fields(self, f"{where}.")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"{where}.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not os.path.isdir(self.path):
             raise ConfigError(f"{where}.path: model directory {self.path!r} does not exist")
         if not os.path.isfile(os.path.join(self.path, "config.json")):
             raise ConfigError(f"{where}.path: {self.path!r} has no config.json")
-        for key in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{where}.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("cuda_graph_max_batch", "cuda_graph_max_tokens"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"{where}.{key} must be an integer >= 0, got {v!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ConfigError(f"{where}.enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
-            raise ConfigError(f"{where}.kv_cache_tokens must hold at least one block ({self.block_size})")
-        if not 0.0 < self.kv_memory_fraction <= 1.0:
-            raise ConfigError(f"{where}.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ConfigError(f"{where}.max_model_len must be >= 2, got {self.max_model_len}")
+            raise ConfigError(
+                f"{where}.kv_cache_tokens must hold at least one block ({self.block_size}), got {self.kv_cache_tokens}"
+            )
 
 
 @dataclass
@@ -105,28 +98,17 @@ class BatchingConfig:
     """Delayed batching: a subserver steps once `thresholds[model]` requests are ready, or the oldest ready
     one waited `max_wait_ms`. `auto` re-solves thresholds from measured latencies and routing rates."""
 
-    thresholds: dict[str, int] | int | str = 1
-    max_wait_ms: float = 5.0
+    thresholds: dict[str, int] | int | Literal["auto"] = _spec(1, ge=1)
+    max_wait_ms: float = _spec(5.0, ge=0.0)
     # With thresholds: auto, how often the Markov-chain model is re-solved while serving.
-    auto_interval_s: float = 2.0
+    auto_interval_s: float = _spec(2.0, gt=0.0)
 
     def validate(self, models: list[str]) -> None:
-        t = self.thresholds
-        if isinstance(t, str):
-            if t != "auto":
-                raise ConfigError(f"batching.thresholds must be an integer, a per-model mapping or 'auto', got {t!r}")
-        elif isinstance(t, dict):
-            unknown = sorted(set(t) - set(models))
+        _check_fields(self, "batching.")
+        if isinstance(self.thresholds, dict):
+            unknown = sorted(set(self.thresholds) - set(models))
             if unknown:
                 raise ConfigError(f"batching.thresholds names unknown model(s) {unknown}; models: {models}")
-            if any(not isinstance(v, int) or v < 1 for v in t.values()):
-                raise ConfigError(f"batching.thresholds must be integers >= 1, got {t}")
-        elif isinstance(t, bool) or not isinstance(t, int) or t < 1:
-            raise ConfigError(f"batching.thresholds must be >= 1, got {t!r}")
-        if self.max_wait_ms < 0:
-            raise ConfigError(f"batching.max_wait_ms must be >= 0, got {self.max_wait_ms}")
-        if self.auto_interval_s <= 0:
-            raise ConfigError(f"batching.auto_interval_s must be > 0, got {self.auto_interval_s}")
 
     def threshold_of(self, model: str) -> int:
         t = self.thresholds
@@ -145,10 +127,11 @@ class EngineConfig:
     # Tokenizer directory; defaults to the entry model's directory.
     tokenizer: str | None = None
     # KV pool size on the CPU when kv_cache_tokens is not given.
-    cpu_kv_cache_tokens: int = 65536
+    cpu_kv_cache_tokens: int = _spec(65536, ge=1)
     source: str | None = field(default=None, repr=False)
 
     def validate(self) -> None:
+        _check_fields(self, "")
         if not self.models:
             raise ConfigError("'models' must name at least one model")
         if self.entry not in self.models:
@@ -165,6 +148,21 @@ class EngineConfig:
                 # Generated, not shipped (models/ is not in git): say how to make it.
                 hint = f" (build it: tokenrouter make-bench-tokenizer --out {self.tokenizer} --vocab-size <vocab_size>)"
             raise ConfigError(f"tokenizer directory {self.tokenizer!r} does not exist{hint}")
+        self._validate_policy()
+
+    def _validate_policy(self) -> None:
+        """An unknown policy, or arguments it refuses, fail here rather than after every model has loaded.
+        Policies check their arguments when constructed and load router weights only in `setup`, so one
+        instance per model is cheap."""
+        # Imported here: the routing package pulls in torch and every built-in policy.
+        from tokenrouter.routing.policy import check_policy
+
+        name, args = self.policy_spec()
+        try:
+            check_policy(name, list(self.models), args)
+        except (ValueError, TypeError) as e:
+            msg = str(e)  # the built-in policies name themselves and the argument; a bare int() error does not
+            raise ConfigError(msg if repr(name) in msg else f"policy {name!r}: {msg}") from None
 
     def _validate_shared_devices(self) -> None:
         """Models sized by memory fraction on one GPU split that GPU: their fractions may not add up past 1
@@ -200,6 +198,78 @@ class EngineConfig:
         return self.tokenizer or self.entry_model.path
 
 
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _matches(tp: Any, v: object) -> bool:
+    """Whether a (YAML-parsed) value fits a field's annotation. A float field takes an int; a bool is no
+    number; NaN and infinities are no numbers either."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return True
+    if origin in (Union, types.UnionType):
+        return any(_matches(a, v) for a in args)
+    if origin is Literal:
+        return any(type(v) is type(a) and v == a for a in args)
+    if origin is dict:
+        return isinstance(v, dict) and all(_matches(args[0], k) and _matches(args[1], x) for k, x in v.items())
+    if tp is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if tp is float:
+        return _is_number(v) and math.isfinite(v)
+    return isinstance(v, tp)  # bool, str, None, a nested config
+
+
+def _describe(tp: Any, rng: str) -> str:
+    """An annotation in the words of an error message, e.g. 'an integer >= 2 or null'."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        parts = [_describe(a, rng) for a in args if a is not type(None)]
+        text = parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} or {parts[-1]}"
+        return f"{text} or null" if type(None) in args else text
+    if origin is Literal:
+        return repr(args[0]) if len(args) == 1 else f"one of {args}"
+    if origin is dict:
+        return "a mapping" if args[1] is Any else f"a mapping {{name: {_describe(args[1], rng)}}}"
+    if tp in (int, float):
+        return f"{'an integer' if tp is int else 'a number'} {rng}".rstrip()
+    return {bool: "true or false", str: "a string"}.get(tp, "a mapping")
+
+
+def _range_text(meta: typing.Mapping[str, Any]) -> str:
+    ge, gt, le = meta.get("ge"), meta.get("gt"), meta.get("le")
+    lo = ge if ge is not None else gt
+    if lo is not None and le is not None:
+        return f"in {'[' if ge is not None else '('}{lo:g}, {le:g}]"
+    if lo is not None:
+        return f"{'>=' if ge is not None else '>'} {lo:g}"
+    return f"<= {le:g}" if le is not None else ""
+
+
+def _in_range(v: float, meta: typing.Mapping[str, Any]) -> bool:
+    return (
+        ("ge" not in meta or v >= meta["ge"])
+        and ("gt" not in meta or v > meta["gt"])
+        and ("le" not in meta or v <= meta["le"])
+    )
+
+
+def _check_fields(obj: Any, prefix: str) -> None:
+    """Every field of a config dataclass against its annotation and its `_spec` range: the one place a
+    wrongly typed or out-of-range value is refused, by its key, before anything compares or uses it."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, meta = getattr(obj, f.name), f.metadata
+        rng = _range_text(meta)
+        if not _matches(hints[f.name], value):
+            accepts = meta.get("accepts") or _describe(hints[f.name], rng)
+            raise ConfigError(f"{prefix}{f.name} must be {accepts}, got {value!r}")
+        for v in value.values() if isinstance(value, dict) else [value]:
+            if rng and _is_number(v) and not _in_range(v, meta):
+                raise ConfigError(f"{prefix}{f.name} must be {meta.get('accepts') or rng}, got {v!r}")
+
+
 def resolve_path(value: str, base: Path) -> str:
     """A config path as the config means it: `$VARS` and `~` expanded, relative ones against `base`."""
     expanded = os.path.expanduser(os.path.expandvars(str(value)))
@@ -208,17 +278,46 @@ def resolve_path(value: str, base: Path) -> str:
 
 
 def _build(cls: type, data: dict[str, Any], where: str, **fixed: Any) -> Any:
-    """Dataclass from a dict, refusing keys the dataclass does not know."""
+    """Dataclass from a dict, refusing keys the dataclass does not know (values are checked by `validate`)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
     known = {f.name for f in dataclasses.fields(cls)} - set(fixed) - {"source"}
-    unknown = sorted(set(data) - known)
+    unknown = sorted(str(k) for k in set(data) - known)
     if unknown:
         raise ConfigError(f"unknown config key(s) in {where}: {unknown}; known keys: {sorted(known)}")
     try:
         return cls(**fixed, **data)
     except TypeError as e:  # missing required key
         raise ConfigError(f"{where}: {e}") from None
+
+
+def read_config_file(path: str | os.PathLike) -> Any:
+    """The parsed YAML of a config file; a missing, unreadable or malformed file is a one-line ConfigError."""
+    name = str(path)
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {name!r} is a directory, not a YAML file")
+    if not path.is_file():
+        raise ConfigError(f"config file {name!r} does not exist")
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"config file {name!r} cannot be read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {name!r} is not UTF-8 text: {e.reason} at byte {e.start}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {name!r} is not valid YAML: {_yaml_problem(e)}") from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's multi-line message (with a source excerpt) as one line: 'line L, column C: problem'."""
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+        mark = e.problem_mark
+        context = f" ({e.context})" if e.context else ""
+        return f"line {mark.line + 1}, column {mark.column + 1}: {e.problem}{context}"
+    return " ".join(str(e).split())
 
 
 def load_config(source: str | os.PathLike | dict[str, Any] | EngineConfig) -> EngineConfig:
@@ -229,12 +328,8 @@ def load_config(source: str | os.PathLike | dict[str, Any] | EngineConfig) -> En
     if isinstance(source, dict):
         data, base, origin = dict(source), Path.cwd(), None
     else:
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-        base, origin = path.resolve().parent, str(path)
+        data = read_config_file(source) or {}
+        base, origin = Path(source).resolve().parent, str(source)
     if not isinstance(data, dict):
         raise ConfigError("config must be a mapping with 'models' and 'entry'")
     data = dict(data)
@@ -243,17 +338,17 @@ def load_config(source: str | os.PathLike | dict[str, Any] | EngineConfig) -> En
         raise ConfigError("config needs 'models': a mapping of model name -> {path, dtype, device, ...}")
     models = {}
     for name, m in raw_models.items():
-        m = dict(m or {})
-        if "path" in m:
-            m["path"] = resolve_path(m["path"], base)
-        models[name] = _build(ModelConfig, m, f"models.{name}", name=str(name))
+        m = {} if m is None else m
+        if isinstance(m, dict) and isinstance(m.get("path"), str):
+            m = {**m, "path": resolve_path(m["path"], base)}
+        models[str(name)] = _build(ModelConfig, m, f"models.{name}", name=str(name))
     if "entry" not in data and len(models) == 1:
         data["entry"] = next(iter(models))
     if "batching" in data:
         data["batching"] = _build(BatchingConfig, data["batching"] or {}, "batching")
     if isinstance(data.get("policy"), str):
         data["policy"] = {"name": data["policy"]}
-    if data.get("tokenizer") is not None:
+    if isinstance(data.get("tokenizer"), str):
         data["tokenizer"] = resolve_path(data["tokenizer"], base)
     cfg = _build(EngineConfig, data, "config", models=models)
     cfg.source = origin

@@ -47,6 +47,7 @@ class Engine(Coordinator):
         self._threads: list[threading.Thread] = []
         self._stop_event = threading.Event()
         self._outputs: list[RequestOutput] = []
+        self._pumping = False
         self._closed = False
         self.subservers: dict[str, Subserver] = {}
         for name, mcfg in config.models.items():
@@ -140,9 +141,19 @@ class Engine(Coordinator):
         self._pump()
 
     def _pump(self) -> None:
-        """Stepped mode: handle events until none are left (handling one may deliver more)."""
-        while self._events and not self.running_in_background:
-            self._on_event(self._events.pop(0))
+        """Stepped mode: handle events until none are left (handling one may deliver more).
+
+        One event at a time, as the background coordinator does: a delivery made while handling an event
+        queues its events for this loop instead of handling them in the middle of that handler (which
+        could finalize a request under it, and the handler would then report a second final output)."""
+        if self._pumping:
+            return
+        self._pumping = True
+        try:
+            while self._events and not self.running_in_background:
+                self._on_event(self._events.pop(0))
+        finally:
+            self._pumping = False
 
     # -- delayed batching ------------------------------------------------------------------------------
 

@@ -204,24 +204,36 @@ def register(cls: type[Policy]) -> type[Policy]:
     return cls
 
 
-def make_policy(name: str, models: list[str], model: str, args: dict[str, Any] | None = None) -> Policy:
-    """The policy registered as `name`; `args["module"]` (a dotted path) is imported first, so a policy
-    of your own registers itself without changes here."""
+def policy_class(name: str, module: str | None = None) -> type[Policy]:
+    """The policy registered as `name`, after importing the built-ins and `module` (a dotted path), so a
+    policy of your own registers itself without changes here."""
     import importlib
 
     import tokenrouter.routing.policies  # noqa: F401  (registers the built-in policies)
 
-    args = dict(args or {})
-    module = args.pop("module", None)
     if module is not None:
+        if not isinstance(module, str) or not module:
+            raise ValueError(f"policy 'module' must be a dotted module path, got {module!r}")
         try:
             importlib.import_module(module)
         except ImportError as e:
             raise ValueError(f"policy module {module!r} could not be imported: {e}") from None
-
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; available: {sorted(POLICIES)}")
-    return POLICIES[name](models, model, args)
+    return POLICIES[name]
+
+
+def make_policy(name: str, models: list[str], model: str, args: dict[str, Any] | None = None) -> Policy:
+    """An instance of the policy registered as `name` for `model`; `args["module"]` is imported first."""
+    args = dict(args or {})
+    return policy_class(name, args.pop("module", None))(models, model, args)
+
+
+def check_policy(name: str, models: list[str], args: dict[str, Any] | None = None) -> None:
+    """Raise ValueError when `name` is unknown or its arguments are refused on any model, without loading
+    anything: policies check their arguments when constructed and build networks only in `setup`."""
+    for model in models:
+        make_policy(name, models, model, args)
 
 
 def resolve(policy: Policy, decisions: list[RouteDecision]) -> list[str]:

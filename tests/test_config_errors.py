@@ -1,0 +1,206 @@
+"""A config that cannot be served is refused by `load_config`, before any model loads, with one line naming
+the key and what it accepts: wrong types, values out of range, unknown policies or policy arguments, and
+files that are missing, a directory, or not YAML. The CLI prints that line and exits 2."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+
+from tokenrouter.cli import main
+from tokenrouter.config import ConfigError, load_config
+from tokenrouter.serving.server import free_ports
+
+
+@pytest.fixture(scope="module")
+def two(tiny_dir: Path) -> dict:
+    return {
+        "models": {"small": {"path": str(tiny_dir / "small")}, "large": {"path": str(tiny_dir / "large")}},
+        "entry": "small",
+    }
+
+
+def with_model(cfg: dict, **kw) -> dict:
+    cfg = copy.deepcopy(cfg)
+    cfg["models"]["small"].update(kw)
+    return cfg
+
+
+MODEL_VALUES = [
+    (dict(kv_cache_tokens="16k"), r"models\.small\.kv_cache_tokens must be an integer or null, got '16k'"),
+    (dict(kv_cache_tokens=1.5), r"models\.small\.kv_cache_tokens must be an integer or null, got 1\.5"),
+    (dict(block_size="16"), r"models\.small\.block_size must be an integer >= 1, got '16'"),
+    (dict(kv_memory_fraction="0.5"), r"models\.small\.kv_memory_fraction must be a number in \(0, 1\], got '0\.5'"),
+    (dict(kv_memory_fraction=float("nan")), r"kv_memory_fraction must be a number in \(0, 1\], got nan"),
+    (dict(kv_memory_fraction=0), r"models\.small\.kv_memory_fraction must be in \(0, 1\], got 0"),
+    (dict(kv_memory_fraction=1.5), r"models\.small\.kv_memory_fraction must be in \(0, 1\], got 1\.5"),
+    (dict(enable_prefix_caching="yes"), r"models\.small\.enable_prefix_caching must be true or false, got 'yes'"),
+    (dict(enable_prefix_caching=1), r"models\.small\.enable_prefix_caching must be true or false, got 1"),
+    (dict(seed="x"), r"models\.small\.seed must be an integer, got 'x'"),
+    (dict(max_num_seqs=True), r"models\.small\.max_num_seqs must be an integer >= 1, got True"),
+    (dict(max_num_batched_tokens=0), r"models\.small\.max_num_batched_tokens must be >= 1, got 0"),
+    (dict(max_model_len="4k"), r"models\.small\.max_model_len must be an integer >= 2 or null, got '4k'"),
+    (dict(dtype=32), r"models\.small\.dtype must be one of \('float32', 'bfloat16', 'float16'\), got 32"),
+    (dict(attention="flash"), r"models\.small\.attention must be one of \('auto', 'torch', 'triton'\)"),
+    (dict(load_format=None), r"models\.small\.load_format must be one of \('auto', 'dummy'\), got None"),
+    (dict(device=0), r"models\.small\.device must be a string, got 0"),
+    (dict(device="cuda:x"), r"models\.small\.device must be 'cpu', 'cuda' or 'cuda:N', got 'cuda:x'"),
+    (dict(path=5), r"models\.small\.path must be a string, got 5"),
+    (dict(cuda_graph_max_batch=2.0), r"models\.small\.cuda_graph_max_batch must be an integer >= 0"),
+]
+
+
+@pytest.mark.parametrize(("kw", "msg"), MODEL_VALUES, ids=lambda v: str(v)[:40])
+def test_wrong_model_values_name_the_key(two: dict, kw: dict, msg: str) -> None:
+    with pytest.raises(ConfigError, match=msg):
+        load_config(with_model(two, **kw))
+
+
+TOP_VALUES = [
+    ({"cpu_kv_cache_tokens": 1.5}, r"^cpu_kv_cache_tokens must be an integer >= 1, got 1\.5$"),
+    ({"cpu_kv_cache_tokens": 0}, r"^cpu_kv_cache_tokens must be >= 1, got 0$"),
+    ({"entry": 1}, r"^entry must be a string, got 1$"),
+    ({"tokenizer": 5}, r"^tokenizer must be a string or null, got 5$"),
+    ({"policy": ["random"]}, r"^policy must be a mapping, got \['random'\]$"),
+    ({"batching": {"max_wait_ms": "5ms"}}, r"^batching\.max_wait_ms must be a number >= 0, got '5ms'$"),
+    ({"batching": {"max_wait_ms": -1}}, r"^batching\.max_wait_ms must be >= 0, got -1$"),
+    ({"batching": {"auto_interval_s": 0}}, r"^batching\.auto_interval_s must be > 0, got 0$"),
+    ({"batching": {"thresholds": "4"}}, r"batching\.thresholds must be .*an integer >= 1 or 'auto', got '4'$"),
+    ({"batching": {"thresholds": True}}, r"batching\.thresholds must be .*, got True$"),
+    ({"batching": {"thresholds": {"small": "2"}}}, r"batching\.thresholds must be a mapping \{name: an integer >= 1\}"),
+    ({"batching": {"thresholds": {"small": 0}}}, r"^batching\.thresholds must be >= 1, got 0$"),
+    ({"batching": {"thresholds": 0}}, r"^batching\.thresholds must be >= 1, got 0$"),
+    ({"batching": {"thresholds": {"tiny": 2}}}, r"batching\.thresholds names unknown model\(s\) \['tiny'\]"),
+    ({"batching": 4}, r"^batching must be a mapping, got int$"),
+]
+
+
+@pytest.mark.parametrize(("extra", "msg"), TOP_VALUES, ids=lambda v: str(v)[:40])
+def test_wrong_top_level_values_name_the_key(two: dict, extra: dict, msg: str) -> None:
+    with pytest.raises(ConfigError, match=msg):
+        load_config({**copy.deepcopy(two), **extra})
+
+
+def test_well_typed_values_pass(two: dict) -> None:
+    cfg = load_config(
+        {
+            **with_model(two, kv_memory_fraction=1, max_model_len=None, kv_cache_tokens=64, cuda_graph_max_batch=0),
+            "batching": {"thresholds": "auto", "max_wait_ms": 0, "auto_interval_s": 1},  # ints where floats go
+            "policy": "random",
+        }
+    )
+    assert cfg.models["small"].kv_memory_fraction == 1 and cfg.batching.thresholds == "auto"
+    per_model = load_config({**copy.deepcopy(two), "batching": {"thresholds": {"small": 2}}})
+    assert per_model.batching.threshold_of("small") == 2
+
+
+def test_a_built_config_is_checked_too(two: dict) -> None:
+    cfg = load_config(copy.deepcopy(two))
+    cfg.models["large"].block_size = "16"
+    with pytest.raises(ConfigError, match=r"models\.large\.block_size must be an integer >= 1, got '16'"):
+        load_config(cfg)
+
+
+def test_yaml_strings_are_not_numbers(tmp_path: Path, tiny_dir: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"models:\n  small:\n    path: {tiny_dir / 'small'}\n    kv_cache_tokens: 16k\n")
+    with pytest.raises(ConfigError, match=r"models\.small\.kv_cache_tokens must be an integer or null, got '16k'"):
+        load_config(path)
+
+
+# -- the routing policy, before any model loads ------------------------------------------------------------
+
+
+POLICIES = [
+    ({"name": "nope"}, r"unknown routing policy 'nope'; available: \[.*'always'.*'random'.*\]"),
+    ({"name": "random", "p": 2}, r"policy 'random': argument 'p' must be in \[0, 1\], got 2"),
+    ({"name": "random", "seed": "x"}, r"policy 'random': "),
+    ({"name": "always", "model": "huge"}, r"policy 'always': argument 'model' must be one of \['small', 'large'\]"),
+    ({"name": "rstitch", "tau": 1}, r"policy 'rstitch': unknown argument\(s\) \['tau'\]"),
+    ({"name": "mixture", "weights": [1.0]}, r"policy 'mixture'"),
+    ({"name": "r2r", "module": "no_such_module_xyz"}, r"policy module 'no_such_module_xyz' could not be imported"),
+    ({"name": "r2r", "module": 5}, r"policy 'module' must be a dotted module path, got 5"),
+]
+
+
+@pytest.mark.parametrize(("policy", "msg"), POLICIES, ids=lambda v: str(v)[:40])
+def test_policy_refused_before_models_load(
+    two: dict, policy: dict, msg: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokenrouter.engine import engine as engine_module
+
+    def no_loading(*a, **kw):
+        raise AssertionError("a model started loading before the policy was checked")
+
+    monkeypatch.setattr(engine_module, "Subserver", no_loading)
+    with pytest.raises(ConfigError, match=msg):
+        engine_module.Engine.from_config({**copy.deepcopy(two), "policy": policy})
+
+
+def test_every_two_model_policy_is_accepted_with_its_defaults(two: dict) -> None:
+    for name in ("always", "random", "query", "r2r", "citer", "rstitch", "collm", "mixture", "glimprouter"):
+        assert load_config({**copy.deepcopy(two), "policy": name}).policy == {"name": name}
+
+
+# -- the file itself -------------------------------------------------------------------------------------
+
+
+def bad_files(tmp_path: Path) -> list[tuple[Path, str]]:
+    flow = tmp_path / "flow.yaml"
+    flow.write_text("models:\n  small: {path: x\nentry: small\n")
+    indent = tmp_path / "indent.yaml"
+    indent.write_text("models:\n  small:\n    path: x\n   dtype: float32\n")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00models")
+    folder = tmp_path / "folder.yaml"
+    folder.mkdir()
+    return [
+        (flow, r"config file '.*flow\.yaml' is not valid YAML: line 3, column \d+: .*"),
+        (indent, r"config file '.*indent\.yaml' is not valid YAML: line 4, column 4: .*"),
+        (binary, r"config file '.*binary\.yaml' is not UTF-8 text"),
+        (folder, r"config file '.*folder\.yaml' is a directory, not a YAML file"),
+        (tmp_path / "missing.yaml", r"config file '.*missing\.yaml' does not exist"),
+    ]
+
+
+def test_bad_config_files(tmp_path: Path) -> None:
+    for path, msg in bad_files(tmp_path):
+        with pytest.raises(ConfigError, match=msg) as e:
+            load_config(path)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_cli_bad_config_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str) -> None:
+    for path, msg in bad_files(tmp_path):
+        argv = [command, "--config", str(path)]
+        if command == "generate":
+            argv += ["--prompt", "x"]
+        else:
+            http, grpc, metrics = free_ports(3)
+            argv += ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+            argv += ["--model-repository", str(tmp_path / "repo")]
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
+        assert re.search(msg, lines[0]), lines[0]
+        assert not (tmp_path / "repo").exists()
+
+
+def test_cli_bad_values_fail_before_loading(two: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**with_model(two, block_size="16"), "policy": "random"}))
+    assert main(["generate", "--config", str(path), "--prompt", "x"]) == 2
+    assert capsys.readouterr().err == "error: models.small.block_size must be an integer >= 1, got '16'\n"
+    path.write_text(yaml.safe_dump({**two, "policy": "nope"}))
+    assert main(["generate", "--config", str(path), "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown routing policy 'nope'; available: [")
+    path.write_text(yaml.safe_dump(two))
+    assert main(["generate", "--config", str(path), "--prompt", "x", "--max-tokens", "0"]) == 2
+    assert capsys.readouterr().err == "error: max_new_tokens must be an integer >= 1, got 0\n"
