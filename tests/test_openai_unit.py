@@ -746,3 +746,95 @@ def test_http_disconnect_cancels_triton_request(stream: bool) -> None:
         server.shutdown()
         server.server_close()
         fake.stop()
+
+
+# --------------------------------------------------------------------------------------------------
+# API key (`--api-key` / $TOKENROUTER_API_KEY)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def keyed_frontend() -> Iterator[tuple[FakeTriton, tuple[str, int]]]:
+    fake = FakeTriton()
+    server = build_server(fake.url, "127.0.0.1", 0, "", tokenizer=WordTokenizer(), api_key="s3cret-key")
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    yield fake, server.server_address[:2]
+    server.shutdown()
+    server.server_close()
+    fake.stop()
+
+
+def _request(conn: http.client.HTTPConnection, method: str, path: str, auth: str | None, body: Any = None):
+    headers = {"Content-Type": "application/json"}
+    if auth is not None:
+        headers["Authorization"] = auth
+    conn.request(method, path, body=None if body is None else json.dumps(body).encode(), headers=headers)
+    resp = conn.getresponse()
+    return resp.status, resp, resp.read()
+
+
+def test_api_key_required_on_every_route_but_health(keyed_frontend) -> None:
+    fake, addr = keyed_frontend
+    conn = http.client.HTTPConnection(*addr, timeout=10)  # one keep-alive connection throughout
+    completion = {"prompt": "a b", "max_tokens": 2}
+    for method, path, body in [
+        ("GET", "/v1/models", None),
+        ("GET", "/v1/models/tokenrouter", None),
+        ("POST", "/v1/completions", completion),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        ("GET", "/nope", None),
+    ]:
+        for auth in (None, "Bearer wrong-key", "Basic s3cret-key", "Bearer", "s3cret-key", "Bearer s3cret-keyX"):
+            status, resp, raw = _request(conn, method, path, auth, body)
+            assert status == 401, (method, path, auth)
+            assert resp.getheader("WWW-Authenticate") == "Bearer"
+            err = json.loads(raw)["error"]
+            assert err["type"] == "invalid_request_error" and err["code"] == "invalid_api_key"
+            assert "s3cret" not in err["message"]
+    assert fake.requests == []  # nothing reached Triton
+    status, _, raw = _request(conn, "GET", "/health", None)
+    assert status == 200 and json.loads(raw) == {"status": "ready"}
+    # With the key (the scheme is case-insensitive, as RFC 7235 has it).
+    for auth in ("Bearer s3cret-key", "bearer s3cret-key"):
+        status, _, raw = _request(conn, "POST", "/v1/completions", auth, completion)
+        assert status == 200 and json.loads(raw)["choices"][0]["text"] == "w0 w1 "
+    status, _, raw = _request(conn, "GET", "/v1/models", "Bearer s3cret-key")
+    assert status == 200 and json.loads(raw)["data"][0]["id"] == "tokenrouter"
+    status, _, _ = _request(conn, "GET", "/nope", "Bearer s3cret-key")
+    assert status == 404
+
+
+def test_api_key_refusal_drains_the_body() -> None:
+    """A refused POST still reads its body, so the next request on the connection parses."""
+    fake = FakeTriton()
+    server = build_server(fake.url, "127.0.0.1", 0, "", tokenizer=WordTokenizer(), api_key="k")
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        conn = http.client.HTTPConnection(*server.server_address[:2], timeout=10)
+        big = {"prompt": "x " * 50_000, "max_tokens": 1}
+        assert _request(conn, "POST", "/v1/completions", None, big)[0] == 401
+        assert _request(conn, "POST", "/v1/completions", "Bearer k", {"prompt": "x", "max_tokens": 1})[0] == 200
+    finally:
+        server.shutdown()
+        server.server_close()
+        fake.stop()
+
+
+def test_api_key_from_flag_or_env(monkeypatch) -> None:
+    """`--api-key` wins over $TOKENROUTER_API_KEY; with neither, no key is asked for."""
+    from tokenrouter.serving.openai import API_KEY_ENV, build_arg_parser, http_server
+
+    seen: list[str | None] = []
+
+    def fake_build_server(*args: Any, api_key: str | None = None, **kw: Any) -> Any:
+        seen.append(api_key)
+        raise OSError("stop here")  # run_from_args reports it and returns 2
+
+    monkeypatch.setattr(http_server, "build_server", fake_build_server)
+    parser = build_arg_parser()
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert http_server.run_from_args(parser.parse_args(["--tokenizer", "t"])) == 2
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert http_server.run_from_args(parser.parse_args(["--tokenizer", "t"])) == 2
+    assert http_server.run_from_args(parser.parse_args(["--tokenizer", "t", "--api-key", "from-flag"])) == 2
+    assert seen == [None, "from-env", "from-flag"]

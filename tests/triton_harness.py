@@ -20,6 +20,8 @@ from soak import scrape  # noqa: E402
 
 @contextmanager
 def running_server(config_path: Path, workdir: Path, execution_env: Path | None = None):
+    """A tritonserver on the deployment, ready. Like `tokenrouter serve`, it restricts Triton's admin APIs:
+    send `server.admin_key` as header `admin-key` (gRPC: `triton-grpc-protocol-admin-key`) to reach them."""
     env = execution_env or triton_install.execution_env()
     repo = write_repository(config_path, workdir / "model_repository", execution_env=env)
     http, grpc, metrics = free_ports(3)

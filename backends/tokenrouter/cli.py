@@ -30,7 +30,7 @@ def _make_bench_tokenizer(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tokenrouter import ConfigError, Engine, SamplingParams
+    from tokenrouter import Engine, SamplingParams
 
     params = SamplingParams(
         max_new_tokens=args.max_tokens,
@@ -42,8 +42,9 @@ def _generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     try:
+        params.validate()  # before the models load
         engine = Engine.from_config(args.config)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     with engine:
@@ -89,6 +90,12 @@ def _stub_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _perf_analyzer(args: argparse.Namespace) -> int:
+    from tokenrouter.serving.triton_install import perf_analyzer_main
+
+    return perf_analyzer_main(args.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenrouter", description="Token-level LLM routing engine.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -132,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     build_arg_parser(o)
     o.set_defaults(func=run_from_args)
 
+    # Every argument after `perf-analyzer` is perf_analyzer's own: no prefix character, so argparse parses none.
+    pa = sub.add_parser(
+        "perf-analyzer", add_help=False, prefix_chars="\0",
+        help="tritonclient's perf_analyzer with the libraries it loads made findable (arguments pass through)",
+    )
+    pa.add_argument("args", nargs=argparse.REMAINDER)
+    pa.set_defaults(func=_perf_analyzer)
+
     g = sub.add_parser("generate", help="run prompts through the in-process engine (no server)")
     g.add_argument("--config", required=True, help="deployment YAML")
     g.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
@@ -148,9 +163,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tokenrouter.config import ConfigError, read_config_file
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    return args.func(args)
+    try:
+        if getattr(args, "config", None) is not None:
+            # A subcommand's --config is a deployment YAML: a missing, unreadable or malformed one is one
+            # line here, before the subcommand builds or starts anything.
+            read_config_file(args.config)
+        return args.func(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

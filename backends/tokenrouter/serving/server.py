@@ -1,19 +1,24 @@
 """`tokenrouter serve`: write the model repository, start CUDA MPS if models share a GPU, start tritonserver.
 
-Also the `TritonServer` process wrapper the end-to-end tests and benchmarks use.
+Also the `TritonServer` process wrapper the end-to-end tests and benchmarks use. Triton's admin APIs
+(`ADMIN_APIS`) answer only requests carrying the admin key; inference, health and metadata stay open.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
+import secrets
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import yaml
@@ -24,6 +29,51 @@ from tokenrouter.serving.repository import write_repository
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_CONFIG = REPO_ROOT / "config" / "r2r" / "tiny-small_tiny-large.yaml"
+
+# The APIs tritonserver can restrict (`--http-restricted-api`, `--grpc-restricted-protocol`).
+TRITON_APIS = (
+    "health", "metadata", "inference", "shared-memory", "model-config", "model-repository", "statistics", "trace",
+    "logging",
+)  # fmt: skip
+# Restricted by default: model control (a load request can carry model files, i.e. code for the Python backend),
+# shared memory (clients name regions the server then reads and writes), trace and logging (settings that make
+# the server record requests or flood its disk). model-config and statistics stay open: they are read-only,
+# the metrics port publishes the same counters with no header at all, and perf_analyzer reads both over gRPC,
+# where it cannot send headers.
+ADMIN_APIS = ("model-repository", "shared-memory", "trace", "logging")
+ADMIN_HEADER = "admin-key"
+GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # Triton prefixes the key of a gRPC restriction
+ADMIN_KEY_ENV = "TOKENROUTER_ADMIN_KEY"
+_KEY_CHARS = re.compile(r"[\x21-\x7e]+")  # visible ASCII: a valid HTTP header and gRPC metadata value
+
+
+def restriction_args(admin_key: str, apis: Sequence[str] = ADMIN_APIS) -> list[str]:
+    """tritonserver flags that make `apis` answer only requests carrying `admin_key`: HTTP header `admin-key`,
+    gRPC metadata `triton-grpc-protocol-admin-key`. ValueError for an unknown API or an unusable key."""
+    if not apis:
+        return []
+    unknown = sorted(set(apis) - set(TRITON_APIS))
+    if unknown:
+        raise ValueError(f"unknown Triton API(s) {unknown}; known: {', '.join(TRITON_APIS)}")
+    if not _KEY_CHARS.fullmatch(admin_key):
+        raise ValueError("the admin key must be non-empty visible ASCII (no spaces): it travels as a header value")
+    group = f"{','.join(apis)}:{ADMIN_HEADER}={admin_key}"
+    return [f"--http-restricted-api={group}", f"--grpc-restricted-protocol={group}"]
+
+
+def write_secret(path: Path, secret: str) -> None:
+    """Write `secret` to `path`, readable by this user only: a new 0600 file renamed into place, so neither the
+    mode of an older file nor a symlink planted at `path` decides who can read it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(secret + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def free_ports(n: int) -> list[int]:
@@ -62,7 +112,11 @@ def _gpu_available() -> bool:
 
 
 class TritonServer:
-    """A tritonserver process on a model repository; `with TritonServer(...) as s:` waits until ready."""
+    """A tritonserver process on a model repository; `with TritonServer(...) as s:` waits until ready.
+
+    `restricted_apis` answer only requests carrying `admin_key` (a random one when not given: read it from
+    `.admin_key`); `restricted_apis=()` leaves every API open.
+    """
 
     def __init__(
         self,
@@ -72,11 +126,17 @@ class TritonServer:
         metrics_port: int = 8002,
         log_file: Path | None = None,
         verbose: int = 0,
+        *,
+        admin_key: str | None = None,
+        restricted_apis: Sequence[str] = ADMIN_APIS,
     ) -> None:
         self.repo = Path(model_repository)
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.log_file = log_file
         self.verbose = verbose
+        self.restricted_apis = tuple(restricted_apis)
+        self.admin_key = (admin_key or secrets.token_urlsafe(32)) if self.restricted_apis else None
+        self._restriction = restriction_args(self.admin_key, self.restricted_apis) if self.admin_key else []
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -98,6 +158,12 @@ class TritonServer:
             f"--metrics-port={self.metrics_port}",
             f"--log-verbose={self.verbose}",
             "--exit-on-error=true",
+            # Explicit model control (every model loaded at start): the router reloads a model whose process
+            # died through Triton's load API; Triton 2.51's Python backend never restarts a dead stub itself.
+            "--model-control-mode=explicit",
+            "--load-model=*",
+            # tritonserver takes the key only on its command line; it does not log it.
+            *self._restriction,
         ]
         if not _gpu_available():
             cmd += ["--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0", "--allow-gpu-metrics=false"]
@@ -172,6 +238,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "this interpreter's venv (see `tokenrouter stub-env`)")
     p.add_argument("--no-mps", action="store_true",
                    help="do not start CUDA MPS when models share a GPU (they then time-slice it)")
+    p.add_argument("--admin-key", help=f"key for the restricted admin APIs (header {ADMIN_HEADER!r}; gRPC "
+                   f"{GRPC_ADMIN_HEADER!r}); default: ${ADMIN_KEY_ENV}, else a random key per start, written to "
+                   "--admin-key-file")
+    p.add_argument("--admin-key-file", help="where a generated admin key is written, readable by you only "
+                   "(default: <model repository>.admin-key; removed when the server stops)")
+    p.add_argument("--restricted-apis", default=",".join(ADMIN_APIS),
+                   help=f"Triton APIs that need the admin key (default: %(default)s; known: {', '.join(TRITON_APIS)})")
+    p.add_argument("--no-restrict", action="store_true", help="leave every Triton API open to anyone who can connect")
+
+
+def admin_access(args: argparse.Namespace) -> tuple[tuple[str, ...], str | None, str]:
+    """`serve`'s options -> (restricted APIs, admin key or None to generate one, where the given key came from).
+    ValueError for an unknown API or an unusable key."""
+    if args.no_restrict:
+        return (), None, ""
+    apis = tuple(a.strip() for a in args.restricted_apis.split(",") if a.strip())
+    key, source = None, ""
+    if args.admin_key:
+        key, source = args.admin_key, "--admin-key"
+    elif os.environ.get(ADMIN_KEY_ENV):
+        key, source = os.environ[ADMIN_KEY_ENV], f"${ADMIN_KEY_ENV}"
+    restriction_args(key or "checked-later", apis)  # the checks only; a generated key always passes them
+    return apis, key, source
 
 
 def _ports_in_use(ports: list[int]) -> list[int]:
@@ -210,7 +299,24 @@ def serve_main(args: argparse.Namespace) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    try:
+        apis, admin_key, key_source = admin_access(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     repo = write_repository(config_path, args.model_repository, execution_env=env)
+    server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port, verbose=args.log_verbose,
+                          admin_key=admin_key, restricted_apis=apis)
+    key_file = None
+    if server.admin_key is not None and not key_source:
+        # Generated: into a file only this user can read, never to the output (logs travel further).
+        key_file = Path(args.admin_key_file or f"{repo.resolve()}.admin-key")
+        try:
+            write_secret(key_file, server.admin_key)
+        except OSError as e:
+            print(f"error: cannot write the admin key to {key_file}: {e}", file=sys.stderr)
+            return 2
+        key_source = f"{key_file} (mode 0600)"
     started_mps = False
     shared = mps.shared_gpus(config)
     if shared and not args.no_mps and not mps.running():
@@ -218,12 +324,19 @@ def serve_main(args: argparse.Namespace) -> int:
             mps.start()
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
+            if key_file is not None:
+                key_file.unlink(missing_ok=True)
             return 2
         started_mps = True
         print(f"started CUDA MPS: models share GPU(s) {shared}", flush=True)
-    server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port, verbose=args.log_verbose)
     print(f"starting tritonserver on {repo} (HTTP :{args.http_port}, gRPC :{args.grpc_port}, "
           f"metrics :{args.metrics_port})", flush=True)
+    if apis:
+        print(f"admin APIs ({', '.join(apis)}) need header '{ADMIN_HEADER}' (gRPC: '{GRPC_ADMIN_HEADER}'); "
+              f"key: {key_source}", flush=True)
+    else:
+        print("warning: every Triton API (model control included) is open to anyone who can connect",
+              file=sys.stderr, flush=True)
     server.start()
     stop = False
 
@@ -243,6 +356,8 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
     finally:
         server.stop()
+        if key_file is not None:
+            key_file.unlink(missing_ok=True)  # the key died with the server
         if started_mps and not mps.stop():
             print("warning: the CUDA MPS daemon did not quit within 30 s; stop it with "
                   "`echo quit | nvidia-cuda-mps-control`", file=sys.stderr)

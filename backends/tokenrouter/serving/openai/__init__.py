@@ -9,7 +9,8 @@ Layered so that tests can drive the pure parts without any server:
 - `errors`: OpenAI-style error bodies and the HTTP status of a Triton error (`OpenAIError`, `triton_error_status`).
 - `triton_client`: the model's input tensors and `TritonGrpcBackend` (one gRPC stream per request, so a
   request can be cancelled alone when its HTTP client goes away).
-- `http_server`: the standard-library `ThreadingHTTPServer` (`build_server`) and the command line (`main`).
+- `http_server`: the standard-library `ThreadingHTTPServer` (`build_server`) and the command line (`main`);
+  with an API key (`--api-key`, $TOKENROUTER_API_KEY) every route but /health needs `Authorization: Bearer`.
 
 Run it with `python -m tokenrouter.serving.openai --tokenizer DIR`.
 """
@@ -22,6 +23,7 @@ from tokenrouter.serving.openai.errors import (
     triton_error_status,
 )
 from tokenrouter.serving.openai.http_server import (
+    API_KEY_ENV,
     MAX_BODY_BYTES,
     build_arg_parser,
     build_server,
@@ -56,6 +58,7 @@ from tokenrouter.serving.openai.triton_client import (
 )
 
 __all__ = [
+    "API_KEY_ENV",
     "DEFAULT_MODEL_NAME",
     "DEFAULT_TRITON_MODEL",
     "MAX_BODY_BYTES",

@@ -30,6 +30,7 @@ _BAD_INPUT_STATUSES = {"StatusCode.INVALID_ARGUMENT", "INVALID_ARG", "400"}
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",  # what OpenAI answers for a missing or wrong key
     404: "invalid_request_error",
     405: "invalid_request_error",
     411: "invalid_request_error",

