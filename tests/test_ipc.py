@@ -94,3 +94,36 @@ def test_unreachable_model_fails_fast_after_the_first_try() -> None:
     with pytest.raises(ConnectionError):
         link.send([Release("b")])  # within RETRY_AFTER_S: no second wait
     assert time.monotonic() - start < 0.1
+
+
+def test_a_lost_model_fails_sends_at_once_until_it_is_reconnected() -> None:
+    """The router's loop thread sends: once a model's process is gone, sends must not wait for it (a revive
+    thread reconnects with `connect`, and sends go through again)."""
+    addr = _addr()
+    listener = ipc.ModelListener("m", lambda p, msgs: None, lambda p: None, addr=addr)
+    accepted: list[ipc.Peer] = []
+    listener._on_messages = lambda p, msgs: accepted.append(p)
+    lost = threading.Event()
+    link = ipc.ModelLink("m", lambda evs: None, lost.set, addr=addr, connect_timeout=1.0)
+    try:
+        link.send([Release("a")])
+        deadline = time.monotonic() + 5
+        while not accepted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        listener.close()
+        accepted[0].close()  # the model's process exits
+        assert lost.wait(5) and not link.connected
+        for _ in range(3):
+            start = time.monotonic()
+            with pytest.raises(ConnectionError, match="'m' is unavailable"):
+                link.send([Release("b")])
+            assert time.monotonic() - start < 0.1
+        with pytest.raises(ConnectionError):
+            link.connect(timeout=0.2)  # still down
+        listener = ipc.ModelListener("m", lambda p, msgs: None, lambda p: None, addr=addr)  # restarted
+        link.connect()
+        assert link.connected
+        link.send([Release("c")])
+    finally:
+        link.close()
+        listener.close()

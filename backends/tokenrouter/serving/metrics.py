@@ -96,6 +96,16 @@ class RouterMetrics:
         self.predicted = mf(
             "tokenrouter_predicted_throughput", "Output tokens/s the tuner predicts for its thresholds", mf.mf.GAUGE
         ).Metric(labels)
+        self._up_family = mf(
+            "tokenrouter_model_up", "1 while the router can reach this model, 0 while it is down or restarting",
+            mf.mf.GAUGE,
+        )
+        self._up: dict[str, Any] = {}
+
+    def model_up(self, model: str, up: bool) -> None:
+        if model not in self._up:
+            self._up[model] = self._up_family.Metric({"model": model})
+        self._up[model].set(1 if up else 0)
 
     def time_to_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

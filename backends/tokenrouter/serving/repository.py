@@ -13,16 +13,20 @@ import os
 from pathlib import Path
 
 from tokenrouter.config import load_config
+from tokenrouter.serving.tensors import ROLE_PARAMETER
 
 ROUTER = "tokenrouter"
 
 
-def _pbtxt(kind: str, gpu: int | None, env: str | None) -> str:
+def _pbtxt(kind: str, gpu: int | None, env: str | None, role: str) -> str:
     if kind == "KIND_GPU":
         group = f"instance_group [{{ kind: KIND_GPU, count: 1, gpus: [{gpu}] }}]"
     else:
         group = "instance_group [{ kind: KIND_CPU, count: 1 }]"
     text = f'backend: "tokenrouter"\n{group}\n'
+    if role != "router":
+        # auto_complete reads it: a subserver gets the internal interface, not the client one.
+        text += f'parameters: {{ key: "{ROLE_PARAMETER}", value: {{ string_value: "{role}" }} }}\n'
     if env is not None:
         # Triton's documented way to give a Python-backend model its interpreter's packages.
         text += f'parameters: {{ key: "EXECUTION_ENV_PATH", value: {{ string_value: "{env}" }} }}\n'
@@ -57,12 +61,13 @@ def write_repository(
 
     router = out / ROUTER
     (router / "1").mkdir(parents=True, exist_ok=True)
-    _write(router, _pbtxt("KIND_CPU", None, env(router)), {"role": "router", "config": rel(router)})
+    _write(router, _pbtxt("KIND_CPU", None, env(router), "router"), {"role": "router", "config": rel(router)})
     for name, m in cfg.models.items():
         folder = out / name
         (folder / "1").mkdir(parents=True, exist_ok=True)
         kind = "KIND_GPU" if m.gpu is not None else "KIND_CPU"
-        _write(folder, _pbtxt(kind, m.gpu, env(folder)), {"role": "subserver", "config": rel(folder), "model": name})
+        settings = {"role": "subserver", "config": rel(folder), "model": name}
+        _write(folder, _pbtxt(kind, m.gpu, env(folder), "subserver"), settings)
     # Models of an earlier deployment in the same folder would be loaded too: remove ours that are stale.
     for stale in out.iterdir():
         if stale.is_dir() and stale.name not in cfg.models and stale.name != ROUTER:

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,10 @@ log = logging.getLogger(__name__)
 
 # How often the router asks Triton whether a client cancelled (one IPC round trip per live request).
 CANCEL_POLL_S = 0.05
+# Reviving a model whose process died: first wait between reload attempts (doubling up to 5 s), and how
+# long its socket may take to answer once Triton says it is loaded again.
+REVIVE_BACKOFF_S = 0.2
+REVIVE_CONNECT_S = 10.0
 
 
 class SocketCoordinator(Coordinator):
@@ -54,6 +59,9 @@ class SocketCoordinator(Coordinator):
         super().__init__(config, tokenizer, vocab[config.entry], declared_context_limit(config), entry_policy)
         self.loop = loop
         self._closing = False
+        # Models whose process went away, with why; requests are refused until they are back.
+        self.down: dict[str, str] = {}
+        self.on_model_down: Callable[[str], None] = lambda model: None
         self.step_stats: dict[str, StepStats] = {}
         self.links = {
             m: ipc.ModelLink(m, functools.partial(self._events_from, m), functools.partial(self._lost, m))
@@ -97,13 +105,27 @@ class SocketCoordinator(Coordinator):
                 self._on_event(ev)
 
     def _model_gone(self, model: str) -> None:
-        """The model's process exited: everything it held is lost; fail those requests cleanly."""
+        """The model's process exited: everything it held is lost; fail those requests cleanly, refuse new
+        ones until it is back, and have it revived."""
         held = [rid for rid, r in self.requests.items() if model in r.holders]
-        if held:
-            log.error("model %r went away holding %d request(s); failing them", model, len(held))
+        log.error("model %r went away holding %d request(s); failing them", model, len(held))
         error = f"model {model!r} went away during the request (its process exited, or the server is shutting down)"
         for rid in held:
             self._unreachable(model, rid, error)
+        if model not in self.down:
+            self.down[model] = (
+                f"model {model!r} is unavailable: its process exited and is being restarted; retry shortly"
+            )
+            self.on_model_down(model)
+
+    def model_back(self, model: str) -> None:
+        if self.down.pop(model, None) is not None:
+            log.warning("model %r is back", model)
+
+    def _check_open(self) -> None:
+        # Any model may be routed to, so a request admitted now could fail half-way: refuse it up front.
+        if self.down:
+            raise ValueError(next(iter(self.down.values())))
 
     def retune(self) -> TunedThresholds | None:
         """`thresholds: auto`: solve B* from the reported statistics, in a child process (blocking: call it
@@ -139,7 +161,10 @@ class RouterModel:
         self.config = load_config(settings["config"])
         self.loop = asyncio.new_event_loop()
         self.coordinator = SocketCoordinator(self.config, self.loop)
+        self.coordinator.on_model_down = self._model_down
         self.metrics = RouterMetrics(pb_utils, args["model_name"])
+        for model in self.config.models:
+            self.metrics.model_up(model, True)
         self.clients: dict[str, _Client] = {}
         self._thread = threading.Thread(target=self._run_loop, name="tr-router-loop", daemon=True)
         self._thread.start()
@@ -241,6 +266,45 @@ class RouterModel:
             client.sender.send(self.pb.InferenceResponse(output_tensors=tensors), flags=flags)
         except Exception:  # the client went away; the cancellation watcher aborts the request
             log.debug("could not send to client of %s", out.request_id)
+
+    def _model_down(self, model: str) -> None:
+        self.metrics.model_up(model, False)
+        threading.Thread(target=self._revive, args=(model,), name=f"tr-revive-{model}", daemon=True).start()
+
+    def _revive(self, model: str) -> None:
+        """Bring back a model whose process died: reload it through Triton's model-control API (Triton 2.51's
+        Python backend never restarts a dead stub itself), then reconnect its socket. Runs on its own thread:
+        a reload loads the model's weights. Without explicit model control (`tokenrouter serve` enables it)
+        the model stays down, and requests are refused with a message that says so."""
+        link = self.coordinator.links[model]
+        delay = REVIVE_BACKOFF_S
+        while not self.coordinator._closing:
+            try:
+                log.warning("model %r: reloading it", model)
+                # A load of a model Triton still counts as loaded (its files unchanged) does nothing.
+                self.pb.unload_model(model_name=model)
+                self.pb.load_model(model_name=model)
+                link.connect(timeout=REVIVE_CONNECT_S)
+                break
+            except ConnectionError as e:
+                log.warning("model %r reloaded, but its socket does not answer (%s); retrying", model, e)
+            except Exception as e:  # pb_utils.TritonModelException and anything else the reload raises
+                if "not allowed" in str(e) or "explicit" in str(e).lower():
+                    reason = (
+                        f"model {model!r} is unavailable: its process exited, and this server cannot reload it "
+                        f"({e}); restart tritonserver, or run it with --model-control-mode=explicit "
+                        "--load-model=* (as tokenrouter serve does)"
+                    )
+                    log.error("%s", reason)
+                    self.loop.call_soon_threadsafe(self.coordinator.down.__setitem__, model, reason)
+                    return
+                log.exception("model %r: reload failed; retrying", model)
+            time.sleep(delay)
+            delay = min(2 * delay, 5.0)
+        else:
+            return
+        self.metrics.model_up(model, True)
+        self.loop.call_soon_threadsafe(self.coordinator.model_back, model)
 
     async def _watch_cancellations(self) -> None:
         """Client cancelled the stream (or disconnected): abort on every model, which frees its KV."""

@@ -3,16 +3,19 @@
 The router reaches it over a local socket (`transport.ipc`), not through Triton requests: messages come in
 on a connection's reader thread and go to the decoding loop; events leave from a response thread,
 batched per router connection. If a router goes away, every request it brought here is released (its KV
-freed). Triton requests sent to this model directly are answered with an error: it is internal.
+freed). Its only Triton input is the router's probe: clients cannot send it generation requests.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
 import time
 from typing import Any
+
+import numpy as np
 
 from tokenrouter.config import load_config
 from tokenrouter.engine.stop import StopChecker
@@ -21,8 +24,18 @@ from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.routing.policy import make_policy
 from tokenrouter.runner.arch import ArchConfig, declared_context_limit
 from tokenrouter.serving.metrics import SubserverMetrics
+from tokenrouter.serving.tensors import ROLE_PARAMETER, role_of
 from tokenrouter.transport import ipc
-from tokenrouter.transport.messages import Append, Arrive, Event, Handoff, Release, Released, StepStatsReport
+from tokenrouter.transport.messages import (
+    Append,
+    Arrive,
+    Event,
+    Failed,
+    Handoff,
+    Release,
+    Released,
+    StepStatsReport,
+)
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +43,13 @@ log = logging.getLogger(__name__)
 class SubserverModel:
     def __init__(self, args: dict[str, Any], settings: dict[str, Any], pb_utils: Any) -> None:
         self.pb = pb_utils
+        model_config = json.loads(args["model_config"])
+        if role_of(model_config) != "subserver":
+            raise ValueError(
+                f"model {args['model_name']!r} is a subserver (model.json) but its config.pbtxt lacks "
+                f'parameters {{ key: "{ROLE_PARAMETER}", value: {{ string_value: "subserver" }} }}: regenerate '
+                "the repository (tokenrouter serve, or tokenrouter.serving.repository.write_repository)"
+            )
         config = load_config(settings["config"])
         name = settings["model"]
         if name not in config.models:
@@ -72,12 +92,49 @@ class SubserverModel:
 
     def _on_messages(self, peer: ipc.Peer, messages: list[Any]) -> None:
         for msg in messages:
-            if not isinstance(msg, Arrive | Append | Release):
+            if not isinstance(msg, Arrive | Append | Release) or not isinstance(msg.request_id, str):
                 log.error("%s: ignoring a %s from the router", self.name, type(msg).__name__)
                 continue
             with self._lock:
                 self._owner[msg.request_id] = peer
-            self.sub.submit(msg)
+            problem = self._check(msg)
+            if problem is None:
+                self.sub.submit(msg)
+                continue
+            # Fail that request alone: report why, then release it here (which answers with Released).
+            log.error("%s: refused a %s for %s: %s", self.name, type(msg).__name__, msg.request_id, problem)
+            self._events.put(Failed(msg.request_id, self.name, f"model {self.name!r} refused the request: {problem}"))
+            self.sub.submit(Release(msg.request_id, "error"))
+
+    def _check(self, msg: Arrive | Append | Release) -> str | None:
+        """What is wrong with a message from the router, or None. The router validated the request already;
+        this keeps anything else that reaches the socket from indexing out of the embedding table (on a GPU
+        a device-side assert that takes the whole process down) or stalling the loop."""
+        if isinstance(msg, Release):
+            return None
+        tokens = msg.tokens
+        if not isinstance(tokens, list) or (isinstance(msg, Arrive) and msg.first_visit and not tokens):
+            return "tokens must be a list of token ids (not empty on a first visit)"
+        vocab = self.sub.runner.arch.vocab_size
+        for i, t in enumerate(tokens):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                return f"token {t!r} at position {i} is not a token id in [0, {vocab})"
+        if isinstance(msg, Arrive):
+            if not isinstance(msg.state, dict) or not isinstance(msg.seen, dict):
+                return "state and seen must be mappings"
+            if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in msg.seen.values()):
+                return f"seen must map models to token counts, got {msg.seen!r}"
+            n = msg.num_prompt_tokens
+            known = len(tokens) + max(msg.seen.values(), default=0)
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= known:
+                return f"num_prompt_tokens {n!r} does not fit the request"
+            if msg.threshold is not None and (not isinstance(msg.threshold, int) or msg.threshold < 1):
+                return f"threshold {msg.threshold!r} must be an integer >= 1"
+            try:
+                msg.params.validate()
+            except (ValueError, TypeError, AttributeError) as e:
+                return str(e)
+        return None
 
     def _on_router_gone(self, peer: ipc.Peer) -> None:
         with self._lock:
@@ -128,17 +185,11 @@ class SubserverModel:
 
     # -- Triton entry points ----------------------------------------------------------------------------
 
-    def execute(self, requests: list[Any]) -> None:
-        message = (
-            f"model {self.name!r} is internal to the tokenrouter deployment; send requests to model 'tokenrouter'"
-        )
-        for request in requests:
-            response = self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message))
-            try:
-                request.get_response_sender().send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            except Exception:
-                log.debug("could not answer a direct request")
-        return None
+    def execute(self, requests: list[Any]) -> list[Any]:
+        """The probe (`tokenrouter_probe`), which only the router sends: answers that this model is up. (A
+        probe to a stub that died makes the Python backend restart it; see `RouterModel._revive`.)"""
+        ready = self.pb.Tensor("tokenrouter_ready", np.array([True], dtype=np.bool_))
+        return [self.pb.InferenceResponse(output_tensors=[ready]) for _ in requests]
 
     def finalize(self) -> None:
         self.listener.close()

@@ -9,8 +9,7 @@ from typing import Any
 
 from tokenrouter.sampling_params import SamplingParams
 
-# Declared on every model of the deployment, so one backend serves both roles; subservers refuse requests
-# (the router reaches them over local sockets, transport/ipc.py): only the router is meant for clients.
+# The router's interface (model `tokenrouter`, the one clients use).
 INPUTS: list[dict[str, Any]] = [
     {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]},
     {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
@@ -27,6 +26,14 @@ OUTPUTS: list[dict[str, Any]] = [
     {"name": "routing_stats", "data_type": "TYPE_STRING", "dims": [-1]},
 ]
 
+# Subservers are internal: the router reaches them over local sockets (transport/ipc.py), never through
+# Triton. Their Triton interface is one probe, which the router sends when a subserver's process died: the
+# Python backend restarts a dead stub of a (non-decoupled) model when it next gets a request.
+SUBSERVER_INPUTS: list[dict[str, Any]] = [{"name": "tokenrouter_probe", "data_type": "TYPE_BOOL", "dims": [1]}]
+SUBSERVER_OUTPUTS: list[dict[str, Any]] = [{"name": "tokenrouter_ready", "data_type": "TYPE_BOOL", "dims": [1]}]
+# config.pbtxt parameter that tells `auto_complete` which interface a model gets (written by repository.py).
+ROLE_PARAMETER = "tokenrouter_role"
+
 # sampling_parameters keys (vLLM's names) -> SamplingParams fields.
 _SAMPLING_KEYS = {
     "max_tokens": "max_new_tokens",
@@ -40,18 +47,26 @@ _SAMPLING_KEYS = {
 }
 
 
+def role_of(config: dict[str, Any]) -> str:
+    """`router` or `subserver`, from a model config's parameters (no parameter: the router)."""
+    return config.get("parameters", {}).get(ROLE_PARAMETER, {}).get("string_value", "router")
+
+
 def auto_complete(config: Any) -> Any:
-    """Declare the tensors and the decoupled policy, so config.pbtxt needs only backend and instances."""
-    declared_in = {i["name"] for i in config.as_dict().get("input", [])}
-    declared_out = {o["name"] for o in config.as_dict().get("output", [])}
-    for spec in INPUTS:
+    """Declare the tensors and the transaction policy, so config.pbtxt needs only backend and instances: the
+    router streams (decoupled); a subserver answers its probe with one response."""
+    as_dict = config.as_dict()
+    subserver = role_of(as_dict) == "subserver"
+    declared_in = {i["name"] for i in as_dict.get("input", [])}
+    declared_out = {o["name"] for o in as_dict.get("output", [])}
+    for spec in SUBSERVER_INPUTS if subserver else INPUTS:
         if spec["name"] not in declared_in:
             config.add_input(spec)
-    for spec in OUTPUTS:
+    for spec in SUBSERVER_OUTPUTS if subserver else OUTPUTS:
         if spec["name"] not in declared_out:
             config.add_output(spec)
     config.set_max_batch_size(0)
-    config.set_model_transaction_policy({"decoupled": True})
+    config.set_model_transaction_policy({"decoupled": not subserver})
     return config
 
 

@@ -25,7 +25,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Client, Connection
 from typing import Any
 
 from tokenrouter.transport import codec
@@ -111,7 +111,11 @@ class ModelListener:
     ) -> None:
         self.address = addr or address(model)
         self.model = model
-        self._listener = Listener(self.address, family="AF_UNIX")
+        # A plain listening socket rather than multiprocessing's Listener: close() must be able to shut it
+        # down, which is what wakes the accept thread (closing an fd another thread is blocked on does not).
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(self.address)
+        self._sock.listen(64)
         self._on_messages, self._on_close = on_messages, on_close
         self._stopped = False
         self._thread = threading.Thread(target=self._accept_forever, name=f"tr-{model}-accept", daemon=True)
@@ -120,7 +124,8 @@ class ModelListener:
     def _accept_forever(self) -> None:
         while not self._stopped:
             try:
-                conn = self._listener.accept()
+                sock, _ = self._sock.accept()
+                conn = Connection(sock.detach())
                 uid = _peer_uid(conn)
             except OSError:
                 if self._stopped:
@@ -139,14 +144,19 @@ class ModelListener:
 
     def close(self) -> None:
         self._stopped = True
-        self._listener.close()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
 
 
 class ModelLink:
     """The router's side of one model: connects on first use, reads events on its own thread.
 
     `on_events(events)` runs on the reader thread; `on_lost()` once per connection that breaks (the model's
-    process exited), after which the next `send` connects again."""
+    process exited). A model that was reached once and then lost is not waited for again: sends fail at
+    once until `connect` (called off the router's loop, by whoever revives the model) succeeds."""
 
     def __init__(
         self,
@@ -162,13 +172,19 @@ class ModelLink:
         self.connect_timeout = connect_timeout
         self._peer: Peer | None = None
         self._lock = threading.Lock()
+        self._ever_connected = False
         # After a failed connect, sends fail at once for a while: the caller is the router's loop thread,
         # which must not wait connect_timeout per message for a model that is gone.
         self._down_until = 0.0
         self._down_error = ""
 
-    def _connect(self) -> Peer:
-        deadline = time.monotonic() + self.connect_timeout
+    @property
+    def connected(self) -> bool:
+        peer = self._peer
+        return peer is not None and not peer.closed
+
+    def _open(self, timeout: float) -> Peer:
+        deadline = time.monotonic() + timeout
         while True:
             try:
                 conn = Client(self.address, family="AF_UNIX")
@@ -189,7 +205,21 @@ class ModelLink:
         with self._lock:
             if self._peer is peer:
                 self._peer = None
+                self._down_until = float("inf")  # until connect() succeeds again
+                self._down_error = f"model {self.model!r} is unavailable: its process exited"
         self._on_lost()
+
+    def connect(self, timeout: float | None = None) -> None:
+        """Connect now (blocking up to `timeout`, default connect_timeout); ConnectionError if not reachable."""
+        with self._lock:
+            if self.connected:
+                return
+        peer = self._open(self.connect_timeout if timeout is None else timeout)
+        with self._lock:
+            if self.connected:  # another thread won the race
+                peer.close()
+                return
+            self._peer, self._ever_connected, self._down_until = peer, True, 0.0
 
     def send(self, messages: list[Any]) -> None:
         """Send a batch of messages; ConnectionError when the model cannot be reached."""
@@ -198,7 +228,9 @@ class ModelLink:
                 if time.monotonic() < self._down_until:
                     raise ConnectionError(self._down_error)
                 try:
-                    self._peer = self._connect()
+                    # Only the first connection waits for the model to come up (the server is starting).
+                    self._peer = self._open(0.0 if self._ever_connected else self.connect_timeout)
+                    self._ever_connected = True
                 except ConnectionError as e:
                     self._down_until, self._down_error = time.monotonic() + RETRY_AFTER_S, str(e)
                     raise

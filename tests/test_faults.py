@@ -1,0 +1,149 @@
+"""Faults on the served CPU default, against a real tritonserver: a model's process killed mid-request, the
+KV pool exhausted under load, clients that disconnect mid-stream. Nothing may hang, every request ends
+with exactly one final response (or a clear error), and once idle no model holds a request or a KV block."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from triton_harness import generate_stream, metrics, running_server
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "perf"))
+
+from soak import run_soak, wait_idle  # noqa: E402
+
+LONG = {"max_tokens": 3000, "ignore_eos": True}
+
+
+def _config(tmp: Path, tiny_dir: Path, kv_cache_tokens: int = 4096, p: float = 0.3) -> Path:
+    cfg = yaml.safe_load((REPO / "config" / "r2r" / "tiny-small_tiny-large.yaml").read_text())
+    for name, m in cfg["models"].items():
+        m["path"] = str(tiny_dir / name)
+        m["kv_cache_tokens"] = kv_cache_tokens
+    cfg["policy"] = {"name": "random", "p": p, "seed": 0}
+    path = tmp / "faults.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def _stub_pid(server, model: str) -> int:
+    """The Python-backend stub process serving `model` (a child of tritonserver named after the instance)."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
+        pid, ppid, args = line.split(None, 2)
+        if int(ppid) == server.proc.pid and f"/{model}/1/model.py " in args:
+            return int(pid)
+    raise AssertionError(f"no stub process for {model}")
+
+
+def _body(prompt: str, params: dict) -> dict:
+    return {"text_input": prompt, "sampling_parameters": json.dumps(params), "stream": True}
+
+
+def _wait_metric(server, key: str, want: float, timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = metrics(server).get(key)
+        if value == want or time.monotonic() > deadline:
+            return value
+        time.sleep(0.3)
+
+
+@pytest.mark.slow
+def test_killed_subserver_fails_its_requests_and_is_reloaded(tiny_dir: Path, tmp_path: Path) -> None:
+    with running_server(_config(tmp_path, tiny_dir), tmp_path) as server:
+        results: list[tuple[int, list[dict]]] = []
+        streams = [
+            threading.Thread(target=lambda i=i: results.append(generate_stream(server, _body(f"x{i}", LONG))))
+            for i in range(4)
+        ]
+        for t in streams:
+            t.start()
+        time.sleep(1.0)  # mid-request: 3,000 tokens take far longer than this
+        os.kill(_stub_pid(server, "large"), signal.SIGKILL)
+        for t in streams:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in streams), "a stream hung after its model died"
+        for status, events in results:
+            errors = [e["error"] for e in events if "error" in e]
+            assert status == 200 and len(errors) == 1 and events[-1] == {"error": errors[0]}, events[-3:]
+            assert "'large' went away during the request" in errors[0]
+
+        # Until it is back (the router reloads it), requests are refused at once with a message that says
+        # why; then they are served again.
+        status, events = generate_stream(server, _body("y", {"max_tokens": 8}))
+        if "error" in events[-1]:
+            assert "'large' is unavailable" in events[-1]["error"] and "restarted" in events[-1]["error"]
+        assert _wait_metric(server, 'tokenrouter_model_up{model="large"}', 1.0, 180) == 1.0
+        result = run_soak(server.grpc_url, requests=40, concurrency=4, cancel_fraction=0.0, max_tokens=24,
+                          metrics_url=server.metrics_url, seed=3)
+        assert result.problems() == [], result
+        assert sum(result.finished_delta.values()) == 40
+        assert server.proc.poll() is None
+
+
+@pytest.mark.slow
+def test_kv_exhaustion_under_load_queues_and_preempts_never_fails(tiny_dir: Path, tmp_path: Path) -> None:
+    """A KV pool of 512 tokens per model under 8 concurrent requests that need ~160 each: requests wait or
+    are preempted and recomputed; all finish, and the pool is whole again afterwards."""
+    with running_server(_config(tmp_path, tiny_dir, kv_cache_tokens=512), tmp_path) as server:
+        result = run_soak(server.grpc_url, requests=48, concurrency=8, cancel_fraction=0.1, max_tokens=150,
+                          metrics_url=server.metrics_url, seed=4, timeout=300)
+        assert result.problems() == [], result
+        # A prompt longer than the pool can hold is refused for that request alone, with the limit.
+        status, events = generate_stream(server, _body("word " * 600, {"max_tokens": 4}))
+        assert "can hold at most 511" in events[-1].get("error", ""), events
+        assert server.proc.poll() is None
+
+
+_GRPC_CLIENT = """
+import sys, queue, numpy as np
+sys.path.insert(0, {perf!r})
+import tritonclient.grpc as grpcclient
+from soak import stream_inputs
+c = grpcclient.InferenceServerClient({url!r})
+q = queue.Queue()
+c.start_stream(callback=lambda result, error: q.put((result, error)))
+c.async_stream_infer("tokenrouter", stream_inputs("def f(x):", 3000), request_id="gone")
+for _ in range(3):
+    r, e = q.get(timeout=60)
+    assert e is None, e
+print("streaming", flush=True)
+import os; os._exit(0)  # no cancel, no goodbye: the process is simply gone
+"""
+
+
+@pytest.mark.slow
+def test_clients_that_disconnect_mid_stream_have_their_kv_freed(tiny_dir: Path, tmp_path: Path) -> None:
+    with running_server(_config(tmp_path, tiny_dir), tmp_path) as server:
+        abort = 'tokenrouter_requests_finished_total{finish_reason="abort",model="tokenrouter"}'
+        before = metrics(server).get(abort, 0)
+        # gRPC: the client process exits mid-stream.
+        code = _GRPC_CLIENT.format(perf=str(REPO / "perf"), url=server.grpc_url)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert "streaming" in out.stdout, out.stderr[-2000:]
+        # HTTP: the client closes its connection after the first events.
+        body = json.dumps(_body("def g(y):", LONG)).encode()
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as s:
+            s.sendall(
+                b"POST /v2/models/tokenrouter/generate_stream HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
+            assert b"data:" in s.recv(4096)
+        # Both are cancelled (not run to their 3,000 tokens): the router counts them as aborted, and every
+        # model frees what they held.
+        assert _wait_metric(server, abort, before + 2, 60) == before + 2
+        held = wait_idle(server.metrics_url, timeout=30)
+        assert not any(held.values()), held
