@@ -147,3 +147,25 @@ def test_clients_that_disconnect_mid_stream_have_their_kv_freed(tiny_dir: Path, 
         assert _wait_metric(server, abort, before + 2, 60) == before + 2
         held = wait_idle(server.metrics_url, timeout=30)
         assert not any(held.values()), held
+
+
+def _stubs_of(repo: Path) -> list[int]:
+    """Model stub processes of the repository at `repo` (their command line names its model.py files)."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
+    lines = [line for line in out.splitlines() if "triton_python_backend_stub" in line and f"{repo}/" in line]
+    return [int(line.split()[0]) for line in lines]
+
+
+@pytest.mark.slow
+def test_stubs_exit_when_tritonserver_dies(tiny_dir: Path, tmp_path: Path) -> None:
+    """tritonserver crashing (here SIGSEGV, as a 100,000-deep JSON body does to Triton 2.51's HTTP parser)
+    must not leave model processes behind holding memory and sockets."""
+    with running_server(_config(tmp_path, tiny_dir), tmp_path) as server:
+        repo = tmp_path / "model_repository"
+        assert len(_stubs_of(repo)) == 3
+        server.proc.send_signal(signal.SIGSEGV)
+        server.proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while _stubs_of(repo) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _stubs_of(repo) == []

@@ -36,6 +36,9 @@ class TritonPythonModel:
         return auto_complete(auto_complete_model_config)
 
     def initialize(self, args: dict) -> None:
+        from tokenrouter.serving.lifeline import watch_parent
+
+        watch_parent()  # end with tritonserver, however it ends
         settings = _settings(args)
         if settings["role"] == "router":
             from tokenrouter.serving.router_model import RouterModel
