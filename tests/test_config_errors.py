@@ -117,7 +117,16 @@ def test_yaml_strings_are_not_numbers(tmp_path: Path, tiny_dir: Path) -> None:
 POLICIES = [
     ({"name": "nope"}, r"unknown routing policy 'nope'; available: \[.*'always'.*'random'.*\]"),
     ({"name": "random", "p": 2}, r"policy 'random': argument 'p' must be in \[0, 1\], got 2"),
-    ({"name": "random", "seed": "x"}, r"policy 'random': "),
+    ({"name": "random", "seed": "x"}, r"^policy 'random': argument 'seed' must be an integer in \[0, \d+\], got 'x'$"),
+    ({"name": "r2r", "seed": -1}, r"^policy 'r2r': argument 'seed' must be an integer in \[0, 9223372036854775807\]"),
+    ({"name": "query", "seed": 1.5}, r"^policy 'query': argument 'seed' must be an integer in \[0, \d+\], got 1\.5$"),
+    ({"name": "mixture", "seed": True}, r"^policy 'mixture': argument 'seed' must be an integer .*, got True$"),
+    (
+        {"name": "r2r", "checkpoint": "/no/such/router.pt"},
+        r"^policy 'r2r': argument 'checkpoint': router checkpoint '/no/such/router\.pt' does not exist$",
+    ),
+    ({"name": "citer", "checkpoint": "no-such-router.pt"}, r"^policy 'citer': .*'no-such-router\.pt' \(resolved to '/"),
+    ({"name": "collm", "checkpoint": 5}, r"^policy 'collm': argument 'checkpoint' must be a file path or null, got 5$"),
     ({"name": "always", "model": "huge"}, r"policy 'always': argument 'model' must be one of \['small', 'large'\]"),
     ({"name": "rstitch", "tau": 1}, r"policy 'rstitch': unknown argument\(s\) \['tau'\]"),
     ({"name": "mixture", "weights": [1.0]}, r"policy 'mixture'"),
@@ -138,6 +147,19 @@ def test_policy_refused_before_models_load(
     monkeypatch.setattr(engine_module, "Subserver", no_loading)
     with pytest.raises(ConfigError, match=msg):
         engine_module.Engine.from_config({**copy.deepcopy(two), "policy": policy})
+
+
+def test_router_checkpoint_is_checked_before_models_load(two: dict, tmp_path: Path) -> None:
+    for name in ("r2r", "citer", "collm"):
+        with pytest.raises(ConfigError, match=rf"^policy '{name}': .*'{re.escape(str(tmp_path))}' is a directory"):
+            load_config({**copy.deepcopy(two), "policy": {"name": name, "checkpoint": str(tmp_path)}})
+        # A file that exists passes the check (whether it fits the network is known only once the model has
+        # loaded and its hidden size is known); none, or null, means a seeded random router.
+        ckpt = tmp_path / f"{name}.pt"
+        ckpt.write_bytes(b"")
+        for checkpoint in (str(ckpt), None):
+            policy = {"name": name, "checkpoint": checkpoint, "seed": 7.0}
+            assert load_config({**copy.deepcopy(two), "policy": policy}).policy == policy
 
 
 def test_every_two_model_policy_is_accepted_with_its_defaults(two: dict) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from tokenrouter.engine.engine import Engine
 from tokenrouter.runner.sampler import sample
-from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.sampling_params import SamplingParams, SamplingParamsError
 
 MODEL = "large"
 PROMPT = "def main():\n    "
@@ -238,8 +238,10 @@ WRONG_TYPES = [
 
 @pytest.mark.parametrize(("kw", "msg"), WRONG_TYPES, ids=lambda v: str(v)[:30])
 def test_validate_names_field_and_range(kw: dict, msg: str) -> None:
-    with pytest.raises(ValueError, match=f"^{msg}$"):
+    with pytest.raises(SamplingParamsError, match=f"^{msg}$") as e:
         SamplingParams(**kw).validate()
+    # The field travels with the error, so the wire formats can name it as their client spelled it.
+    assert isinstance(e.value, ValueError) and e.value.field == next(iter(kw))
 
 
 def test_validate_accepts_the_documented_forms() -> None:

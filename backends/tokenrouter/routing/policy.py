@@ -22,6 +22,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from tokenrouter.sampling_params import SEED_RANGE
+
 
 @dataclass
 class Lease:
@@ -95,6 +97,16 @@ class StepResult:
 RouteDecision = str | bool
 
 
+def _seed_arg(policy: str, seed: Any) -> int:
+    """The `seed` argument every policy takes, as an int (it seeds a torch.Generator), or a ValueError."""
+    lo, hi = SEED_RANGE
+    # bool is an int subclass (`seed: true` is a mistake); 7.0 from a YAML or JSON writer is 7.
+    ok = not isinstance(seed, bool) and isinstance(seed, int | float) and float(seed).is_integer()
+    if not ok or not lo <= seed <= hi:
+        raise ValueError(f"policy {policy!r}: argument 'seed' must be an integer in [{lo}, {hi}], got {seed!r}")
+    return int(seed)
+
+
 class Policy(ABC):
     """A routing policy instance bound to one subserver (`self.model`) of a deployment with `self.models`.
 
@@ -117,7 +129,7 @@ class Policy(ABC):
         if unknown:
             raise ValueError(f"policy {self.name!r}: unknown argument(s) {unknown}; known: {sorted(defaults)}")
         self.args = {**defaults, **args}
-        self.seed = int(self.args["seed"])
+        self.seed = _seed_arg(self.name, self.args["seed"])
 
     # -- lifecycle ------------------------------------------------------------------------------------
 

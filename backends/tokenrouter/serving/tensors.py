@@ -34,18 +34,6 @@ SUBSERVER_OUTPUTS: list[dict[str, Any]] = [{"name": "tokenrouter_ready", "data_t
 # config.pbtxt parameter that tells `auto_complete` which interface a model gets (written by repository.py).
 ROLE_PARAMETER = "tokenrouter_role"
 
-# sampling_parameters keys (vLLM's names) -> SamplingParams fields.
-_SAMPLING_KEYS = {
-    "max_tokens": "max_new_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "seed": "seed",
-    "stop": "stop",
-    "stop_token_ids": "stop_token_ids",
-    "ignore_eos": "ignore_eos",
-}
-
 
 def role_of(config: dict[str, Any]) -> str:
     """`router` or `subserver`, from a model config's parameters (no parameter: the router)."""
@@ -71,44 +59,20 @@ def auto_complete(config: Any) -> Any:
 
 
 def parse_sampling_parameters(raw: str | bytes | None) -> SamplingParams:
-    """SamplingParams from the `sampling_parameters` JSON; ValueError names the offending key."""
+    """SamplingParams from the `sampling_parameters` JSON; ValueError names the offending key as sent."""
     if raw is None or raw in ("", b""):
         return SamplingParams()
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # bad UTF-8, bad JSON, or an integer past Python's digit limit
         raise ValueError(f"sampling_parameters is not valid JSON: {e}") from None
     except RecursionError:
         raise ValueError("sampling_parameters is nested too deeply") from None
     if not isinstance(data, dict):
         raise ValueError("sampling_parameters must be a JSON object")
-    unknown = sorted(set(data) - set(_SAMPLING_KEYS))
-    if unknown:
-        raise ValueError(f"unknown sampling parameter(s) {unknown}; supported: {sorted(_SAMPLING_KEYS)}")
-    # Numbers may come as strings, as vllm_backend accepts them (genai-perf sends "max_tokens": "16").
-    for key, convert in (("max_tokens", int), ("top_k", int), ("seed", int), ("temperature", float), ("top_p", float)):
-        if isinstance(data.get(key), str):
-            try:
-                data[key] = convert(data[key])
-            except ValueError:
-                kind = "an integer" if convert is int else "a number"
-                raise ValueError(f"{key} must be {kind}, got {data[key]!r}") from None
-    kwargs = {_SAMPLING_KEYS[k]: v for k, v in data.items() if v is not None}
-    for key in ("temperature", "top_p"):
-        if key in kwargs:
-            if isinstance(kwargs[key], bool) or not isinstance(kwargs[key], int | float):
-                raise ValueError(f"{key} must be a number, got {kwargs[key]!r}")
-            kwargs[key] = float(kwargs[key])
-    if "max_new_tokens" in kwargs and (
-        isinstance(kwargs["max_new_tokens"], bool) or not isinstance(kwargs["max_new_tokens"], int)
-        or kwargs["max_new_tokens"] < 1
-    ):
-        raise ValueError(f"max_tokens must be an integer >= 1, got {data['max_tokens']!r}")
-    if "ignore_eos" in kwargs and not isinstance(kwargs["ignore_eos"], bool):
-        raise ValueError(f"ignore_eos must be a boolean, got {kwargs['ignore_eos']!r}")
-    params = SamplingParams(**kwargs)
-    params.validate()
-    return params
+    # The keys, coercions and rules are shared with the OpenAI front end; numbers may come as strings here,
+    # as vllm_backend accepts them.
+    return SamplingParams.from_wire(data, numbers_as_strings=True)
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,27 @@ def number_arg(
         interval = f"{'(' if lo_open or lo is None else '['}{left}, {right}{')' if hi_open or hi is None else ']'}"
         raise ValueError(f"policy {policy.name!r}: argument {key!r} must be in {interval}, got {value!r}")
     return value
+
+
+class CheckpointMissing(FileNotFoundError, ValueError):
+    """A router checkpoint that is not a file: a missing file, and a bad policy argument (the ValueError that
+    the config check reports before any model loads)."""
+
+
+def checkpoint_arg(policy: Policy, key: str = "checkpoint") -> str | None:
+    """`policy.args[key]`, a router checkpoint file that must exist (null or "": none, random init)."""
+    path = policy.args[key]
+    if path is None or path == "":
+        return None
+    if not isinstance(path, str | os.PathLike):
+        raise ValueError(f"policy {policy.name!r}: argument {key!r} must be a file path or null, got {path!r}")
+    p = Path(path)
+    if not p.is_file():
+        # Relative paths resolve against the process's working directory: say which one that was.
+        where = "" if p.is_absolute() else f" (resolved to {str(p.resolve())!r})"
+        what = "is a directory, not a file" if p.is_dir() else "does not exist"
+        raise CheckpointMissing(f"policy {policy.name!r}: argument {key!r}: router checkpoint {str(p)!r}{where} {what}")
+    return str(path)
 
 
 def choice_arg(policy: Policy, key: str, choices: tuple[str, ...]) -> str:

@@ -13,6 +13,7 @@ from torch import nn
 from tokenrouter.routing.policies._common import (
     build_router,
     check_models,
+    checkpoint_arg,
     home_or_default_receive,
     number_arg,
     sigmoid_rule,
@@ -30,6 +31,8 @@ class LearnedRouterPolicy(Policy):
         super().__init__(models, model, args)
         check_models(self, exactly=2)
         self.threshold: float = number_arg(self, "threshold", lo=0.0, hi=1.0)
+        # Checked here, not first in `setup`: the config check constructs the policy before any model loads.
+        self.checkpoint: str | None = checkpoint_arg(self)
         self.net: nn.Module | None = None
 
     @abstractmethod
@@ -44,7 +47,7 @@ class LearnedRouterPolicy(Policy):
         # router would shift decisions near the threshold between deployments.
         if self.model == self.models[0]:
             build = lambda: self.build_net(hidden_size, vocab_size)  # noqa: E731
-            self.net = build_router(self, build, device, self.args["checkpoint"])
+            self.net = build_router(self, build, device, self.checkpoint)
 
     def logits(self, result: StepResult) -> torch.Tensor:
         """[S] router logits for the step: one batched call on the model's device."""

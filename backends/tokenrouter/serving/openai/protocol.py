@@ -9,11 +9,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenrouter.sampling_params import WIRE_KEYS, SamplingParams, SamplingParamsError
 from tokenrouter.serving.openai.errors import OpenAIError
 
 DEFAULT_MODEL_NAME = "tokenrouter"
 # The Triton model's own default; made explicit so the request sent is self-describing.
-DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_TOKENS: int = SamplingParams.max_new_tokens
 
 
 @dataclass
@@ -40,20 +41,13 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object, or a 400."""
     try:
         body = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except ValueError as e:  # bad UTF-8, bad JSON, or an integer past Python's digit limit
         raise OpenAIError(f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise OpenAIError("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise OpenAIError(f"request body must be a JSON object, got {type(body).__name__}")
     return body
-
-
-def _is_int(v: Any) -> bool:
-    # bool is a subclass of int, but `"max_tokens": true` is a client bug, not 1.
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _opt_bool(body: Mapping[str, Any], key: str, default: bool = False) -> bool:
@@ -120,68 +114,24 @@ def _reject_unsupported(body: Mapping[str, Any]) -> None:
 def parse_sampling_parameters(body: Mapping[str, Any], *, chat: bool = False) -> dict[str, Any]:
     """OpenAI sampling fields -> the model's `sampling_parameters` JSON object, validated.
 
-    Mirrors `SamplingParams.validate` so that bad values get a precise 400 here instead of a
-    round trip to Triton. `top_k`, `stop_token_ids` and `ignore_eos` are extensions (as in vLLM).
+    The rules are the model's own (`SamplingParams.from_wire`), so a bad value gets the same precise 400
+    here as from the model, without the round trip to Triton. Only the OpenAI spellings are this layer's:
+    chat's `max_completion_tokens` (which wins over `max_tokens`), and errors naming the key as sent.
+    `top_k`, `stop_token_ids` and `ignore_eos` are extensions (as in vLLM).
     """
-    out: dict[str, Any] = {}
-
-    max_tokens = body.get("max_completion_tokens") if chat else None
-    key = "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, key = body.get("max_tokens"), "max_tokens"
-    if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS
-    if not _is_int(max_tokens) or max_tokens < 1:
-        raise OpenAIError(f"'{key}' must be an integer >= 1, got {max_tokens!r}", param=key)
-    out["max_tokens"] = max_tokens
-
-    temperature = body.get("temperature")
-    if temperature is not None:
-        if not _is_number(temperature) or temperature < 0:
-            raise OpenAIError(f"'temperature' must be a number >= 0, got {temperature!r}", param="temperature")
-        out["temperature"] = float(temperature)
-
-    top_p = body.get("top_p")
-    if top_p is not None:
-        if not _is_number(top_p) or not 0 < top_p <= 1:
-            raise OpenAIError(f"'top_p' must be a number in (0, 1], got {top_p!r}", param="top_p")
-        out["top_p"] = float(top_p)
-
-    top_k = body.get("top_k")
-    if top_k is not None:
-        if not _is_int(top_k) or top_k < -1:
-            raise OpenAIError(f"'top_k' must be -1, 0 (disabled) or a positive integer, got {top_k!r}", param="top_k")
-        out["top_k"] = top_k
-
-    seed = body.get("seed")
-    if seed is not None:
-        if not _is_int(seed):
-            raise OpenAIError(f"'seed' must be an integer, got {seed!r}", param="seed")
-        out["seed"] = seed
-
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or any(not isinstance(s, str) or not s for s in stops):
-            raise OpenAIError(
-                f"'stop' must be a non-empty string or a list of non-empty strings, got {stop!r}", param="stop"
-            )
-        if stops:
-            out["stop"] = stops
-
-    stop_token_ids = body.get("stop_token_ids")
-    if stop_token_ids is not None:
-        if not isinstance(stop_token_ids, list) or any(not _is_int(t) or t < 0 for t in stop_token_ids):
-            raise OpenAIError(
-                f"'stop_token_ids' must be a list of non-negative integers, got {stop_token_ids!r}",
-                param="stop_token_ids",
-            )
-        if stop_token_ids:
-            out["stop_token_ids"] = stop_token_ids
-
-    if body.get("ignore_eos") is not None:
-        out["ignore_eos"] = _opt_bool(body, "ignore_eos")
-    return out
+    wire = {key: body.get(key) for key in WIRE_KEYS}
+    sent_as: dict[str, str] = {}  # wire key -> the client's key, where they differ
+    if chat and body.get("max_completion_tokens") is not None:
+        wire["max_tokens"], sent_as["max_tokens"] = body["max_completion_tokens"], "max_completion_tokens"
+    if wire["max_tokens"] is None:
+        wire["max_tokens"] = DEFAULT_MAX_TOKENS
+    try:
+        params = SamplingParams.from_wire(wire)
+    except SamplingParamsError as e:
+        key = sent_as.get(e.field, e.field)
+        raise OpenAIError(f"'{key}' {e.rule}, got {e.shown}", param=key) from None
+    # What the client set, as validated (`"stop": "x"` goes on as ["x"]); empty stop lists are left out.
+    return {key: getattr(params, WIRE_KEYS[key]) for key, v in wire.items() if v is not None and v != []}
 
 
 def _parse_stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
