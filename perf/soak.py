@@ -208,11 +208,18 @@ def run_soak(
     seed: int = 0,
     timeout: float = 120.0,
     progress: bool = False,
+    cancellations: int | None = None,
 ) -> SoakResult:
-    """Run the soak against the gRPC server at `url`; see the module docstring for what is checked."""
+    """Run the soak against the gRPC server at `url`; see the module docstring for what is checked.
+    `cancellations`, if given, cancels exactly that many requests (chosen at random) instead of each one
+    with probability `cancel_fraction`."""
     rng = random.Random(seed)
+    if cancellations is not None:
+        chosen = set(rng.sample(range(requests), min(cancellations, requests)))
+    else:
+        chosen = {i for i in range(requests) if rng.random() < cancel_fraction}
     plan = [
-        (f"soak-{i}", PROMPTS[i % len(PROMPTS)], rng.randint(1, max_tokens) if rng.random() < cancel_fraction else None)
+        (f"soak-{i}", PROMPTS[i % len(PROMPTS)], rng.randint(1, max_tokens) if i in chosen else None)
         for i in range(requests)
     ]
     result = SoakResult(requests=requests)
@@ -271,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metrics-url", help="the server's Prometheus endpoint (with --url)")
     p.add_argument("--requests", type=int, default=500)
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--cancel-fraction", type=float, default=0.2)
+    p.add_argument("--cancel-fraction", type=float, default=0.2, help="cancel each request with this probability")
+    p.add_argument("--cancellations", type=int, help="cancel exactly this many requests, chosen at random")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="results JSON (a bare name goes to perf/results/)")
@@ -279,16 +287,20 @@ def main(argv: list[str] | None = None) -> int:
 
     def soak(url: str, metrics_url: str | None) -> SoakResult:
         return run_soak(url, args.requests, args.concurrency, args.cancel_fraction, args.max_tokens,
-                        metrics_url, args.seed, progress=True)
+                        metrics_url, args.seed, progress=True, cancellations=args.cancellations)
 
+    server_alive = None
     if args.serve:
         import tempfile
 
         with tempfile.TemporaryDirectory() as work, serving(args.serve, Path(work)) as server:
             result = soak(server.grpc_url, server.metrics_url)
+            server_alive = server.proc.poll() is None
     else:
         result = soak(args.url, args.metrics_url)
     problems = result.problems()
+    if server_alive is False:
+        problems.append("tritonserver exited during the soak")
     print(f"{result.requests} requests at concurrency {args.concurrency} in {result.elapsed_s:.1f} s: "
           f"{result.completed} completed, {result.cancelled} cancelled, {len(result.errors)} errors, "
           f"{result.output_tokens / max(result.elapsed_s, 1e-9):.1f} output tok/s; server: {result.finished_delta}")
@@ -297,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         path = results_path(args.out, ".json")
         path.write_text(json.dumps({"command": command_line(), "date": now_iso(), "machine": machine_info(),
-                                    "result": asdict(result), "problems": problems}, indent=2) + "\n")
+                                    "result": asdict(result), "server_alive_after": server_alive,
+                                    "problems": problems}, indent=2) + "\n")
         print(f"wrote {path}")
     return 1 if problems else 0
 
