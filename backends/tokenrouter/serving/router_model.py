@@ -11,6 +11,7 @@ the subservers report, and exports them and the predicted throughput as metrics.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import json
 import logging
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 
 # How often the router asks Triton whether a client cancelled (one IPC round trip per live request).
 CANCEL_POLL_S = 0.05
+# How long Python keeps every request, response sender and response it handed to Triton after the last use
+# (see `_Graveyard`).
+KEEP_TRITON_OBJECTS_S = 10.0
 # Reviving a model whose process died: first wait between reload attempts (doubling up to 5 s), and how
 # long its socket may take to answer once Triton says it is loaded again.
 REVIVE_BACKOFF_S = 0.2
@@ -144,6 +148,33 @@ class SocketCoordinator(Coordinator):
             link.close()
 
 
+class _Graveyard:
+    """Keeps Triton's Python objects (requests, response senders, responses and their tensors) alive for a
+    while after their last use, then drops them on the router's loop.
+
+    Triton 2.51's Python backend (python_backend r24.10) frees a tensor's numpy arrays in C++ without
+    holding the GIL when C++ drops the last reference (e.g. pruning a response's outputs while sending, or
+    releasing a request once its final response went out; fixed upstream in python_backend PR #390,
+    r24.12). Under sustained load that corrupts the stub's heap: the router's stub crashed after about
+    6,000 requests of a 10,000-request soak. When Python holds a reference longer than C++ does, the last
+    reference is always ours, dropped with the GIL held."""
+
+    def __init__(self, keep_s: float = KEEP_TRITON_OBJECTS_S) -> None:
+        self.keep_s = keep_s
+        self._graves: collections.deque[tuple[float, Any]] = collections.deque()  # appends are thread-safe
+
+    def keep(self, *objects: Any) -> None:
+        self._graves.append((time.monotonic() + self.keep_s, objects))
+
+    def sweep(self) -> None:
+        now = time.monotonic()
+        while self._graves and self._graves[0][0] <= now:
+            self._graves.popleft()
+
+    def __len__(self) -> int:
+        return len(self._graves)
+
+
 class _Client:
     """One client request: where its responses go and what it asked for."""
 
@@ -166,12 +197,14 @@ class RouterModel:
         for model in self.config.models:
             self.metrics.model_up(model, True)
         self.clients: dict[str, _Client] = {}
+        self.graveyard = _Graveyard()
         self._thread = threading.Thread(target=self._run_loop, name="tr-router-loop", daemon=True)
         self._thread.start()
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.create_task(self._watch_cancellations())
+        self.loop.create_task(self._sweep_forever())
         if self.config.batching.thresholds == "auto":
             self.loop.create_task(self._tune_forever())
         self.loop.run_forever()
@@ -191,6 +224,7 @@ class RouterModel:
                 gen = parse_request(lambda name, r=request: self._input(r, name))
             except ValueError as e:
                 self._send_error(sender, str(e))
+                self.graveyard.keep(request, sender)
                 continue
             self.loop.call_soon_threadsafe(self._admit, _Client(sender, request, gen))
         return None
@@ -223,6 +257,7 @@ class RouterModel:
         except ValueError as e:
             del self.clients[rid]
             self._send_error(client.sender, str(e))
+            self.graveyard.keep(client.request, client.sender)
 
     def _respond(self, client: _Client, out: RequestOutput) -> None:
         if client.done:
@@ -237,6 +272,7 @@ class RouterModel:
         if out.finished:
             client.done = True
             self.clients.pop(out.request_id, None)
+            self.graveyard.keep(client.request, client.sender)
             self.metrics.finished(out.finish_reason or "unknown")
             if out.finish_reason == "error":
                 self._send_error(client.sender, out.error or "request failed")
@@ -262,8 +298,10 @@ class RouterModel:
                 stats_bytes = json.dumps(stats).encode()
                 tensors.append(self.pb.Tensor("routing_stats", np.array([stats_bytes], dtype=np.object_)))
         flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
+        response = self.pb.InferenceResponse(output_tensors=tensors)
+        self.graveyard.keep(response, tensors)
         try:
-            client.sender.send(self.pb.InferenceResponse(output_tensors=tensors), flags=flags)
+            client.sender.send(response, flags=flags)
         except Exception:  # the client went away; the cancellation watcher aborts the request
             log.debug("could not send to client of %s", out.request_id)
 
@@ -306,6 +344,11 @@ class RouterModel:
         self.metrics.model_up(model, True)
         self.loop.call_soon_threadsafe(self.coordinator.model_back, model)
 
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.graveyard.sweep()
+
     async def _watch_cancellations(self) -> None:
         """Client cancelled the stream (or disconnected): abort on every model, which frees its KV."""
         while True:
@@ -332,6 +375,7 @@ class RouterModel:
 
     def _send_error(self, sender: Any, message: str) -> None:
         response = self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message))
+        self.graveyard.keep(response)
         try:
             sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception:
