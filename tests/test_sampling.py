@@ -249,3 +249,12 @@ def test_validate_accepts_the_documented_forms() -> None:
                dict(seed=0), dict(seed=2**63 - 1), dict(temperature=1e-300)):
         SamplingParams(**kw).validate()
     assert SamplingParams(stop="x").stop == ["x"] and SamplingParams(stop_token_ids=(1, 2)).stop_token_ids == [1, 2]
+
+
+def test_a_top_p_that_rounds_to_zero_in_float32_keeps_the_top_token() -> None:
+    """top_p=1e-320 is a valid number in (0, 1] but 0 in float32: the filter must still keep one token
+    (it used to drop all, and the NaN probabilities failed every request batched with it)."""
+    logits = torch.tensor([[0.1, 3.0, -1.0, 0.5], [2.0, 0.0, 0.0, 0.0]])
+    params = [SamplingParams(temperature=1.0, top_p=1e-320), SamplingParams(temperature=1.0, top_p=1e-46)]
+    for _ in range(5):
+        assert sample(logits, params, [None, None]).tolist() == [1, 0]

@@ -17,6 +17,9 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:  # [V] -> 
         sorted_probs, order = probs.sort(descending=True)
         # Keep the smallest head whose mass reaches top_p (the token that crosses it stays).
         drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
+        # The most likely token always stays: a top_p below float32's smallest value (1e-46 passes as a
+        # number in (0, 1]) rounds to 0 here and would otherwise drop every token.
+        drop[0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         probs = probs / probs.sum()
