@@ -83,7 +83,10 @@ def test_killed_subserver_fails_its_requests_and_is_reloaded(tiny_dir: Path, tmp
 
         # Until it is back (the router reloads it), requests are refused at once with a message that says
         # why; then they are served again.
+        # The reload must not stall the router: answers come at once (the reload takes seconds).
+        start = time.monotonic()
         status, events = generate_stream(server, _body("y", {"max_tokens": 8}))
+        assert time.monotonic() - start < 5.0, "the router stalled while the model was reloaded"
         if "error" in events[-1]:
             assert "'large' is unavailable" in events[-1]["error"] and "restarted" in events[-1]["error"]
         assert _wait_metric(server, 'tokenrouter_model_up{model="large"}', 1.0, 180) == 1.0

@@ -15,8 +15,11 @@ import collections
 import functools
 import json
 import logging
+import os
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +35,7 @@ from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.routing.policy import make_policy
 from tokenrouter.runner.arch import ArchConfig, declared_context_limit
 from tokenrouter.serving.metrics import RouterMetrics
+from tokenrouter.serving.server import ADMIN_KEY_ENV, CONTROL_URL_ENV
 from tokenrouter.serving.tensors import GenerateRequest, parse_request
 from tokenrouter.transport import ipc
 from tokenrouter.transport.messages import Append, Arrive, Failed, Release, Released, StepStatsReport
@@ -46,6 +50,7 @@ KEEP_TRITON_OBJECTS_S = 10.0
 # Reviving a model whose process died: first wait between reload attempts (doubling up to 5 s), and how
 # long its socket may take to answer once Triton says it is loaded again.
 REVIVE_BACKOFF_S = 0.2
+RELOAD_TIMEOUT_S = 1800.0  # a large model's weights take minutes to load
 REVIVE_CONNECT_S = 10.0
 
 
@@ -319,9 +324,7 @@ class RouterModel:
         while not self.coordinator._closing:
             try:
                 log.warning("model %r: reloading it", model)
-                # A load of a model Triton still counts as loaded (its files unchanged) does nothing.
-                self.pb.unload_model(model_name=model)
-                self.pb.load_model(model_name=model)
+                self._reload(model)
                 link.connect(timeout=REVIVE_CONNECT_S)
                 break
             except ConnectionError as e:
@@ -343,6 +346,28 @@ class RouterModel:
             return
         self.metrics.model_up(model, True)
         self.loop.call_soon_threadsafe(self.coordinator.model_back, model)
+
+    def _reload(self, model: str) -> None:
+        """Unload and load `model` (a load of a model Triton still counts as loaded does nothing). Through
+        the server's HTTP model-control API when `tokenrouter serve` said where it is: pb_utils.load_model
+        holds this process's GIL for the whole reload, which stalls every request for as long as the
+        model takes to load."""
+        url = os.environ.get(CONTROL_URL_ENV)
+        if url is None:
+            self.pb.unload_model(model_name=model)
+            self.pb.load_model(model_name=model)
+            return
+        key = os.environ.get(ADMIN_KEY_ENV)
+        headers = {"Content-Type": "application/json", **({"admin-key": key} if key else {})}
+        for action in ("unload", "load"):
+            request = urllib.request.Request(
+                f"{url}/v2/repository/models/{model}/{action}", data=b"{}", headers=headers, method="POST"
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=RELOAD_TIMEOUT_S) as r:
+                    r.read()
+            except urllib.error.HTTPError as e:
+                raise RuntimeError(f"{action} of {model!r} refused: {e.read().decode(errors='replace')}") from None
 
     async def _sweep_forever(self) -> None:
         while True:

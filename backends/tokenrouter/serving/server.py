@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import re
 import secrets
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -42,9 +44,29 @@ TRITON_APIS = (
 # where it cannot send headers.
 ADMIN_APIS = ("model-repository", "shared-memory", "trace", "logging")
 ADMIN_HEADER = "admin-key"
+# Set in tritonserver's environment (its stubs inherit it): where the router reaches model control.
+CONTROL_URL_ENV = "TOKENROUTER_MODEL_CONTROL_URL"
 GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # Triton prefixes the key of a gRPC restriction
 ADMIN_KEY_ENV = "TOKENROUTER_ADMIN_KEY"
 _KEY_CHARS = re.compile(r"[\x21-\x7e]+")  # visible ASCII: a valid HTTP header and gRPC metadata value
+
+
+def _die_with_parent_hook() -> Callable[[], None] | None:
+    """A preexec_fn that makes the kernel SIGTERM the child when this process dies, however it dies (the
+    child's own session keeps it out of our process group, so a kill of that group would miss it). Only
+    from the main thread: the kernel sends it when the *thread* that started the child exits."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child may not import
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def hook() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+    return hook
 
 
 def restriction_args(admin_key: str, apis: Sequence[str] = ADMIN_APIS) -> list[str]:
@@ -172,9 +194,15 @@ class TritonServer:
     def start(self) -> None:
         out = open(self.log_file, "ab") if self.log_file else None  # noqa: SIM115 (kept open for the child)
         # Its own process group, so stop() can reach the model stubs even if the server dies first.
+        env = triton_install.server_env()
+        # The router reloads a model whose process died through this server's own HTTP model-control API
+        # (pb_utils.load_model would hold the router's GIL for the whole reload and stall every request).
+        env[CONTROL_URL_ENV] = f"http://127.0.0.1:{self.http_port}"
+        if self.admin_key:
+            env[ADMIN_KEY_ENV] = self.admin_key
         self.proc = subprocess.Popen(
-            self.command(), env=triton_install.server_env(), stdout=out, stderr=subprocess.STDOUT if out else None,
-            start_new_session=True,
+            self.command(), env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+            start_new_session=True, preexec_fn=_die_with_parent_hook(),
         )
 
     def ready(self) -> bool:
