@@ -73,7 +73,9 @@ BAD_PARAMS = [
     (dict(stop_token_ids=[5000]), r"stop_token_ids token id 5000 .*out of the vocabulary"),
     (dict(stop_token_ids=7), "stop_token_ids must be a list of non-negative integers, got 7"),
     (dict(stop=[""]), "stop must be a non-empty string or a list of them"),
-    (dict(stop=5), "stop must be a non-empty string or a list of them, got 5"),
+    (dict(stop=["x"] * 33), "stop must be a non-empty string or a list of them"),
+    (dict(stop=["x" * 257]), "of at most 256 characters"),
+    (dict(stop=5), r"stop must be a non-empty string or a list of them \(at most 32, .*\), got 5"),
     (dict(ignore_eos="yes"), "ignore_eos must be a boolean"),
 ]
 

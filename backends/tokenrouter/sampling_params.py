@@ -18,6 +18,7 @@ from typing import Any
 # (and the softmax to NaN), which would fail the whole batch's step (vLLM draws the same line).
 GREEDY_BELOW = 1e-5
 SEED_RANGE = (0, 2**63 - 1)  # what torch.Generator.manual_seed takes
+MAX_STOPS, MAX_STOP_CHARS = 32, 256
 
 # The wire names (vLLM's `sampling_parameters` keys, which the OpenAI API shares) -> SamplingParams fields.
 WIRE_KEYS = {
@@ -64,9 +65,12 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v),
         "must be a list of non-negative integers",
     ),
+    # Bounded: stop strings are matched in the model's decode loop after every token, so a request with
+    # 200,000 of them slowed every other request on that model 20x.
     "stop": (
-        lambda v: isinstance(v, list) and all(isinstance(s, str) and s for s in v),
-        "must be a non-empty string or a list of them",
+        lambda v: isinstance(v, list) and len(v) <= MAX_STOPS
+        and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in v),
+        f"must be a non-empty string or a list of them (at most {MAX_STOPS}, of at most {MAX_STOP_CHARS} characters)",
     ),
     "ignore_eos": (lambda v: isinstance(v, bool), "must be a boolean"),
 }
