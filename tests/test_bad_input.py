@@ -80,7 +80,7 @@ BAD_PARAMS = [
 ]
 
 
-def test_bad_prompts(engine: Engine) -> None:
+def test_bad_prompts(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     for prompt, msg in bad_prompts(engine.vocab_size):
         with pytest.raises(ValueError, match=msg):
             engine.add_request(prompt, GREEDY)
@@ -88,6 +88,24 @@ def test_bad_prompts(engine: Engine) -> None:
             engine.generate([prompt], GREEDY)
     with pytest.raises(ValueError, match="prompt must be a string or a list of token ids, got int"):
         engine.add_request(42, GREEDY)
+    # A text far longer than the context can hold is refused before it is tokenized (tokenizing megabytes
+    # would stall every other request); one just under the character bound is tokenized and refused by count.
+    bound = engine._max_prompt_chars()
+    calls: list[int] = []
+    real = type(engine.tokenizer).__call__
+
+    def counting(self, text, **kw):  # noqa: ANN001, ANN202
+        calls.append(len(text))
+        return real(self, text, **kw)
+
+    monkeypatch.setattr(type(engine.tokenizer), "__call__", counting)
+    with pytest.raises(ValueError, match=f"prompt has {bound + 1} characters, more than a context limit of "):
+        engine.add_request("x" * (bound + 1), GREEDY)
+    assert calls == []
+    with pytest.raises(ValueError, match="tokens, but the context limit is"):
+        engine.add_request("x " * (bound // 2), GREEDY)
+    assert calls == [bound // 2 * 2]
+    monkeypatch.undo()
     # The longest prompt that fits leaves room for exactly one generated token.
     (out,) = engine.generate([list(range(CONTEXT - 1))], SamplingParams(max_new_tokens=5, temperature=0))
     assert out.finish_reason in ("length", "stop") and len(out.token_ids) == 1

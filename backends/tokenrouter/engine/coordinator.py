@@ -47,6 +47,7 @@ class Coordinator(ABC):
         self._lock = threading.RLock()
         self._tuned: dict[str, int] | None = None
         self.thresholds: dict[str, int] = {}
+        self._prompt_char_bound: int | None = None
 
     @abstractmethod
     def _deliver(self, model: str, msg: Arrive | Append | Release) -> None:
@@ -67,6 +68,12 @@ class Coordinator(ABC):
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass the prompt as a list of token ids")
+            if len(prompt) > self._max_prompt_chars():
+                # Refused before tokenizing: tokenizing megabytes stalls every other request on this thread.
+                raise ValueError(
+                    f"prompt has {len(prompt)} characters, more than a context limit of {self.max_model_len} "
+                    "tokens can hold"
+                )
             ids = self.tokenizer(prompt)["input_ids"]
         elif isinstance(prompt, list | tuple):
             ids = list(prompt)
@@ -81,6 +88,15 @@ class Coordinator(ABC):
                 "(prompt plus at least one generated token)"
             )
         return ids
+
+    def _max_prompt_chars(self) -> int:
+        """A prompt longer than this cannot fit the context: no token covers more characters than the
+        longest vocabulary entry (a byte-level BPE entry has one character per byte), with a factor 4 for
+        normalization that shrinks text."""
+        if self._prompt_char_bound is None:
+            longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+            self._prompt_char_bound = 4 * self.max_model_len * max(1, longest)
+        return self._prompt_char_bound
 
     def _check_token_ids(self, ids: list[int], what: str) -> None:
         for i, t in enumerate(ids):
