@@ -38,14 +38,13 @@ def _config(tmp: Path, tiny_dir: Path, kv_cache_tokens: int = 4096, p: float = 0
     return path
 
 
-def _stub_pid(server, model: str) -> int:
-    """The Python-backend stub process serving `model` (a child of tritonserver named after the instance)."""
-    out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True).stdout
-    for line in out.splitlines():
-        pid, ppid, args = line.split(None, 2)
-        if int(ppid) == server.proc.pid and f"/{model}/1/model.py " in args:
-            return int(pid)
-    raise AssertionError(f"no stub process for {model}")
+def _stubs_of(repo: Path, model: str = "") -> list[int]:
+    """Python-backend stub processes of the repository at `repo` (their command line names the model.py
+    they serve), of one model if given."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
+    where = f"{repo}/{model}/" if model else f"{repo}/"
+    lines = [line for line in out.splitlines() if "triton_python_backend_stub" in line and where in line]
+    return [int(line.split()[0]) for line in lines]
 
 
 def _body(prompt: str, params: dict) -> dict:
@@ -72,7 +71,8 @@ def test_killed_subserver_fails_its_requests_and_is_reloaded(tiny_dir: Path, tmp
         for t in streams:
             t.start()
         time.sleep(1.0)  # mid-request: 3,000 tokens take far longer than this
-        os.kill(_stub_pid(server, "large"), signal.SIGKILL)
+        (large,) = _stubs_of(tmp_path / "model_repository", "large")
+        os.kill(large, signal.SIGKILL)
         for t in streams:
             t.join(timeout=60)
         assert not any(t.is_alive() for t in streams), "a stream hung after its model died"
@@ -150,13 +150,6 @@ def test_clients_that_disconnect_mid_stream_have_their_kv_freed(tiny_dir: Path, 
         assert _wait_metric(server, abort, before + 2, 60) == before + 2
         held = wait_idle(server.metrics_url, timeout=30)
         assert not any(held.values()), held
-
-
-def _stubs_of(repo: Path) -> list[int]:
-    """Model stub processes of the repository at `repo` (their command line names its model.py files)."""
-    out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
-    lines = [line for line in out.splitlines() if "triton_python_backend_stub" in line and f"{repo}/" in line]
-    return [int(line.split()[0]) for line in lines]
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@ from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.routing.policy import make_policy
 from tokenrouter.runner.arch import ArchConfig, declared_context_limit
 from tokenrouter.serving.metrics import RouterMetrics
-from tokenrouter.serving.server import ADMIN_KEY_ENV, CONTROL_URL_ENV
+from tokenrouter.serving.server import ADMIN_HEADER, ADMIN_KEY_ENV, CONTROL_URL_ENV
 from tokenrouter.serving.tensors import GenerateRequest, parse_request
 from tokenrouter.transport import ipc
 from tokenrouter.transport.messages import Append, Arrive, Failed, Release, Released, StepStatsReport
@@ -175,9 +175,6 @@ class _Graveyard:
         now = time.monotonic()
         while self._graves and self._graves[0][0] <= now:
             self._graves.popleft()
-
-    def __len__(self) -> int:
-        return len(self._graves)
 
 
 class _Client:
@@ -358,7 +355,7 @@ class RouterModel:
             self.pb.load_model(model_name=model)
             return
         key = os.environ.get(ADMIN_KEY_ENV)
-        headers = {"Content-Type": "application/json", **({"admin-key": key} if key else {})}
+        headers = {"Content-Type": "application/json", **({ADMIN_HEADER: key} if key else {})}
         for action in ("unload", "load"):
             request = urllib.request.Request(
                 f"{url}/v2/repository/models/{model}/{action}", data=b"{}", headers=headers, method="POST"
