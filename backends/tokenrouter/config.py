@@ -67,6 +67,10 @@ class ModelConfig:
     enforce_eager: bool = False
     cuda_graph_max_batch: int = _spec(64, ge=0, accepts="an integer >= 0 (0 turns CUDA graphs off)")
     cuda_graph_max_tokens: int = _spec(128, ge=0, accepts="an integer >= 0 (0 turns CUDA graphs off)")
+    # The routing policy's tensor work (`step_tensors`) runs inside the forward step, in its CUDA graph, and
+    # its values reach the host in the step's one synchronization. false: after the step, as separate kernels
+    # with a synchronization of their own (how a router outside the serving loop runs; an ablation switch).
+    route_in_step: bool = True
     max_num_seqs: int = _spec(256, ge=1)
     # Token budget of one forward pass; longer prompts are prefilled in chunks.
     max_num_batched_tokens: int = _spec(2048, ge=1)
@@ -128,6 +132,10 @@ class EngineConfig:
     tokenizer: str | None = None
     # KV pool size on the CPU when kv_cache_tokens is not given.
     cpu_kv_cache_tokens: int = _spec(65536, ge=1)
+    # In-process engine only (a served deployment runs every model in its own process): true gives every model
+    # its own decoding-loop thread; false steps the models in turn on one thread, so one model's step waits for
+    # the other's (an ablation switch).
+    independent_loops: bool = True
     source: str | None = field(default=None, repr=False)
 
     def validate(self) -> None:

@@ -272,14 +272,33 @@ class Engine(Coordinator):
         if self._threads:
             return
         self._pump()
-        for sub in self.subservers.values():
-            t = threading.Thread(target=sub.serve_forever, args=(self._stop_event,), name=f"tr-{sub.name}", daemon=True)
-            self._threads.append(t)
+        if self.config.independent_loops:
+            for sub in self.subservers.values():
+                t = threading.Thread(
+                    target=sub.serve_forever, args=(self._stop_event,), name=f"tr-{sub.name}", daemon=True
+                )
+                self._threads.append(t)
+        else:
+            self._threads.append(threading.Thread(target=self._lockstep, name="tr-models", daemon=True))
         self._threads.append(threading.Thread(target=self._coordinate, name="tr-coordinator", daemon=True))
         if self.auto_thresholds:
             self._threads.append(threading.Thread(target=self._tune_forever, name="tr-tuner", daemon=True))
         for t in self._threads:
             t.start()
+
+    def _lockstep(self) -> None:
+        """`independent_loops: false`: one thread steps the models in turn (each when its batching condition
+        holds), so a model's step waits for the others' (the design's independent loops, switched off)."""
+        subs = list(self.subservers.values())
+        while not self._stop_event.is_set():
+            ran = False
+            for sub in subs:
+                sub.drain()
+                if sub.should_step():
+                    ran = sub.safe_step() > 0 or ran
+            if not ran:
+                self._stop_event.wait(min(s.max_wait_s for s in subs) if any(s.scheduler.num_ready for s in subs)
+                                      else 0.0005)
 
     def _coordinate(self) -> None:
         while not self._stop_event.is_set():

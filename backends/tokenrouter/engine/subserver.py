@@ -60,7 +60,10 @@ class Subserver:
         a = self.runner.arch
         policy.setup(self.runner.device, self.runner.dtype, a.hidden_size, a.vocab_size)
         embed = self.runner.model.model.embed_tokens
-        self.runner.setup_step(step_hook(policy, embed) if len(policy.models) > 1 else None)
+        self._hook = step_hook(policy, embed) if len(policy.models) > 1 else None
+        # route_in_step: false keeps the policy's work out of the forward step (and its CUDA graph).
+        self._route_in_step = cfg.route_in_step
+        self.runner.setup_step(self._hook if cfg.route_in_step else None)
         self.stop = stop
         self.emit = emit
         self.seqs: dict[str, Sequence] = {}
@@ -208,9 +211,13 @@ class Subserver:
                 # The step's policy values were computed on the greedy tokens: redo them on the sampled ones.
                 tokens_dev = sample(out.logits, [s.params for s in sampling], [s.generator for s in sampling])
                 values_dev = self._step_values(out.logits, out.hidden, tokens_dev)
-            if sampling:
+            if sampling and self._route_in_step:
                 # The step's one host synchronization: its tokens and the policy's values together.
                 tokens, values = to_host(tokens_dev, values_dev)
+            elif sampling:
+                # The step ends with its tokens on the host; the policy's work follows, synchronized on its own.
+                (tokens,) = to_host(tokens_dev)
+                (values,) = to_host(self._step_values(out.logits, out.hidden, tokens_dev))
         for c in chunks:
             c.seq.num_computed_tokens += c.num_new_tokens
             self.block_manager.register_full_blocks(c.seq)
@@ -231,9 +238,9 @@ class Subserver:
         return len(chunks)
 
     def _step_values(self, logits: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
-        if self.runner.step_hook is None or not len(tokens):
+        if self._hook is None or not len(tokens):
             return None
-        return self.runner.step_hook(logits, hidden, tokens)
+        return self._hook(logits, hidden, tokens)
 
     def safe_step(self) -> int:
         """`step`, but an error (a policy routing to an unknown model, an internal failure) fails the
