@@ -64,13 +64,16 @@ def _one(client: Any, responses: queue.Queue, prompt: str, output_len: int, time
                            "return_routing_stats")
     client.async_stream_infer("tokenrouter", inputs, enable_empty_final_response=True)
     first = None
+    pieces: list[bytes] = []
     while True:
         result, error = responses.get(timeout=timeout)
         now = time.perf_counter()
         if error is not None:
             return {"error": str(error)}
         text = result.as_numpy("text_output")
-        if first is None and text is not None and any(len(x) for x in text.reshape(-1)):
+        if text is not None:
+            pieces.extend(x for x in text.reshape(-1) if len(x))
+        if first is None and pieces:
             first = now
         if result.get_response().parameters["triton_final_response"].bool_param:
             n = result.as_numpy("num_output_tokens")
@@ -79,6 +82,7 @@ def _one(client: Any, responses: queue.Queue, prompt: str, output_len: int, time
                 "start": start, "ttft": (first or now) - start, "e2e": now - start, "end": now,
                 "tokens": int(n[0]) if n is not None else 0,
                 "routing": json.loads(stats[0]) if stats is not None else {},
+                "text": b"".join(pieces).decode("utf-8", errors="replace"),
             }
 
 

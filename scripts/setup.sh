@@ -13,7 +13,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   python -m pip install -q --upgrade pip
   # The CPU build of torch first (an unpinned torch would pull a multi-GB CUDA build).
   python -m pip install -q torch==2.13.0
-  python -m pip install -q -e '.[test,serve]'
+  python -m pip install -q -e '.[test,serve,perf]'
   touch "$stamp"
 fi
 # tritonclient's perf_analyzer asks for libb64.so.0d and libcudart.so.12, which only the server wheel bundles

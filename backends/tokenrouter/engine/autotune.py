@@ -59,6 +59,20 @@ def solve_thresholds(
     `stats` may come from other processes (:meth:`StepStats.from_snapshot`). `state_budget` and `max_states` bound
     the exact chain (see tuning/choose.py); past them the simulator ranks the candidates, so this always answers.
     """
+    system = system_model(models, stats, concurrency)
+    if system is None:
+        return None
+    choice = choose_thresholds(system, state_budget=state_budget, max_states=max_states)
+    best = dict(zip(models, choice.thresholds))
+    n = system.concurrency
+    log.info("auto thresholds for N=%d: %s (%.1f tok/s expected, %s)", n, best, choice.throughput, choice.method)
+    return TunedThresholds(best, choice.throughput, choice.method, n)
+
+
+def system_model(models: list[str], stats: Mapping[str, StepStats], concurrency: int) -> SystemModel | None:
+    """The Markov model's inputs from measurements: each model's routing row and tokens per step, and its
+    step latency by batch size, for `concurrency` requests (capped by :data:`MAX_SOLVED_N`); None while some
+    model has no measurements yet."""
     n = min(concurrency, MAX_SOLVED_N.get(len(models), 4))
     if n < 1 or not models:
         return None
@@ -76,11 +90,7 @@ def solve_thresholds(
         # The table comes from measurements and extrapolation; an entry of ~0 would count as a free step to the
         # tuner (and, as the tick's scale, once made the chain explode), so bound it by what batching allows.
         latency.append(sanitize_latency(table))
-    system = SystemModel(concurrency=n, route_probs=rows, step_latency=latency, tokens=tokens)
-    choice = choose_thresholds(system, state_budget=state_budget, max_states=max_states)
-    best = dict(zip(models, choice.thresholds))
-    log.info("auto thresholds for N=%d: %s (%.1f tok/s expected, %s)", n, best, choice.throughput, choice.method)
-    return TunedThresholds(best, choice.throughput, choice.method, n)
+    return SystemModel(concurrency=n, route_probs=rows, step_latency=latency, tokens=tokens)
 
 
 def solve_in_subprocess(

@@ -1,0 +1,110 @@
+"""What every section shares: the results file, one measured point, and a calibrated deployment."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from _common import command_line, machine_info, machine_line, now_iso
+from bench_served import summarize
+
+from evaluation import calibrate, deployments, systems
+from evaluation.workloads import Workload, make_workload
+from tokenrouter.config import EngineConfig, load_config
+
+
+class Results:
+    """One section's results file, rewritten after every point (a run cut short keeps what it measured)."""
+
+    def __init__(self, section: str, title: str, out_dir: Path, scale: float, notes: list[str]) -> None:
+        info = machine_info()
+        self.path = out_dir / f"{section}.json"
+        self.out_dir = out_dir
+        self.data: dict[str, Any] = {
+            "section": section, "title": title, "command": command_line(), "date": now_iso(),
+            "machine": info, "machine_line": machine_line(info), "scale": scale, "notes": list(notes),
+            "workloads": {}, "calibration": {}, "rows": [],
+        }
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.data["rows"].append(row)
+        self.save()
+
+    def note(self, text: str) -> None:
+        self.data["notes"].append(text[:500])
+        self.save()
+
+    def save(self) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.data, indent=1) + "\n")
+
+    def report(self) -> None:
+        """The markdown tables, and the plots where matplotlib is installed."""
+        from evaluation.report import write_report
+
+        self.save()
+        for p in write_report(self.data, self.out_dir):
+            print(f"wrote {p}")
+
+
+def _progress(total: int, desc: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", leave=False, dynamic_ncols=True, file=sys.stderr)
+
+
+def vocab_and_special(cfg: EngineConfig) -> tuple[int, set[int]]:
+    from tokenrouter.engine.tokenizer import load_tokenizer
+    from tokenrouter.runner.arch import ArchConfig
+
+    vocab = ArchConfig.from_dir(cfg.entry_model.path).vocab_size
+    return vocab, set(load_tokenizer(cfg.tokenizer_path).all_special_ids)
+
+
+def measure(opened: systems.Opened, workload: Workload, c: int, cfg: EngineConfig, seed: int, label: str
+            ) -> dict[str, Any]:
+    """One point: a warm-up round of c short requests, then the workload's sessions at concurrency c."""
+    vocab, special = vocab_and_special(cfg)
+    sessions = workload.sessions(c, vocab, special, seed)
+    systems.warm_up(opened, sessions[0].turns[0][:32], c)
+    with _progress(sum(len(s.turns) for s in sessions), label) as bar:
+        records = systems.run_point(opened, sessions, c, bar)
+    row = summarize(c, records)
+    tok = row.get("output_tok_s")
+    print(f"{label}: {tok:,.1f} tok/s, {row['errors']} errors" if tok else f"{label}: {row['first_error']}",
+          flush=True)
+    return row
+
+
+def calibration_prompts(cfg: EngineConfig, seed: int) -> list[list[int]]:
+    """Prompts of the low-effort shape, drawn apart from every measured point's (their own seed)."""
+    vocab, special = vocab_and_special(cfg)
+    n = calibrate.CALIBRATION_PROMPTS
+    return [s.turns[0] for s in make_workload("low-effort", 1.0).sessions(n, vocab, special, seed + 7919)][:n]
+
+
+@contextlib.contextmanager
+def calibrated(algorithm: str, models: str, seed: int, res: Results, work: Path
+               ) -> Iterator[tuple[Path, EngineConfig, systems.Opened]]:
+    """`algorithm`'s deployment calibrated to its target share on an in-process engine of it: yields the
+    calibrated deployment YAML, its config, and that engine (running, with the calibrated thresholds), so a
+    caller can measure it without loading the models again. The calibration goes into the results."""
+    source = deployments.config_path(algorithm, models)
+    base = load_config(source)
+    print(f"== {algorithm}: calibrating {source.relative_to(deployments.REPO_ROOT)} "
+          f"(target share {calibrate.TARGETS[algorithm][0]:.0%})", flush=True)
+    t0 = time.perf_counter()
+    with systems.in_process(base) as opened:
+        cal = calibrate.calibrate(algorithm, base, calibration_prompts(base, seed), opened.engine())
+        calibrate.apply(opened.engine(), cal["policy"])
+        cal["record"]["seconds"] = round(time.perf_counter() - t0, 1)
+        res.data["calibration"][algorithm] = cal["record"]
+        res.save()
+        path = deployments.write_deployment(source, work / f"{algorithm}.yaml", cal["policy"])
+        print(f"   {cal['record']['params']} -> share {cal['record'].get('measured_share', '-')}", flush=True)
+        yield path, load_config(path), opened
