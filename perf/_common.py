@@ -104,16 +104,18 @@ def results_path(value: str | os.PathLike, suffix: str) -> Path:
 
 
 @contextmanager
-def serving(config: str, work: Path) -> Iterator[Any]:
+def serving(config: str, work: Path, execution_env: Path | None = None) -> Iterator[Any]:
     """Start tritonserver on a repository written for `config` (free ports), yield it, stop it. The
-    server's `grpc_url` and `metrics_url` say where it answers."""
+    server's `grpc_url` and `metrics_url` say where it answers. The stubs run `execution_env` (a venv, e.g.
+    `tokenrouter stub-env`'s), by default this interpreter's venv."""
     from tokenrouter.serving import triton_install
     from tokenrouter.serving.repository import write_repository
     from tokenrouter.serving.server import TritonServer, ensure_models, free_ports
 
     config_path = Path(config).resolve()
     ensure_models(config_path)
-    repo = write_repository(config_path, work / "model_repository", execution_env=triton_install.execution_env())
+    env = execution_env or triton_install.execution_env()
+    repo = write_repository(config_path, work / "model_repository", execution_env=env)
     http, grpc, metrics = free_ports(3)
     log = work / "tritonserver.log"
     print(f"starting tritonserver for {config} (gRPC :{grpc}); log: {log}", flush=True)

@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", help="comma-separated; default: main 1,2,4,8,16, ablation 8, sweep 8,16")
     p.add_argument("--max-threshold", type=int, default=4, help="sweep: the largest B_i measured (default 4)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--execution-env", type=Path,
+                   help="Python environment (venv) for the servers' model stubs, e.g. `tokenrouter stub-env`'s")
     p.add_argument("--out-dir", help="default: perf/results/eval_<models>_scale<scale>")
     p.add_argument("--note", action="append", default=[], help="a line for the results' notes (repeatable)")
     args = p.parse_args(argv)

@@ -25,32 +25,11 @@ mkdir -p "$out" "$res"
 # The archive is rewritten after every step: a run cut short still brings back what it measured.
 step() { tar -C $work -czf "$out/results_$name.tgz" results 2> /dev/null; echo "== $(date -u +%T) $*"; }
 
-step "install the carried Triton server and client"
-tr=/tmp/triton-bundle
-mkdir -p $tr
-[ -x $tr/pytriton/tritonserver/bin/tritonserver ] || tar -C $tr -xJf "$bundle/triton.txz" && tar -C $tr -xzf "$bundle/tritonclient.tgz" || exit 1
-python3 -m pip install -q --no-index --no-deps --target $tr "$bundle"/python_rapidjson-*.whl || exit 1
-gunzip -c "$bundle/perf_analyzer.gz" > $tr/perf_analyzer && chmod +x $tr/perf_analyzer
-export TRITONSERVER_ROOT=$tr/pytriton/tritonserver
-sp=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo "$PWD/backends" > "$sp/tokenrouter-checkout.pth"
-echo "$tr" > "$sp/tritonclient-bundle.pth"
-python3 -c 'import numpy, torch, tokenrouter, tritonclient.grpc; print("numpy", numpy.__version__, "torch", torch.__version__)' || exit 1
-export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-
-step "benchmark tokenizer (dummy-weight deployments)"
-python3 -m tokenrouter.cli make-bench-tokenizer || exit 1
+source perf/gpu_env.sh
 
 step "in-process engine, same workload"
 timeout 200 python3 perf/bench_engine.py --config "$cfg" --variants routed --concurrency 1,8,16 \
   --prompt-len 100 --output-len 256 --isolate on --out-dir $res --name engine 2>&1 | grep -v "^|" | tail -6
-
-envflag=()
-if [ "$(python3 -c 'import numpy; print(numpy.__version__.split(".")[0])')" -ge 2 ]; then
-  step "stub environment with numpy<2 (Triton 2.51's Python backend corrupts string tensors with numpy 2)"
-  python3 -m tokenrouter.cli stub-env --out $work/stub-env --find-links "$bundle" || exit 1
-  envflag=(--execution-env $work/stub-env)
-fi
 
 step "serve $cfg"
 python3 -m tokenrouter.cli serve --config "$cfg" --model-repository $work/repo "${envflag[@]}" > $res/serve.log 2>&1 &

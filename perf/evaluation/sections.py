@@ -48,7 +48,7 @@ def run_main(args: argparse.Namespace, out_dir: Path, work: Path) -> None:
             algo = "-" if system in SOLO else algorithm
             print(f"== {algo} / {system}", flush=True)
             try:
-                with _open_system(system, path, cfg) as opened:
+                with _open_system(system, path, cfg, args.execution_env) as opened:
                     _measure_all(opened, res, workloads, args, algo, system, cfg)
             except Exception as e:
                 print(f"!! {algo} / {system} failed: {e!r}", flush=True)
@@ -65,13 +65,13 @@ def _measure_all(opened: systems.Opened, res: Results, workloads: list[Workload]
             res.add({"workload": w.name, "algorithm": algo, "system": system, **row})
 
 
-def _open_system(system: str, path: Path, cfg: EngineConfig) -> Any:
+def _open_system(system: str, path: Path, cfg: EngineConfig, execution_env: Path | None) -> Any:
     if system in SOLO:
         return systems.in_process(systems.system_config(cfg, system))
     if system == "triton":
-        return systems.served(str(path), cfg)
+        return systems.served(str(path), cfg, execution_env)
     if system == "std-serving":
-        return systems.std_serving(str(path), cfg)
+        return systems.std_serving(str(path), cfg, execution_env)
     raise SystemExit(f"error: unknown system {system!r}; known: {', '.join(systems.SYSTEMS)}")
 
 # Cumulative: each step keeps the previous steps' settings. Model-level keys apply to every model.

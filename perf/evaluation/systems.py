@@ -167,7 +167,7 @@ def mps_if_shared(cfg: EngineConfig) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def served(config_path: str, cfg: EngineConfig) -> Iterator[Opened]:
+def served(config_path: str, cfg: EngineConfig, execution_env: Path | None = None) -> Iterator[Opened]:
     """The product: tritonserver on the deployment's repository (under MPS when models share a GPU)."""
     from _common import serving
 
@@ -175,13 +175,13 @@ def served(config_path: str, cfg: EngineConfig) -> Iterator[Opened]:
 
     tokenizer = load_tokenizer(cfg.tokenizer_path)
     with tempfile.TemporaryDirectory(prefix="eval-triton-") as work, mps_if_shared(cfg):
-        with serving(config_path, Path(work)) as server:
+        with serving(config_path, Path(work), execution_env) as server:
             url = f"127.0.0.1:{server.grpc_port}"
             yield Opened(lambda: TritonClient(url, tokenizer))
 
 
 @contextlib.contextmanager
-def std_serving(config_path: str, cfg: EngineConfig) -> Iterator[Opened]:
+def std_serving(config_path: str, cfg: EngineConfig, execution_env: Path | None = None) -> Iterator[Opened]:
     """Std. Serving: single-model servers plus the per-token dispatcher, with the deployment's policy."""
     from std_serving.dispatcher import StdClient
     from std_serving.repository import serving_std
