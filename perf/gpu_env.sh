@@ -1,0 +1,28 @@
+# Sourced by perf/gpu_*.sh on a GPU machine as it is (its image's Python, no package index): installs what
+# BUNDLE (perf/make_gpu_bundle.sh) carries, puts this checkout on the image Python's path, builds the
+# benchmark tokenizer, and, when the image has numpy 2, a stub environment with numpy<2 for the Triton stubs
+# (Triton 2.51's Python backend corrupts string tensors with numpy 2). Sets: tr (the unpacked bundle),
+# TRITONSERVER_ROOT, and envflag (the --execution-env arguments for the stubs, empty when not needed).
+# Needs: bundle, work (a scratch folder), and a `step` function that logs a step.
+step "install the carried Triton server and client"
+tr=/tmp/triton-bundle
+mkdir -p $tr
+[ -x $tr/pytriton/tritonserver/bin/tritonserver ] || tar -C $tr -xJf "$bundle/triton.txz" && tar -C $tr -xzf "$bundle/tritonclient.tgz" || exit 1
+python3 -m pip install -q --no-index --no-deps --target $tr "$bundle"/python_rapidjson-*.whl || exit 1
+gunzip -c "$bundle/perf_analyzer.gz" > $tr/perf_analyzer && chmod +x $tr/perf_analyzer
+export TRITONSERVER_ROOT=$tr/pytriton/tritonserver
+sp=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "$PWD/backends" > "$sp/tokenrouter-checkout.pth"
+echo "$tr" > "$sp/tritonclient-bundle.pth"
+python3 -c 'import numpy, torch, tokenrouter, tritonclient.grpc; print("numpy", numpy.__version__, "torch", torch.__version__)' || exit 1
+export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+
+step "benchmark tokenizer (dummy-weight deployments)"
+python3 -m tokenrouter.cli make-bench-tokenizer || exit 1
+
+envflag=()
+if [ "$(python3 -c 'import numpy; print(numpy.__version__.split(".")[0])')" -ge 2 ]; then
+  step "stub environment with numpy<2 (Triton 2.51's Python backend corrupts string tensors with numpy 2)"
+  python3 -m tokenrouter.cli stub-env --out $work/stub-env --find-links "$bundle" || exit 1
+  envflag=(--execution-env $work/stub-env)
+fi
