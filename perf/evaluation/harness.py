@@ -89,11 +89,11 @@ def calibration_prompts(cfg: EngineConfig, seed: int) -> list[list[int]]:
 
 
 @contextlib.contextmanager
-def calibrated(algorithm: str, models: str, seed: int, res: Results, work: Path
-               ) -> Iterator[tuple[Path, EngineConfig, systems.Opened]]:
+def calibrated(algorithm: str, models: str, seed: int, work: Path
+               ) -> Iterator[tuple[Path, EngineConfig, systems.Opened, dict[str, Any]]]:
     """`algorithm`'s deployment calibrated to its target share on an in-process engine of it: yields the
-    calibrated deployment YAML, its config, and that engine (running, with the calibrated thresholds), so a
-    caller can measure it without loading the models again. The calibration goes into the results."""
+    calibrated deployment YAML, its config, that engine (running, with the calibrated thresholds, so a caller
+    can measure it without loading the models again), and the calibration record."""
     source = deployments.config_path(algorithm, models)
     base = load_config(source)
     print(f"== {algorithm}: calibrating {source.relative_to(deployments.REPO_ROOT)} "
@@ -103,8 +103,6 @@ def calibrated(algorithm: str, models: str, seed: int, res: Results, work: Path
         cal = calibrate.calibrate(algorithm, base, calibration_prompts(base, seed), opened.engine())
         calibrate.apply(opened.engine(), cal["policy"])
         cal["record"]["seconds"] = round(time.perf_counter() - t0, 1)
-        res.data["calibration"][algorithm] = cal["record"]
-        res.save()
         path = deployments.write_deployment(source, work / f"{algorithm}.yaml", cal["policy"])
         print(f"   {cal['record']['params']} -> share {cal['record'].get('measured_share', '-')}", flush=True)
-        yield path, load_config(path), opened
+        yield path, load_config(path), opened, cal["record"]

@@ -6,9 +6,10 @@ from the calibrated deployment (in-process first: the servers start CUDA MPS whe
 
 The ablation and the sweep run R2R (calibrated as in the main section) in process on the low-effort
 workload. The ablation turns the engine's optimizations on one at a time, each by a deployment setting
-(no benchmark-only code in the engine): the settings of every step are in the results. The sweep measures every feasible
-threshold vector (sum(B_i - 1) < C, each B_i <= --max-threshold) next to the Markov model's prediction
-from the same run's measured step latencies and routing rates, and marks the vector `auto` picks.
+(no benchmark-only code in the engine): the settings of every step are in the results. The sweep
+measures every feasible threshold vector (sum(B_i - 1) < C, each B_i <= --max-threshold) next to the
+Markov model's prediction from the same run's measured step latencies and routing rates, and marks the
+vector `auto` picks. Jobs that hold models run in a process of their own on the GPU (evaluation/isolate.py).
 """
 
 from __future__ import annotations
@@ -18,11 +19,38 @@ from pathlib import Path
 from typing import Any
 
 from evaluation import deployments, systems
-from evaluation.harness import Results, calibrated, measure
+from evaluation.harness import Results, measure
+from evaluation.isolate import run_job
 from evaluation.workloads import Workload, make_workload
 from tokenrouter.config import EngineConfig, load_config
 
 SOLO = ("slm-only", "llm-only")
+
+
+def _recorder(res: Results) -> Any:
+    def on_event(kind: str, value: Any) -> None:
+        if kind == "row":
+            res.add(value)
+        elif kind == "calibration":
+            algorithm, record = value
+            res.data["calibration"][algorithm] = record
+            res.save()
+
+    return on_event
+
+
+def _uses_gpu(models: str) -> bool:
+    # The qwen3 deployments place every model on CUDA, the tiny ones on the CPU.
+    return load_config(deployments.config_path("r2r", models)).entry_model.device.startswith("cuda")
+
+
+def _calibrate(args: argparse.Namespace, res: Results, work: Path, algorithm: str, measure_too: bool
+               ) -> dict[str, Any]:
+    return run_job(
+        "calibrate_and_measure", _recorder(res), _uses_gpu(args.models), algorithm=algorithm, models=args.models,
+        seed=args.seed, work=str(work), workloads=args.workloads if measure_too else [], scale=args.scale,
+        concurrency=args.concurrency,
+    )
 
 
 def run_main(args: argparse.Namespace, out_dir: Path, work: Path) -> None:
@@ -34,22 +62,26 @@ def run_main(args: argparse.Namespace, out_dir: Path, work: Path) -> None:
     solo_done = False
     for algorithm in args.algorithms:
         try:
-            with calibrated(algorithm, args.models, args.seed, res, work) as (path, cfg, engine):
-                if "in-process" in args.systems:
-                    print(f"== {algorithm} / in-process", flush=True)
-                    _measure_all(engine, res, workloads, args, algorithm, "in-process", cfg)
+            deployment = _calibrate(args, res, work, algorithm, "in-process" in args.systems)
         except Exception as e:  # a failing algorithm is a note, not a lost section
             print(f"!! {algorithm} / calibration or in-process failed: {e!r}", flush=True)
             res.note(f"{algorithm} / calibration or in-process: failed: {e!r}")
             continue
+        path = Path(deployment["path"])
+        cfg = load_config(path)
         for system in args.systems:
             if system == "in-process" or (system in SOLO and solo_done):
                 continue  # the same small and large model for every algorithm: measured once
             algo = "-" if system in SOLO else algorithm
             print(f"== {algo} / {system}", flush=True)
             try:
-                with _open_system(system, path, cfg, args.execution_env) as opened:
-                    _measure_all(opened, res, workloads, args, algo, system, cfg)
+                if system in SOLO:
+                    run_job("measure_in_process", _recorder(res), _uses_gpu(args.models), config=str(path),
+                            system=system, algorithm=algo, workloads=args.workloads, scale=args.scale,
+                            concurrency=args.concurrency, seed=args.seed)
+                else:
+                    with _open_server(system, path, cfg, args.execution_env) as opened:
+                        _measure_all(opened, res, workloads, args, algo, system, cfg)
             except Exception as e:
                 print(f"!! {algo} / {system} failed: {e!r}", flush=True)
                 res.note(f"{algo} / {system}: failed: {e!r}")
@@ -65,14 +97,13 @@ def _measure_all(opened: systems.Opened, res: Results, workloads: list[Workload]
             res.add({"workload": w.name, "algorithm": algo, "system": system, **row})
 
 
-def _open_system(system: str, path: Path, cfg: EngineConfig, execution_env: Path | None) -> Any:
-    if system in SOLO:
-        return systems.in_process(systems.system_config(cfg, system))
+def _open_server(system: str, path: Path, cfg: EngineConfig, execution_env: Path | None) -> Any:
     if system == "triton":
         return systems.served(str(path), cfg, execution_env)
     if system == "std-serving":
         return systems.std_serving(str(path), cfg, execution_env)
     raise SystemExit(f"error: unknown system {system!r}; known: {', '.join(systems.SYSTEMS)}")
+
 
 # Cumulative: each step keeps the previous steps' settings. Model-level keys apply to every model.
 ABLATION: list[tuple[str, dict[str, Any]]] = [
@@ -102,28 +133,23 @@ def run_ablation(args: argparse.Namespace, out_dir: Path, work: Path) -> None:
                   args.scale, args.note + [f"each step's engine is built fresh; workload {workload.name}"])
     res.data["workloads"][workload.name] = workload.describe()
     source = deployments.config_path("r2r", args.models)
-    with calibrated("r2r", args.models, args.seed, res, work) as (_, tuned, _):
-        pass  # only the calibrated policy is kept: every step builds its own engine
-    batching = {"max_wait_ms": tuned.batching.max_wait_ms, "auto_interval_s": tuned.batching.auto_interval_s}
+    calibrated = load_config(_calibrate(args, res, work, "r2r", measure_too=False)["path"])
+    batching = {"max_wait_ms": calibrated.batching.max_wait_ms, "auto_interval_s": calibrated.batching.auto_interval_s}
     switches: dict[str, Any] = {}
     for step, (label, change) in enumerate(ABLATION):
         switches = {**switches, **change}
-        path = deployments.write_deployment(source, work / f"ablation{step}.yaml", tuned.policy,
+        path = deployments.write_deployment(source, work / f"ablation{step}.yaml", calibrated.policy,
                                             _overrides(switches, batching))
-        cfg = load_config(path)
         print(f"== ablation {step}: {label}", flush=True)
         try:
-            with systems.in_process(cfg) as opened:
-                if switches["thresholds"] == "auto":
-                    # The tuner solves from measurements every auto_interval_s: give it one unmeasured round.
-                    measure(opened, workload, c, cfg, args.seed + 1, f"{label} (tuning round, not kept)")
-                row = measure(opened, workload, c, cfg, args.seed, f"ablation {step} C={c}")
-                if switches["thresholds"] == "auto":
-                    row["tuned_thresholds"] = dict(opened.engine().thresholds)
+            run_job("measure_in_process", _recorder(res), _uses_gpu(args.models), config=str(path),
+                    system="in-process", algorithm="r2r", workloads=[workload.name], scale=args.scale,
+                    concurrency=[c], seed=args.seed, extra={"step": step, "label": label, "config": dict(switches)},
+                    tuning_round=switches["thresholds"] == "auto")
         except Exception as e:
             print(f"!! ablation step {step} failed: {e!r}", flush=True)
-            row = {"concurrency": c, "requests": 0, "errors": 1, "first_error": repr(e)[:300]}
-        res.add({"step": step, "label": label, "config": dict(switches), **row})
+            res.add({"step": step, "label": label, "config": dict(switches), "concurrency": c, "requests": 0,
+                     "errors": 1, "first_error": repr(e)[-300:]})
     res.report()
 
 
@@ -139,45 +165,18 @@ def predicted(system: Any, thresholds: tuple[int, ...]) -> float:
 
 
 def run_sweep(args: argparse.Namespace, out_dir: Path, work: Path) -> None:
-    from tokenrouter.engine.autotune import solve_thresholds, system_model
-    from tokenrouter.tuning.system import feasible_thresholds
-
-    concurrency = args.concurrency
     workload = make_workload("low-effort", args.scale)
     res = Results("sweep", f"Threshold sweep, R2R, in process ({args.models})", out_dir, args.scale,
                   args.note + [f"thresholds B_i <= {args.max_threshold}; workload {workload.name}"])
     res.data["workloads"][workload.name] = workload.describe()
     source = deployments.config_path("r2r", args.models)
-    with calibrated("r2r", args.models, args.seed, res, work) as (_, tuned, _):
-        pass  # the sweep's engine has fixed thresholds: built below
-    path = deployments.write_deployment(source, work / "sweep.yaml", tuned.policy,
-                                        {"batching": {"thresholds": 1, "max_wait_ms": tuned.batching.max_wait_ms}})
-    cfg = load_config(path)
-    names = list(cfg.models)
-    with systems.in_process(cfg) as opened:
-        engine = opened.engine()
-        for c in concurrency:
-            vectors = [v for v in feasible_thresholds(len(names), c) if max(v) <= args.max_threshold]
-            measured: dict[tuple[int, ...], dict[str, Any]] = {}
-
-            def run(v: tuple[int, ...], c: int = c, measured: dict = measured) -> None:
-                # The coordinator reads the configured thresholds at every admission.
-                engine.config.batching.thresholds = dict(zip(names, v))
-                measured[v] = measure(opened, workload, c, cfg, args.seed, f"sweep C={c} B={'/'.join(map(str, v))}")
-
-            for v in vectors:
-                run(v)
-            model = system_model(names, {m: s.stats for m, s in engine.subservers.items()}, c)
-            tuned = solve_thresholds(names, {m: s.stats for m, s in engine.subservers.items()}, c)
-            auto = tuple(tuned.thresholds[m] for m in names) if tuned is not None else None
-            if auto is not None and auto not in measured:
-                run(auto)
-            for v, row in measured.items():
-                res.add({
-                    "concurrency": c, "thresholds": dict(zip(names, v)),
-                    "measured_tok_s": row.get("output_tok_s"),
-                    "predicted_tok_s": predicted(model, v) if model is not None else None,
-                    "auto": v == auto, "errors": row.get("errors", 0), "ttft_ms_p50": row.get("ttft_ms_p50"),
-                    "large_share": row.get("large_share"),
-                })
+    calibrated = load_config(_calibrate(args, res, work, "r2r", measure_too=False)["path"])
+    path = deployments.write_deployment(source, work / "sweep.yaml", calibrated.policy, {
+        "batching": {"thresholds": 1, "max_wait_ms": calibrated.batching.max_wait_ms}})
+    try:
+        run_job("sweep", _recorder(res), _uses_gpu(args.models), config=str(path), concurrency=args.concurrency,
+                max_threshold=args.max_threshold, seed=args.seed, scale=args.scale)
+    except Exception as e:
+        print(f"!! sweep failed: {e!r}", flush=True)
+        res.note(f"sweep: failed: {e!r}")
     res.report()

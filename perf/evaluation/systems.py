@@ -187,7 +187,7 @@ def std_serving(config_path: str, cfg: EngineConfig, execution_env: Path | None 
     from std_serving.repository import serving_std
 
     with tempfile.TemporaryDirectory(prefix="eval-std-") as work:
-        with serving_std(config_path, Path(work)) as server:
+        with serving_std(config_path, Path(work), execution_env) as server:
             url = f"127.0.0.1:{server.grpc_port}"
             yield Opened(lambda: _StdAdapter(StdClient(url, cfg, dict(cfg.policy))))
 
