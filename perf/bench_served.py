@@ -57,11 +57,13 @@ def make_prompts(config: str, n: int, prompt_len: int, seed: int) -> list[str]:
     return prompts
 
 
-def _one(client: Any, responses: queue.Queue, prompt: str, output_len: int, timeout: float) -> dict[str, Any]:
-    """One streamed request on an open stream: timings and what its final response says."""
+def _one(client: Any, responses: queue.Queue, prompt: str, output_len: int, timeout: float,
+         sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed request on an open stream (greedy unless `sampling`): timings, the text, and what its
+    final response says."""
     start = time.perf_counter()
     inputs = stream_inputs(prompt, output_len, "exclude_input_in_output", "return_num_output_tokens",
-                           "return_routing_stats")
+                           "return_routing_stats", sampling=sampling)
     client.async_stream_infer("tokenrouter", inputs, enable_empty_final_response=True)
     first = None
     pieces: list[bytes] = []

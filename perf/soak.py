@@ -78,12 +78,13 @@ class SoakResult:
         return out
 
 
-def stream_inputs(prompt: str, max_tokens: int, *flags: str) -> list[Any]:
-    """tritonclient gRPC inputs for one streamed greedy request of exactly `max_tokens` tokens (`ignore_eos`),
-    with the boolean request flags named in `flags` (e.g. "return_num_output_tokens") set."""
+def stream_inputs(prompt: str, max_tokens: int, *flags: str, sampling: dict[str, Any] | None = None) -> list[Any]:
+    """tritonclient gRPC inputs for one streamed request of exactly `max_tokens` tokens (`ignore_eos`), greedy
+    unless `sampling` (temperature, top_p, top_k) says otherwise, with the boolean request flags named in
+    `flags` (e.g. "return_num_output_tokens") set."""
     import tritonclient.grpc as grpcclient
 
-    sampling = json.dumps({"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True})
+    sampling = json.dumps({"max_tokens": max_tokens, "ignore_eos": True, **(sampling or {"temperature": 0.0})})
     values = [
         ("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
         ("stream", np.array([True]), "BOOL"),

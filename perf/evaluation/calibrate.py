@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from evaluation.workloads import SAMPLING
 from tokenrouter.config import EngineConfig
 
 TARGETS: dict[str, tuple[float, str]] = {
@@ -64,7 +65,7 @@ def probe_values(cfg: EngineConfig, model: str, prompts: list[list[int]], tokens
     )
     engine = Engine(single)
     try:
-        outs = engine.generate(prompts, SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True))
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=tokens, ignore_eos=True, **SAMPLING))
         rows = [v for o in outs for v in engine.entry.policy.take(o.request_id)]
     finally:
         engine.shutdown()
@@ -169,7 +170,7 @@ def routed_share(engine: Any, policy: dict[str, Any], prompts: list[list[int]]) 
     from tokenrouter import SamplingParams
 
     apply(engine, policy)
-    outs = engine.generate(prompts, SamplingParams(max_new_tokens=CALIBRATION_TOKENS, temperature=0.0, ignore_eos=True))
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=CALIBRATION_TOKENS, ignore_eos=True, **SAMPLING))
     large = list(engine.subservers)[-1]
     total = sum(len(o.token_ids) for o in outs)
     return sum(o.stats["tokens_per_model"].get(large, 0) for o in outs) / max(1, total)

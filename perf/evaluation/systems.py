@@ -36,7 +36,7 @@ REQUEST_TIMEOUT_S = 600.0
 
 
 class Client(Protocol):
-    def generate(self, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]: ...
+    def generate(self, prompt_ids: list[int], max_tokens: int, sampling: dict[str, Any]) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
 
@@ -56,7 +56,7 @@ class EngineClient:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
-    def generate(self, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
+    def generate(self, prompt_ids: list[int], max_tokens: int, sampling: dict[str, Any]) -> dict[str, Any]:
         from tokenrouter import SamplingParams
 
         done = threading.Event()
@@ -70,7 +70,7 @@ class EngineClient:
                 rec["end"], rec["out"] = now, out
                 done.set()
 
-        params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True, **sampling)
         start = time.perf_counter()
         try:
             rid = self.engine.add_request(list(prompt_ids), params, listener=on_output)
@@ -134,11 +134,12 @@ class TritonClient:
         self.responses: queue.Queue = queue.Queue()
         self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
 
-    def generate(self, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
+    def generate(self, prompt_ids: list[int], max_tokens: int, sampling: dict[str, Any]) -> dict[str, Any]:
         from bench_served import _one
 
         try:
-            rec = _one(self.client, self.responses, self.tokenizer.decode(prompt_ids), max_tokens, REQUEST_TIMEOUT_S)
+            text = self.tokenizer.decode(prompt_ids)
+            rec = _one(self.client, self.responses, text, max_tokens, REQUEST_TIMEOUT_S, sampling)
         except queue.Empty:
             return {"error": f"no response within {REQUEST_TIMEOUT_S:.0f} s"}
         if "error" not in rec:
@@ -198,8 +199,8 @@ class _StdAdapter:
     def __init__(self, client: Any) -> None:
         self.client = client
 
-    def generate(self, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
-        rec = self.client.generate(prompt_ids, max_tokens)
+    def generate(self, prompt_ids: list[int], max_tokens: int, sampling: dict[str, Any]) -> dict[str, Any]:
+        rec = self.client.generate(prompt_ids, max_tokens, sampling=sampling)
         if "error" not in rec:
             share = rec["large_tokens"] / rec["tokens"] if rec["tokens"] else 0.0
             rec["routing"] = {"large_token_share": share, "handoffs": rec["handoffs"]}
@@ -234,7 +235,7 @@ def run_point(
                 context: list[int] = []
                 for turn in session.turns:
                     prompt = context + turn
-                    rec = client.generate(prompt, session.max_tokens)
+                    rec = client.generate(prompt, session.max_tokens, session.sampling)
                     records.append(rec)  # list.append is atomic
                     if progress is not None:
                         progress.update(1)

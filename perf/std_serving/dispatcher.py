@@ -100,11 +100,23 @@ class StdClient:
         self._responses = responses
         self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
 
-    def _next_token(self, model: str, token_ids: list[int]) -> tuple[int, list[float]]:
-        """One greedy token of `model` after `token_ids`, and the policy's signal for it."""
+    def _sampling_inputs(self, params: SamplingParams) -> list[Any]:
+        """The request's sampling settings, sent with every one-token call (none when greedy)."""
+        if params.greedy:
+            return []
+        return [
+            self._input("temperature", np.array([params.temperature], dtype=np.float32), "FP32"),
+            self._input("top_p", np.array([params.top_p], dtype=np.float32), "FP32"),
+            self._input("top_k", np.array([params.top_k], dtype=np.int32), "INT32"),
+        ]
+
+    def _next_token(self, model: str, token_ids: list[int], sampling: list[Any] = ()) -> tuple[int, list[float]]:
+        """One token of `model` after `token_ids` (greedy unless `sampling` says otherwise), and the policy's
+        signal for it."""
         ids = self._input("input_ids", np.array(token_ids, dtype=np.int32), "INT32")
         rid = f"std-{next(self._ids)}"
-        self.client.async_stream_infer(std_name(model), [ids, self._one, self._no_eos], request_id=rid)
+        inputs = [ids, self._one, self._no_eos, *sampling]
+        self.client.async_stream_infer(std_name(model), inputs, request_id=rid)
         try:
             result, error = self._responses.get(timeout=self.timeout)
         except queue.Empty:
@@ -119,12 +131,15 @@ class StdClient:
             raise ServerError(f"{std_name(model)}: expected one token, got {out!r}")
         return int(out[0]), values[0].tolist() if values is not None and values.size else []
 
-    def generate(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True) -> dict[str, Any]:
-        """Generate greedily with the routed policy; timings (time.perf_counter seconds), output and routing
-        counts, or {"error": message}."""
+    def generate(
+        self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True, sampling: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Generate with the routed policy (greedy, or `sampling`: temperature / top_p / top_k); timings
+        (time.perf_counter seconds), output and routing counts, or {"error": message}."""
         start = time.perf_counter()
         try:
-            params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+            sampling = sampling or {"temperature": 0.0}
+            params = SamplingParams(max_new_tokens=max_tokens, ignore_eos=ignore_eos, **sampling)
             params.validate()
             if len(prompt_ids) >= self.max_model_len:
                 raise ValueError(f"prompt has {len(prompt_ids)} tokens, but the context limit is {self.max_model_len}")
@@ -137,8 +152,9 @@ class StdClient:
         seq = Sequence(f"std-req-{next(self._ids)}", list(prompt_ids), len(prompt_ids), params)
         seq.state = self.policies[entry].initial_state(list(prompt_ids))
         model, first, handoffs, per_model = entry, None, 0, Counter()
+        sampling = self._sampling_inputs(params)
         while True:
-            tok, row = self._next_token(model, seq.token_ids)
+            tok, row = self._next_token(model, seq.token_ids, sampling)
             now = time.perf_counter()
             target, commit = self._decide(seq, model, tok, row)
             if commit:

@@ -98,7 +98,9 @@ class TritonPythonModel:
                     raise ValueError("input_ids must be a 1-D INT32 tensor of token ids")
                 params = self.SamplingParams(
                     max_new_tokens=int(_scalar(request, "max_tokens", 1)),
-                    temperature=0.0,
+                    temperature=float(_scalar(request, "temperature", 0.0)),
+                    top_p=float(_scalar(request, "top_p", 1.0)),
+                    top_k=int(_scalar(request, "top_k", 0)),
                     ignore_eos=bool(_scalar(request, "ignore_eos", False)),
                 )
                 self.engine.add_request(ids.tolist(), params, listener=lambda out, s=sender: self._on_output(s, out))

@@ -71,7 +71,10 @@ model_transaction_policy {{ decoupled: true }}
 input [
   {{ name: "input_ids", data_type: TYPE_INT32, dims: [ -1 ] }},
   {{ name: "max_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true }},
-  {{ name: "ignore_eos", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }}
+  {{ name: "ignore_eos", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }},
+  {{ name: "temperature", data_type: TYPE_FP32, dims: [ 1 ], optional: true }},
+  {{ name: "top_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true }},
+  {{ name: "top_k", data_type: TYPE_INT32, dims: [ 1 ], optional: true }}
 ]
 output [
   {{ name: "output_ids", data_type: TYPE_INT32, dims: [ -1 ] }},
