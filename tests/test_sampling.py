@@ -258,3 +258,22 @@ def test_a_top_p_that_rounds_to_zero_in_float32_keeps_the_top_token() -> None:
     params = [SamplingParams(temperature=1.0, top_p=1e-320), SamplingParams(temperature=1.0, top_p=1e-46)]
     for _ in range(5):
         assert sample(logits, params, [None, None]).tolist() == [1, 0]
+
+
+def test_batched_filter_equals_the_per_row_filter() -> None:
+    """Unseeded rows are filtered together: every row's distribution must equal the one-row filter's."""
+    from tokenrouter.runner.sampler import _filter, _filter_rows
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 1000)
+    params = [
+        SamplingParams(temperature=0.6, top_p=0.95, top_k=20),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.3, top_k=5),
+        SamplingParams(temperature=1.2, top_p=0.5),
+        SamplingParams(temperature=0.7, top_k=2000, top_p=0.9),  # top_k past the vocabulary: no top-k
+    ]
+    batched = _filter_rows(logits, params)
+    for i, p in enumerate(params):
+        torch.testing.assert_close(batched[i], _filter(logits[i], p), rtol=0, atol=1e-6)
+    assert (batched[2] > 0).sum() == 5 and (batched[0] > 0).sum() <= 20
