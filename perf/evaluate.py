@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="qwen3: Qwen3-0.6B/8B/32B dummy weights on the GPU; tiny: the CPU test models")
     p.add_argument("--scale", type=float, default=1.0,
                    help="shrink output caps, the agentic context and request counts by this factor (0, 1]")
-    p.add_argument("--algorithms", default="r2r,citer,rstitch,collm,mixture")
+    p.add_argument("--algorithms", default="r2r,citer,rstitch,collm,mixture,random")
     p.add_argument("--workloads", default=",".join(SHAPES))
     p.add_argument("--systems", default=",".join(systems.SYSTEMS))
     p.add_argument("--concurrency", help="comma-separated; default: main 1,2,4,8,16, ablation 8, sweep 8,16")

@@ -85,6 +85,7 @@ def main_results() -> dict:
                 "source": "R2R paper",
                 "params": {"threshold": 0.123456},
                 "measured_share": 0.098,
+                "signal_spread": {"between_prompts_std": 0.47, "within_prompt_std": 0.05},
             },
             "mixture": {"target_share": 0.2, "source": "weights", "params": {}, "measured_share": None},
         },
@@ -137,8 +138,12 @@ def test_main_section(tmp_path: Path, main_results: dict) -> None:
     assert "python perf/evaluate.py --section main" in md
     assert "- a | pipe in a note" in md
     assert "| low-effort | ~100-token prompts, cap 2,048 | 2,048 |" in md
-    assert cells(table_row(md, "r2r", "10.0 %")) == ["r2r", "10.0 %", "R2R paper", "threshold=0.1235", "9.8 %"]
-    assert cells(table_row(md, "mixture", "20.0 %"))[-1] == "n/a"
+    assert cells(table_row(md, "r2r", "10.0 %")) == ["r2r", "10.0 %", "R2R paper", "threshold=0.1235", "9.8 %",
+                                                     "0.470 / 0.050"]
+    assert cells(table_row(md, "mixture", "20.0 %"))[-2:] == ["n/a", "-"]
+    # Only mixture's routed row (9.9 % against 20 %) is flagged: r2r's 9.9 % is within 30 % of 10 %.
+    assert ("Routed rows more than 30% (relative) from their target share (1): "
+            "low-effort / mixture / triton C=4: 9.9 %.") in md
 
     # Speed-ups: C=1 triton 1000 / std-serving 800 = 1.25x, over llm-only 1000 / 400 = 2.50x;
     # C=2 std-serving had errors -> n/a; C=4 std-serving missing -> n/a, llm-only 4000 / 1600 = 2.50x.
@@ -169,7 +174,7 @@ def test_main_section(tmp_path: Path, main_results: dict) -> None:
     triton_c4 = cells(table_row(r2r, "4", "triton"))
     assert triton_c4 == ["4", "triton", "4,000.0", "1,000.0", "11.0 / 40.0", "850.0 / 1,200.0", "9.9 %", "3.50", "0"]
     assert cells(table_row(r2r, "1", "in-process"))[2:4] == ["n/a", "n/a"]
-    assert cells(table_row(r2r, "1", "llm-only"))[6:8] == ["n/a", "n/a"]
+    assert cells(table_row(r2r, "1", "llm-only"))[6:8] == ["-", "n/a"]  # a single model has no routed share
     assert cells(table_row(r2r, "2", "std-serving"))[-1] == "3"
     assert "C=2 std-serving: 3 of 4 requests failed; first error: HTTP 500 | boom" in r2r
     mixture = md.split("### low-effort / mixture")[1]

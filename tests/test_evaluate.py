@@ -67,3 +67,35 @@ def test_ablation_and_sweep(tmp_path: Path) -> None:
     assert {(1, 1), (1, 2), (2, 1), (2, 2)} <= vectors
     assert sum(r["auto"] for r in data["rows"]) == 1
     assert all(r["predicted_tok_s"] and r["measured_tok_s"] for r in data["rows"]), data["rows"]
+
+
+def test_calibration_set_is_the_measured_prompts() -> None:
+    """The threshold is calibrated on exactly the first turns `measure` sends at every point (with dummy
+    weights the signal depends mostly on the prompt, so other prompts give another share)."""
+    sys.path.insert(0, str(REPO / "perf"))
+    from evaluation import calibrate, harness
+    from evaluation.workloads import make_workload
+
+    from tokenrouter.config import load_config
+
+    cfg = load_config(REPO / "config" / "r2r" / "tiny-small_tiny-large.yaml")
+    cal = harness.calibration_set(cfg, 5, ["low-effort", "agentic"], SCALE, [1, 4])
+    vocab, special = harness.vocab_and_special(cfg)
+    expected, tokens = [], []
+    for name in ("low-effort", "agentic"):
+        w = make_workload(name, SCALE)
+        for c in (1, 4):
+            firsts = [s.turns[0] for s in w.sessions(c, vocab, special, 5)]
+            expected += firsts
+            tokens += [min(w.max_tokens, calibrate.CALIBRATION_TOKENS)] * len(firsts)
+    assert cal.prompts == expected and cal.tokens == tokens
+    assert len(cal.prompts) == 4 + 8 + 1 + 4  # low-effort max(2C, 4) per point, agentic C sessions
+
+
+def test_signal_spread() -> None:
+    sys.path.insert(0, str(REPO / "perf"))
+    import numpy as np
+    from evaluation.calibrate import signal_spread
+
+    per_prompt = [np.array([0.0, 2.0]), np.array([10.0, 10.0])]
+    assert signal_spread(per_prompt) == {"between_prompts_std": 4.5, "within_prompt_std": 0.5}

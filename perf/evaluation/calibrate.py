@@ -4,8 +4,17 @@ With dummy weights a learned router is arbitrary, so "R2R at threshold 0.5" says
 tokens reach the large model. Each policy therefore runs its real code path (its router network or
 entropy, computed inside the step as in serving), and its threshold is set so that a stated share of the
 tokens comes from the large model. The signal is measured by a probe deployment of the model that decides
-(std_serving/probe_policy.py: the policy's own `step_tensors`, recorded per token) on calibration prompts
-of the low-effort shape, and the threshold is the matching quantile of that signal.
+(std_serving/probe_policy.py: the policy's own `step_tensors`, recorded per token), and the threshold's
+quantile level is then bisected on routed generations of the deployment itself.
+
+Calibration runs on the prompts the section will measure (every point's first turns, `CalibrationSet`):
+with dummy weights the signal is dominated by the prompt, not the token (on Qwen3-0.6B's shape, R2R's
+router value varied 0.47 (std) between prompts and 0.03-0.07 within one prompt's tokens), so a threshold
+set on other prompts routes a different share of these (measured on the H200: calibrated to 9.9 % on 16
+other prompts, then 0-4 % measured). The spread is kept in the results (`signal_spread`): where the
+between-prompt spread dominates, the policy routes per request more than per token, and each row's own
+measured share says how far its point is from the target. `random` (p = R2R's share, independent per
+token) is the token-scattered pattern for comparison.
 
 Shares (large-model tokens / all output tokens):
 - r2r 10 %: R2R reports 5.6B average activated parameters for R1-1.5B + R1-32B (arXiv 2505.21600, which
@@ -15,12 +24,14 @@ Shares (large-model tokens / all output tokens):
   threshold they sweep, and R-Stitch reports speed-ups, not a token share in the summaries reachable here;
   these shares put each policy between R2R's and the mixture's large share.
 - mixture (ME): no calibration, the weights 0.5 / 0.3 / 0.2 fix it (20 % on the 32B, 30 % on the 8B).
+- random 10 %: no calibration, p = 0.10 is the share (each small-model token hands over independently).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,12 +45,13 @@ TARGETS: dict[str, tuple[float, str]] = {
     "collm": (0.15, "assumed: Co-LLM sweeps its deferral threshold, no token share found here"),
     "rstitch": (0.20, "assumed: R-Stitch reports speed-ups, no token share found here"),
     "mixture": (0.20, "fixed by the weights 0.5 / 0.3 / 0.2 (ME): 20 % on the largest model"),
+    "random": (0.10, "R2R's share, p = 0.10 per small-model token (independent per token: no calibration)"),
 }
+FIXED = ("mixture", "random")
 # R-Stitch's large model keeps decoding until its own entropy falls below tau_low: a fraction RSTITCH_RETURN
 # of its tokens end its stint (geometric stints, mean 1 / RSTITCH_RETURN = 4 tokens).
 RSTITCH_RETURN = 0.25
-CALIBRATION_PROMPTS = 16
-CALIBRATION_TOKENS = 64
+CALIBRATION_TOKENS = 256  # per prompt at most (the workload's cap when smaller)
 CALIBRATION_STEPS = 8  # bisection steps on the quantile level (at most)
 SHARE_TOLERANCE = 0.1  # stop within 10 % of the target share (relative)
 
@@ -48,12 +60,21 @@ def _sigmoid(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
 
 
-def probe_values(cfg: EngineConfig, model: str, prompts: list[list[int]], tokens: int) -> np.ndarray:
-    """The policy's per-token signal on `model`: a single-model engine with the probe policy generates
-    `tokens` greedy tokens for each prompt and records the signal of every sampled token."""
+@dataclass
+class CalibrationSet:
+    """The prompts a threshold is calibrated on, and how many tokens each generates."""
+
+    prompts: list[list[int]]
+    tokens: list[int]
+    description: str
+
+
+def probe_values(cfg: EngineConfig, model: str, cal: CalibrationSet) -> list[np.ndarray]:
+    """The policy's per-token signal on `model`, one array per prompt: a single-model engine with the probe
+    policy generates each prompt's tokens (sampled as measured) and records the signal of every token."""
     from std_serving.probe_policy import ProbePolicy  # noqa: F401  (registers `probe`)
 
-    from tokenrouter import Engine, SamplingParams
+    from tokenrouter import Engine
 
     single = dataclasses.replace(
         cfg,
@@ -65,13 +86,29 @@ def probe_values(cfg: EngineConfig, model: str, prompts: list[list[int]], tokens
     )
     engine = Engine(single)
     try:
-        outs = engine.generate(prompts, SamplingParams(max_new_tokens=tokens, ignore_eos=True, **SAMPLING))
-        rows = [v for o in outs for v in engine.entry.policy.take(o.request_id)]
+        outs = engine.generate(cal.prompts, _params(cal))
+        rows = [[r[0] for r in engine.entry.policy.take(o.request_id)] for o in outs]
     finally:
         engine.shutdown()
         del engine
         _free_gpu()
-    return np.array([r[0] for r in rows], dtype=np.float64)
+    return [np.array(r, dtype=np.float64) for r in rows]
+
+
+def _params(cal: CalibrationSet) -> list[Any]:
+    from tokenrouter import SamplingParams
+
+    return [SamplingParams(max_new_tokens=n, ignore_eos=True, **SAMPLING) for n in cal.tokens]
+
+
+def signal_spread(per_prompt: list[np.ndarray]) -> dict[str, float]:
+    """How much of the signal's variation is between prompts (std of the per-prompt means) and how much is
+    within one prompt's tokens (mean of the per-prompt stds)."""
+    rows = [v for v in per_prompt if len(v)]
+    return {
+        "between_prompts_std": round(float(np.std([v.mean() for v in rows])), 4),
+        "within_prompt_std": round(float(np.mean([v.std() for v in rows])), 4),
+    }
 
 
 def _free_gpu() -> None:
@@ -91,7 +128,7 @@ def rstitch_entry_rate(share: float, back: float = RSTITCH_RETURN) -> float:
     return share * back / (share * back + 1.0 - share)
 
 
-def calibrate(algorithm: str, cfg: EngineConfig, prompts: list[list[int]], engine: Any = None) -> dict[str, Any]:
+def calibrate(algorithm: str, cfg: EngineConfig, cal: CalibrationSet, engine: Any = None) -> dict[str, Any]:
     """The policy mapping for `algorithm` at its target share, and how it was found.
 
     First guess: the quantile of the deciding model's signal on its own generations (probe). That guess is
@@ -100,15 +137,19 @@ def calibrate(algorithm: str, cfg: EngineConfig, prompts: list[list[int]], engin
     in-process Engine of `cfg`; one is built when None) until the measured share is the target."""
     share, source = TARGETS[algorithm]
     policy = dict(cfg.policy)
-    record: dict[str, Any] = {"target_share": share, "source": source}
-    if algorithm == "mixture":
+    record: dict[str, Any] = {"target_share": share, "source": source, "calibration_set": cal.description}
+    if algorithm in FIXED:
+        if algorithm == "random":
+            policy["p"] = share
         record["params"] = {k: v for k, v in policy.items() if k != "name"}
         return {"policy": policy, "record": record}
     names = list(cfg.models)
     small, large = names[0], names[-1]
-    signal = probe_values(cfg, small, prompts, CALIBRATION_TOKENS)
+    per_prompt = probe_values(cfg, small, cal)
+    signal = np.concatenate(per_prompt)
+    record["signal_spread"] = signal_spread(per_prompt)
     if algorithm == "rstitch":
-        policy["tau_low"] = float(np.quantile(probe_values(cfg, large, prompts, CALIBRATION_TOKENS), RSTITCH_RETURN))
+        policy["tau_low"] = float(np.quantile(np.concatenate(probe_values(cfg, large, cal)), RSTITCH_RETURN))
         first = 1.0 - rstitch_entry_rate(share)
     elif algorithm in ("r2r", "collm", "citer"):
         first = share if algorithm == "citer" else 1.0 - share
@@ -132,7 +173,7 @@ def calibrate(algorithm: str, cfg: EngineConfig, prompts: list[list[int]], engin
         lo, hi = 0.0, 1.0
         level, trials = first, []
         for _ in range(CALIBRATION_STEPS):
-            measured = routed_share(engine, at(level), prompts)
+            measured = routed_share(engine, at(level), cal)
             trials.append({"quantile": round(level, 5), "share": round(measured, 4)})
             if abs(measured - share) <= SHARE_TOLERANCE * share:
                 break
@@ -149,7 +190,7 @@ def calibrate(algorithm: str, cfg: EngineConfig, prompts: list[list[int]], engin
             engine.shutdown()
             del engine
             _free_gpu()
-    record["signal"] = f"{algorithm} signal on {small}: {len(signal)} tokens of {len(prompts)} probe generations"
+    record["signal"] = f"{algorithm} signal on {small}: {len(signal)} tokens of {len(cal.prompts)} probe generations"
     record["trials"] = trials
     record["measured_share"] = best["share"]
     record["params"] = {k: v for k, v in policy.items() if k != "name"}
@@ -159,18 +200,16 @@ def calibrate(algorithm: str, cfg: EngineConfig, prompts: list[list[int]], engin
 def apply(engine: Any, policy: dict[str, Any]) -> None:
     """Set `policy`'s thresholds on every subserver's policy object of a running engine."""
     for sub in engine.subservers.values():
-        for key in ("threshold", "tau_high", "tau_low"):
+        for key in ("threshold", "tau_high", "tau_low", "p"):
             if key in policy and hasattr(sub.policy, key):
                 setattr(sub.policy, key, float(policy[key]))
 
 
-def routed_share(engine: Any, policy: dict[str, Any], prompts: list[list[int]]) -> float:
-    """Large-model token share of greedy routed generations of `prompts` with `policy`'s thresholds set
-    on every subserver's policy (the only change between trials: no model reloads)."""
-    from tokenrouter import SamplingParams
-
+def routed_share(engine: Any, policy: dict[str, Any], cal: CalibrationSet) -> float:
+    """Large-model token share of routed generations of `cal` with `policy`'s thresholds set on every
+    subserver's policy (the only change between trials: no model reloads)."""
     apply(engine, policy)
-    outs = engine.generate(prompts, SamplingParams(max_new_tokens=CALIBRATION_TOKENS, ignore_eos=True, **SAMPLING))
+    outs = engine.generate(cal.prompts, _params(cal))
     large = list(engine.subservers)[-1]
     total = sum(len(o.token_ids) for o in outs)
     return sum(o.stats["tokens_per_model"].get(large, 0) for o in outs) / max(1, total)

@@ -16,7 +16,7 @@ import yaml
 from tokenrouter.config import read_config_file
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-ALGORITHMS = ("r2r", "citer", "rstitch", "collm", "mixture")
+ALGORITHMS = ("r2r", "citer", "rstitch", "collm", "mixture", "random")
 MODEL_SETS = {
     "qwen3": ("qwen3-0.6b_qwen3-32b", "qwen3-0.6b_qwen3-8b_qwen3-32b"),
     "tiny": ("tiny-small_tiny-large", "tiny-small_tiny-medium_tiny-large"),

@@ -81,26 +81,38 @@ def measure(opened: systems.Opened, workload: Workload, c: int, cfg: EngineConfi
     return row
 
 
-def calibration_prompts(cfg: EngineConfig, seed: int) -> list[list[int]]:
-    """Prompts of the low-effort shape, drawn apart from every measured point's (their own seed)."""
+def calibration_set(cfg: EngineConfig, seed: int, workloads: list[str], scale: float, concurrency: list[int]
+                    ) -> calibrate.CalibrationSet:
+    """The first turns of every point `measure` will send (the same seeds), each generating its workload's
+    cap up to calibrate.CALIBRATION_TOKENS: the threshold is calibrated on the measured prompts."""
     vocab, special = vocab_and_special(cfg)
-    n = calibrate.CALIBRATION_PROMPTS
-    return [s.turns[0] for s in make_workload("low-effort", 1.0).sessions(n, vocab, special, seed + 7919)][:n]
+    prompts, tokens = [], []
+    for name in workloads:
+        w = make_workload(name, scale)
+        for c in concurrency:
+            firsts = [s.turns[0] for s in w.sessions(c, vocab, special, seed)]
+            prompts += firsts
+            tokens += [min(w.max_tokens, calibrate.CALIBRATION_TOKENS)] * len(firsts)
+    text = (f"{len(prompts)} prompts: the first turns of every measured point ({', '.join(workloads)}; "
+            f"C={', '.join(map(str, concurrency))}), {min(tokens)}-{max(tokens)} tokens each")
+    return calibrate.CalibrationSet(prompts, tokens, text)
 
 
 @contextlib.contextmanager
-def calibrated(algorithm: str, models: str, seed: int, work: Path
-               ) -> Iterator[tuple[Path, EngineConfig, systems.Opened, dict[str, Any]]]:
-    """`algorithm`'s deployment calibrated to its target share on an in-process engine of it: yields the
-    calibrated deployment YAML, its config, that engine (running, with the calibrated thresholds, so a caller
-    can measure it without loading the models again), and the calibration record."""
+def calibrated(algorithm: str, models: str, seed: int, work: Path, workloads: list[str], scale: float,
+               concurrency: list[int]) -> Iterator[tuple[Path, EngineConfig, systems.Opened, dict[str, Any]]]:
+    """`algorithm`'s deployment calibrated to its target share on an in-process engine of it, on the
+    prompts of `workloads` x `concurrency` (calibration_set): yields the calibrated deployment YAML, its
+    config, that engine (running, with the calibrated thresholds, so a caller can measure it without
+    loading the models again), and the calibration record."""
     source = deployments.config_path(algorithm, models)
     base = load_config(source)
     print(f"== {algorithm}: calibrating {source.relative_to(deployments.REPO_ROOT)} "
           f"(target share {calibrate.TARGETS[algorithm][0]:.0%})", flush=True)
     t0 = time.perf_counter()
     with systems.in_process(base) as opened:
-        cal = calibrate.calibrate(algorithm, base, calibration_prompts(base, seed), opened.engine())
+        cal_set = calibration_set(base, seed, workloads, scale, concurrency)
+        cal = calibrate.calibrate(algorithm, base, cal_set, opened.engine())
         calibrate.apply(opened.engine(), cal["policy"])
         cal["record"]["seconds"] = round(time.perf_counter() - t0, 1)
         path = deployments.write_deployment(source, work / f"{algorithm}.yaml", cal["policy"])

@@ -16,15 +16,15 @@ from tokenrouter.config import load_config
 
 def calibrate_and_measure(
     emit: Emit, algorithm: str, models: str, seed: int, work: str, workloads: list[str], scale: float,
-    concurrency: list[int],
+    concurrency: list[int], measure_too: bool,
 ) -> dict[str, Any]:
-    """Calibrate `algorithm`, then measure the calibrated engine as the in-process system over `workloads`
-    (none: calibration only). Returns the calibrated deployment's path and policy."""
-    with calibrated(algorithm, models, seed, Path(work)) as (path, cfg, opened, record):
+    """Calibrate `algorithm` on the prompts of `workloads` x `concurrency`, then (`measure_too`) measure the
+    calibrated engine as the in-process system on them. Returns the calibrated deployment's path and policy."""
+    with calibrated(algorithm, models, seed, Path(work), workloads, scale, concurrency) as (path, cfg, opened, record):
         emit("calibration", (algorithm, record))
-        if workloads:
-            print(f"== {algorithm} / in-process", flush=True)
-        for name in workloads:
+        for name in workloads if measure_too else []:
+            if name == workloads[0]:
+                print(f"== {algorithm} / in-process", flush=True)
             w = make_workload(name, scale)
             for c in concurrency:
                 row = measure(opened, w, c, cfg, seed, f"{algorithm} in-process {w.name} C={c}")

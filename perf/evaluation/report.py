@@ -188,7 +188,8 @@ def workloads_lines(workloads: dict[str, dict[str, Any]]) -> list[str]:
 def calibration_lines(calibration: dict[str, dict[str, Any]]) -> list[str]:
     if not calibration:
         return []
-    header = ["algorithm", "target large share", "source", "calibrated params", "measured share"]
+    header = ["algorithm", "target large share", "source", "calibrated params", "measured share",
+              "signal std between / within prompts"]
     rows = [
         [
             algo,
@@ -196,11 +197,21 @@ def calibration_lines(calibration: dict[str, dict[str, Any]]) -> list[str]:
             fmt_any(c.get("source")),
             fmt_any(c.get("params")) if c.get("params") else "-",
             fmt_share(c.get("measured_share")),
+            spread_text(c.get("signal_spread")),
         ]
         for algo, c in calibration.items()
         if isinstance(c, dict)
     ]
-    return ["## Calibration", ""] + md_table(header, rows) + [""]
+    sets = unique(c.get("calibration_set") for c in calibration.values() if isinstance(c, dict))
+    return (["## Calibration", ""] + [f"Calibrated on {s}." for s in sets if s] + [""] + md_table(header, rows)
+            + ["", "Where the signal varies more between prompts than within one, the threshold routes some "
+                   "requests heavily and others not at all (per request more than per token).", ""])
+
+
+def spread_text(spread: Any) -> str:
+    if not isinstance(spread, dict):
+        return "-"
+    return f"{fmt_float(spread.get('between_prompts_std'), 3)} / {fmt_float(spread.get('within_prompt_std'), 3)}"
 
 
 def plot_lines(paths: Sequence[Path], missing_reason: str | None) -> list[str]:
@@ -274,10 +285,32 @@ def main_row_cells(row: Row) -> list[str]:
         fmt_tok_s(row.get("per_user_tok_s")),
         f"{fmt_ms(row.get('ttft_ms_p50'))} / {fmt_ms(row.get('ttft_ms_p99'))}",
         f"{fmt_ms(row.get('e2e_ms_p50'))} / {fmt_ms(row.get('e2e_ms_p99'))}",
-        fmt_share(row.get("large_share")),
+        # A single model has no routing: its "large share" is its own (always 1), not a figure.
+        "-" if row.get("system") in REFERENCE_SYSTEMS else fmt_share(row.get("large_share")),
         fmt_float(row.get("handoffs_per_request")),
         fmt_int(row.get("errors")),
     ]
+
+
+SHARE_OFF = 0.3  # a routed row is flagged when its measured share is this far from the target (relative)
+
+
+def share_notes(results: dict[str, Any]) -> list[str]:
+    """Routed rows whose measured large share is more than SHARE_OFF from their algorithm's target: their
+    throughput stands for that share, not for the target."""
+    targets = {a: c.get("target_share") for a, c in (results.get("calibration") or {}).items() if isinstance(c, dict)}
+    off = []
+    for r in results.get("rows") or []:
+        target, share = num(targets.get(r.get("algorithm"))), num(r.get("large_share"))
+        if r.get("system") in REFERENCE_SYSTEMS or not target or share is None:
+            continue
+        if abs(share - target) > SHARE_OFF * target:
+            where = f"{r.get('workload')} / {r.get('algorithm')} / {r.get('system')}"
+            off.append(f"{where} C={fmt_any(r.get('concurrency'))}: {fmt_share(share)}")
+    if not off:
+        return []
+    return [f"Routed rows more than {SHARE_OFF:.0%} (relative) from their target share ({len(off)}): "
+            + "; ".join(off) + ".", ""]
 
 
 def error_notes(rows: Iterable[Row]) -> list[str]:
@@ -366,6 +399,7 @@ def main_lines(results: dict[str, Any], plots: Sequence[Path], missing_reason: s
         ["workload", "algorithm", "C", "triton tok/s", "over std-serving", "over llm-only"],
         speedup_rows(index, workloads),
     ) + [""]
+    lines += share_notes(results)
     for w in workloads:
         lines += [f"## {w}", ""]
         for a in index.algorithms(w):

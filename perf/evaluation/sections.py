@@ -44,12 +44,14 @@ def _uses_gpu(models: str) -> bool:
     return load_config(deployments.config_path("r2r", models)).entry_model.device.startswith("cuda")
 
 
-def _calibrate(args: argparse.Namespace, res: Results, work: Path, algorithm: str, measure_too: bool
-               ) -> dict[str, Any]:
+def _calibrate(args: argparse.Namespace, res: Results, work: Path, algorithm: str, measure_too: bool,
+               workloads: list[str] | None = None) -> dict[str, Any]:
+    """Calibrate `algorithm` on the prompts the section measures (`workloads`, default --workloads, at
+    --concurrency) and, with `measure_too`, measure it in process."""
     return run_job(
         "calibrate_and_measure", _recorder(res), _uses_gpu(args.models), algorithm=algorithm, models=args.models,
-        seed=args.seed, work=str(work), workloads=args.workloads if measure_too else [], scale=args.scale,
-        concurrency=args.concurrency,
+        seed=args.seed, work=str(work), workloads=workloads or args.workloads, scale=args.scale,
+        concurrency=args.concurrency, measure_too=measure_too,
     )
 
 
@@ -133,7 +135,7 @@ def run_ablation(args: argparse.Namespace, out_dir: Path, work: Path) -> None:
                   args.scale, args.note + [f"each step's engine is built fresh; workload {workload.name}"])
     res.data["workloads"][workload.name] = workload.describe()
     source = deployments.config_path("r2r", args.models)
-    calibrated = load_config(_calibrate(args, res, work, "r2r", measure_too=False)["path"])
+    calibrated = load_config(_calibrate(args, res, work, "r2r", False, [workload.name])["path"])
     batching = {"max_wait_ms": calibrated.batching.max_wait_ms, "auto_interval_s": calibrated.batching.auto_interval_s}
     switches: dict[str, Any] = {}
     for step, (label, change) in enumerate(ABLATION):
@@ -170,7 +172,7 @@ def run_sweep(args: argparse.Namespace, out_dir: Path, work: Path) -> None:
                   args.note + [f"thresholds B_i <= {args.max_threshold}; workload {workload.name}"])
     res.data["workloads"][workload.name] = workload.describe()
     source = deployments.config_path("r2r", args.models)
-    calibrated = load_config(_calibrate(args, res, work, "r2r", measure_too=False)["path"])
+    calibrated = load_config(_calibrate(args, res, work, "r2r", False, [workload.name])["path"])
     path = deployments.write_deployment(source, work / "sweep.yaml", calibrated.policy, {
         "batching": {"thresholds": 1, "max_wait_ms": calibrated.batching.max_wait_ms}})
     try:
