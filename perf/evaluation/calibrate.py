@@ -128,13 +128,34 @@ def rstitch_entry_rate(share: float, back: float = RSTITCH_RETURN) -> float:
     return share * back / (share * back + 1.0 - share)
 
 
-def calibrate(algorithm: str, cfg: EngineConfig, cal: CalibrationSet, engine: Any = None) -> dict[str, Any]:
+@dataclass
+class Probe:
+    """The deciding model's signal on the calibration set (per prompt), and R-Stitch's tau_low."""
+
+    per_prompt: list[np.ndarray]
+    tau_low: float | None = None
+
+
+def probe(algorithm: str, cfg: EngineConfig, cal: CalibrationSet) -> Probe | None:
+    """The signals `calibrate` starts from, measured on single-model engines: run it before the routed
+    deployment is loaded (a second copy of the large model does not fit beside it). None for FIXED."""
+    if algorithm in FIXED:
+        return None
+    names = list(cfg.models)
+    tau_low = None
+    if algorithm == "rstitch":
+        tau_low = float(np.quantile(np.concatenate(probe_values(cfg, names[-1], cal)), RSTITCH_RETURN))
+    return Probe(probe_values(cfg, names[0], cal), tau_low)
+
+
+def calibrate(algorithm: str, cfg: EngineConfig, cal: CalibrationSet, engine: Any, probed: Probe | None
+              ) -> dict[str, Any]:
     """The policy mapping for `algorithm` at its target share, and how it was found.
 
-    First guess: the quantile of the deciding model's signal on its own generations (probe). That guess is
-    off once routing changes the context (the large model's tokens move the small model off its own path),
-    so the quantile level is then bisected on routed generations of the real deployment (`engine`, an
-    in-process Engine of `cfg`; one is built when None) until the measured share is the target."""
+    First guess: the quantile of the deciding model's signal on its own generations (`probed`). That guess
+    is off once routing changes the context (the large model's tokens move the small model off its own
+    path), so the quantile level is then bisected on routed generations of the real deployment (`engine`,
+    an in-process Engine of `cfg`) until the measured share is the target."""
     share, source = TARGETS[algorithm]
     policy = dict(cfg.policy)
     record: dict[str, Any] = {"target_share": share, "source": source, "calibration_set": cal.description}
@@ -143,13 +164,12 @@ def calibrate(algorithm: str, cfg: EngineConfig, cal: CalibrationSet, engine: An
             policy["p"] = share
         record["params"] = {k: v for k, v in policy.items() if k != "name"}
         return {"policy": policy, "record": record}
-    names = list(cfg.models)
-    small, large = names[0], names[-1]
-    per_prompt = probe_values(cfg, small, cal)
-    signal = np.concatenate(per_prompt)
-    record["signal_spread"] = signal_spread(per_prompt)
+    if probed is None:
+        raise ValueError(f"calibrating {algorithm!r} needs its probe (calibrate.probe)")
+    signal = np.concatenate(probed.per_prompt)
+    record["signal_spread"] = signal_spread(probed.per_prompt)
     if algorithm == "rstitch":
-        policy["tau_low"] = float(np.quantile(np.concatenate(probe_values(cfg, large, cal)), RSTITCH_RETURN))
+        policy["tau_low"] = probed.tau_low
         first = 1.0 - rstitch_entry_rate(share)
     elif algorithm in ("r2r", "collm", "citer"):
         first = share if algorithm == "citer" else 1.0 - share
@@ -162,34 +182,24 @@ def calibrate(algorithm: str, cfg: EngineConfig, cal: CalibrationSet, engine: An
         # r2r routes when sigmoid(z) >= t, collm when > t, citer when < t: the quantile maps to t via sigmoid.
         return {**policy, key: value if algorithm == "rstitch" else _sigmoid(value)}
 
-    own = engine is None
-    if own:
-        from tokenrouter import Engine
-
-        engine = Engine(cfg)
-    try:
-        # Routing more means a lower threshold quantile for r2r / collm / rstitch, a higher one for citer.
-        more = 1.0 if algorithm == "citer" else -1.0
-        lo, hi = 0.0, 1.0
-        level, trials = first, []
-        for _ in range(CALIBRATION_STEPS):
-            measured = routed_share(engine, at(level), cal)
-            trials.append({"quantile": round(level, 5), "share": round(measured, 4)})
-            if abs(measured - share) <= SHARE_TOLERANCE * share:
-                break
-            # Too little routed: move the level towards routing more, inside the bracket found so far.
-            if (measured < share) == (more > 0):
-                lo = level
-            else:
-                hi = level
-            level = (lo + hi) / 2
-        best = min(trials, key=lambda t: abs(t["share"] - share))
-        policy = at(best["quantile"])
-    finally:
-        if own:
-            engine.shutdown()
-            del engine
-            _free_gpu()
+    # Routing more means a lower threshold quantile for r2r / collm / rstitch, a higher one for citer.
+    more = 1.0 if algorithm == "citer" else -1.0
+    lo, hi = 0.0, 1.0
+    level, trials = first, []
+    for _ in range(CALIBRATION_STEPS):
+        measured = routed_share(engine, at(level), cal)
+        trials.append({"quantile": round(level, 5), "share": round(measured, 4)})
+        if abs(measured - share) <= SHARE_TOLERANCE * share:
+            break
+        # Too little routed: move the level towards routing more, inside the bracket found so far.
+        if (measured < share) == (more > 0):
+            lo = level
+        else:
+            hi = level
+        level = (lo + hi) / 2
+    best = min(trials, key=lambda t: abs(t["share"] - share))
+    policy = at(best["quantile"])
+    small = list(cfg.models)[0]
     record["signal"] = f"{algorithm} signal on {small}: {len(signal)} tokens of {len(cal.prompts)} probe generations"
     record["trials"] = trials
     record["measured_share"] = best["share"]

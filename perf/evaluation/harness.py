@@ -110,9 +110,10 @@ def calibrated(algorithm: str, models: str, seed: int, work: Path, workloads: li
     print(f"== {algorithm}: calibrating {source.relative_to(deployments.REPO_ROOT)} "
           f"(target share {calibrate.TARGETS[algorithm][0]:.0%})", flush=True)
     t0 = time.perf_counter()
+    cal_set = calibration_set(base, seed, workloads, scale, concurrency)
+    probed = calibrate.probe(algorithm, base, cal_set)  # before the deployment holds the GPU
     with systems.in_process(base) as opened:
-        cal_set = calibration_set(base, seed, workloads, scale, concurrency)
-        cal = calibrate.calibrate(algorithm, base, cal_set, opened.engine())
+        cal = calibrate.calibrate(algorithm, base, cal_set, opened.engine(), probed)
         calibrate.apply(opened.engine(), cal["policy"])
         cal["record"]["seconds"] = round(time.perf_counter() - t0, 1)
         path = deployments.write_deployment(source, work / f"{algorithm}.yaml", cal["policy"])
