@@ -139,7 +139,7 @@ def test_main_section(tmp_path: Path, main_results: dict) -> None:
     assert "- a | pipe in a note" in md
     assert "| low-effort | ~100-token prompts, cap 2,048 | 2,048 |" in md
     assert cells(table_row(md, "r2r", "10.0 %")) == ["r2r", "10.0 %", "R2R paper", "threshold=0.1235", "9.8 %",
-                                                     "0.470 / 0.050"]
+                                                     "0.47 / 0.05"]
     assert cells(table_row(md, "mixture", "20.0 %"))[-2:] == ["n/a", "-"]
     # Only mixture's routed row (9.9 % against 20 %) is flagged: r2r's 9.9 % is within 30 % of 10 %.
     assert ("Routed rows more than 30% (relative) from their target share (1): "

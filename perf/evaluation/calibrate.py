@@ -106,8 +106,8 @@ def signal_spread(per_prompt: list[np.ndarray]) -> dict[str, float]:
     within one prompt's tokens (mean of the per-prompt stds)."""
     rows = [v for v in per_prompt if len(v)]
     return {
-        "between_prompts_std": round(float(np.std([v.mean() for v in rows])), 4),
-        "within_prompt_std": round(float(np.mean([v.std() for v in rows])), 4),
+        "between_prompts_std": float(np.std([v.mean() for v in rows])),
+        "within_prompt_std": float(np.mean([v.std() for v in rows])),
     }
 
 

@@ -211,7 +211,9 @@ def calibration_lines(calibration: dict[str, dict[str, Any]]) -> list[str]:
 def spread_text(spread: Any) -> str:
     if not isinstance(spread, dict):
         return "-"
-    return f"{fmt_float(spread.get('between_prompts_std'), 3)} / {fmt_float(spread.get('within_prompt_std'), 3)}"
+    # Three significant digits: R-Stitch's normalized entropy varies in the fourth decimal with dummy weights.
+    return " / ".join(NA if num(spread.get(k)) is None else f"{num(spread.get(k)):.3g}"
+                      for k in ("between_prompts_std", "within_prompt_std"))
 
 
 def plot_lines(paths: Sequence[Path], missing_reason: str | None) -> list[str]:
