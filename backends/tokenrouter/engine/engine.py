@@ -29,6 +29,7 @@ from tokenrouter.engine.coordinator import Coordinator, Prompt
 from tokenrouter.engine.outputs import RequestOutput
 from tokenrouter.engine.stop import StopChecker
 from tokenrouter.engine.subserver import Subserver
+from tokenrouter.engine.timeline import Timeline, event_time
 from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.routing.policy import make_policy
 from tokenrouter.sampling_params import SamplingParams
@@ -343,6 +344,16 @@ class Engine(Coordinator):
         """KV accounting invariants on every model; when idle, every block must be free."""
         for sub in self.subservers.values():
             sub.check_integrity()
+
+    def record_timeline(self, on: bool = True) -> None:
+        """Start (or stop) recording every model's steps and handoffs (engine/timeline.py); read them with
+        `timeline_events` (perf/timeline.py makes a trace and a summary of them)."""
+        for name, sub in self.subservers.items():
+            sub.timeline = Timeline(name) if on else None
+
+    def timeline_events(self) -> list[dict[str, Any]]:
+        """The events recorded since the last call, every model's, in time order."""
+        return sorted((e for s in self.subservers.values() if s.timeline for e in s.timeline.take()), key=event_time)
 
     def shutdown(self) -> None:
         if self._closed:

@@ -23,6 +23,7 @@ from tokenrouter.engine.scheduler import Scheduler
 from tokenrouter.engine.sequence import SeqStatus, Sequence
 from tokenrouter.engine.step_stats import StepStats
 from tokenrouter.engine.stop import StopChecker
+from tokenrouter.engine.timeline import Timeline
 from tokenrouter.routing.policy import Policy, RouteRequest, StepResult, resolve, step_hook
 from tokenrouter.runner.model_runner import ModelRunner
 from tokenrouter.runner.sampler import sample
@@ -82,6 +83,8 @@ class Subserver:
         self._queue_waits: deque[float] = deque(maxlen=65536)
         self.num_steps = 0
         self.last_batch_size = 0
+        # What the loop does and when (engine/timeline.py); None: not recording.
+        self.timeline: Timeline | None = None
         self._in_step: list[str] = []  # request ids of the step in flight, for failing just those
 
     # -- messages in ------------------------------------------------------------------------------------
@@ -147,6 +150,8 @@ class Subserver:
                 lease.produced, lease.start = 0, len(seq.token_ids)
             seq.lease = lease
         seq.ready_since = time.monotonic()
+        if self.timeline is not None:
+            self.timeline.arrive(msg.request_id, msg.source, seq.ready_since)
         if msg.first_visit:
             self.scheduler.add(seq)
         else:
@@ -197,11 +202,16 @@ class Subserver:
             return 0
         self._in_step = [c.seq.request_id for c in chunks]
         self._ready_since = None
+        timeline = self.timeline  # read once: it may be switched on or off from another thread
         t0 = time.perf_counter()
         now = time.monotonic()
+        first_ready = wait_max = None
         for c in chunks:
             if c.seq.ready_since is not None:
-                self._queue_waits.append(now - c.seq.ready_since)
+                wait = now - c.seq.ready_since
+                self._queue_waits.append(wait)
+                if wait_max is None or wait > wait_max:
+                    first_ready, wait_max = c.seq.ready_since, wait
                 c.seq.ready_since = None
         sampling = [c.seq for c in chunks if c.samples]
         with self.runner.stream_context():
@@ -218,6 +228,7 @@ class Subserver:
                 # The step ends with its tokens on the host; the policy's work follows, synchronized on its own.
                 (tokens,) = to_host(tokens_dev)
                 (values,) = to_host(self._step_values(out.logits, out.hidden, tokens_dev))
+        forward_end = time.monotonic() if timeline is not None else 0.0
         for c in chunks:
             c.seq.num_computed_tokens += c.num_new_tokens
             self.block_manager.register_full_blocks(c.seq)
@@ -235,6 +246,11 @@ class Subserver:
         self.num_steps += 1
         self.last_batch_size = len(chunks)
         self.stats.record_step(len(chunks), time.perf_counter() - t0)
+        if timeline is not None:
+            timeline.step(
+                now, forward_end, time.monotonic(), len(chunks), sum(c.num_new_tokens for c in chunks),
+                sum(c.num_new_tokens > 1 for c in chunks), self.threshold, first_ready, wait_max or 0.0,
+            )
         return len(chunks)
 
     def _step_values(self, logits: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
@@ -299,6 +315,8 @@ class Subserver:
         arrive = Arrive(
             seq.request_id, suffix, first, seq.num_prompt_tokens, seq.params, seq.state, self.name, seen
         )
+        if self.timeline is not None:
+            self.timeline.handoff(seq.request_id, target, time.monotonic())
         self.emit(Handoff(self.name, target, arrive))
 
     def _finish(self, seq: Sequence) -> None:
@@ -325,6 +343,8 @@ class Subserver:
                 self.safe_step()
                 continue
             timeout = self.max_wait_s if self.scheduler.num_ready else 0.05
+            if self.timeline is not None and not self.scheduler.num_ready:
+                self.timeline.flush()  # idle: a served recorder's file catches up (in memory: a no-op)
             self._wake.wait(timeout)
             self._wake.clear()
 

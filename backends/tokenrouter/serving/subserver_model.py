@@ -20,6 +20,7 @@ import numpy as np
 from tokenrouter.config import load_config
 from tokenrouter.engine.stop import StopChecker
 from tokenrouter.engine.subserver import Subserver
+from tokenrouter.engine.timeline import Timeline
 from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.routing.policy import make_policy
 from tokenrouter.runner.arch import ArchConfig, declared_context_limit
@@ -73,6 +74,7 @@ class SubserverModel:
             max_wait_s=config.batching.max_wait_ms / 1000.0,
         )
         self.sub.stop.max_model_len = min(max_len, self.sub.runner.max_model_len)
+        self.sub.timeline = Timeline.from_env(name)  # TOKENROUTER_TIMELINE_DIR: record for perf/timeline.py
         # Which router connection each request came from: its events go back there.
         self._lock = threading.Lock()
         self._owner: dict[str, ipc.Peer] = {}
@@ -196,3 +198,5 @@ class SubserverModel:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=5)
+        if self.sub.timeline is not None:
+            self.sub.timeline.flush()

@@ -1,0 +1,100 @@
+"""A model's timeline: its steps, the requests it hands off and the ones that arrive, with their times.
+
+perf/timeline.py turns the events into a Perfetto / chrome://tracing trace and a summary of where the time
+goes (busy fraction, batch sizes, idle gaps and their causes, handoff transit). Recording is off unless
+asked for: `Engine.record_timeline()` in process, or the environment variable TIMELINE_DIR_ENV for the
+served subservers (each appends its events to `<dir>/<model>.<pid>.jsonl`). When off, a step pays one
+`is None` test.
+
+Times are `time.monotonic()` seconds: CLOCK_MONOTONIC is one clock for every process of a machine, so the
+files of a served deployment's subservers merge into one trace.
+
+Events (plain dicts, JSON-safe):
+- step: model, start, forward_end (tokens and the policy's values on the host), end (routed and committed),
+  batch, tokens (new tokens computed), extends (rows computing more than one token: prefills and extends),
+  threshold (the delayed-batching threshold at the time), first_ready (the earliest time one of its rows
+  became ready to step), queue_wait_max.
+- handoff: request_id, source, target, t (the source parks the request and sends it).
+- arrive: request_id, model, source (None: a new request), t (the target takes it on).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+TIMELINE_DIR_ENV = "TOKENROUTER_TIMELINE_DIR"
+FLUSH_EVERY = 4096  # events buffered before a served subserver appends them to its file
+
+
+class Timeline:
+    """Events of one model's loop, kept in memory (`take`) or appended to `path` as JSON lines (`flush`)."""
+
+    def __init__(self, model: str, path: Path | None = None, capacity: int = 2_000_000) -> None:
+        self.model = model
+        self.path = path
+        # Bounded: a recorder left on cannot grow without limit (the oldest events go first).
+        self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=capacity)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls, model: str) -> Timeline | None:
+        """The served subserver's recorder when TIMELINE_DIR_ENV names a directory, else None."""
+        folder = os.environ.get(TIMELINE_DIR_ENV)
+        if not folder:
+            return None
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        return cls(model, Path(folder) / f"{model}.{os.getpid()}.jsonl")
+
+    def record(self, event: dict[str, Any]) -> None:
+        self._events.append(event)  # deque.append is atomic: the loop thread never waits here
+        if self.path is not None and len(self._events) >= FLUSH_EVERY:
+            self.flush()
+
+    def step(self, start: float, forward_end: float, end: float, batch: int, tokens: int, extends: int,
+             threshold: int, first_ready: float | None, queue_wait_max: float) -> None:
+        self.record({
+            "kind": "step", "model": self.model, "start": start, "forward_end": forward_end, "end": end,
+            "batch": batch, "tokens": tokens, "extends": extends, "threshold": threshold,
+            "first_ready": first_ready, "queue_wait_max": queue_wait_max,
+        })
+
+    def handoff(self, request_id: str, target: str, t: float) -> None:
+        self.record({"kind": "handoff", "request_id": request_id, "source": self.model, "target": target, "t": t})
+
+    def arrive(self, request_id: str, source: str | None, t: float) -> None:
+        self.record({"kind": "arrive", "request_id": request_id, "model": self.model, "source": source, "t": t})
+
+    def take(self) -> list[dict[str, Any]]:
+        """Every event recorded so far (and not yet taken or flushed), in order; they are forgotten here."""
+        with self._lock:
+            out = []
+            while self._events:
+                out.append(self._events.popleft())
+            return out
+
+    def flush(self) -> None:
+        """Append what was recorded to `path` (one JSON object per line)."""
+        if self.path is None:
+            return
+        events = self.take()
+        if events:
+            with self._lock, self.path.open("a") as f:
+                f.writelines(json.dumps(e) + "\n" for e in events)
+
+
+def read_events(folder: Path) -> list[dict[str, Any]]:
+    """All events of the `*.jsonl` files a served deployment's subservers wrote to `folder`, by time."""
+    events = []
+    for path in sorted(Path(folder).glob("*.jsonl")):
+        with path.open() as f:
+            events += [json.loads(line) for line in f if line.strip()]
+    return sorted(events, key=event_time)
+
+
+def event_time(event: dict[str, Any]) -> float:
+    return float(event["start"] if event["kind"] == "step" else event["t"])

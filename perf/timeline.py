@@ -1,0 +1,114 @@
+"""Record what each model does and when, on a running engine or server, and show where the time goes.
+
+    # in process: a closed loop of C requests on a deployment, recorded after one warm-up round
+    python perf/timeline.py record --config config/r2r/tiny-small_tiny-large.yaml \\
+        --concurrency 8 --num-requests 32 --prompt-len 64 --output-len 64 --out /tmp/timeline
+    # served: start the server with TOKENROUTER_TIMELINE_DIR=DIR (every subserver appends its events there),
+    # run any load (perf_analyzer, genai-perf, bench_served.py), then
+    python perf/timeline.py served DIR --out /tmp/timeline-served
+
+Each writes OUT/trace.json (open it in https://ui.perfetto.dev or chrome://tracing: one track per model,
+each step a slice with `forward` and `route+commit` inside, handoffs as arrows), OUT/summary.json and
+OUT/summary.md (busy fraction, batch histograms, idle gaps by cause, handoff transit: perf/timeline_analysis.py).
+The recorder is the engine's own (backends/tokenrouter/engine/timeline.py), off unless asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from _common import command_line, machine_info, machine_line, now_iso
+from bench_engine import closed_loop, make_prompts, parse_policy
+from timeline_analysis import chrome_trace, markdown, summarize
+
+from tokenrouter import Engine, SamplingParams
+from tokenrouter.config import load_config
+from tokenrouter.engine.timeline import read_events
+
+
+def write(out: Path, events: list[dict[str, Any]], title: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """OUT/trace.json, OUT/summary.json and OUT/summary.md from `events`; returns the summary."""
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {**extra, "command": command_line(), "date": now_iso(), "machine": machine_line(machine_info()),
+               **summarize(events)}
+    (out / "trace.json").write_text(json.dumps(chrome_trace(events)))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    header = [f"- {k}: {v}" for k, v in extra.items()]
+    header += [f"- command: `{summary['command']}`", f"- date: {summary['date']}", f"- machine: {summary['machine']}"]
+    md = markdown(summary, title).replace("\n\n", "\n\n" + "\n".join(header) + "\n\n", 1)
+    (out / "summary.md").write_text(md)
+    return summary
+
+
+def record(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    if args.policy:
+        cfg = dataclasses.replace(cfg, policy=parse_policy(args.policy))
+    engine = Engine(cfg)
+    try:
+        engine.start()
+        prompts = make_prompts(args.num_requests, args.prompt_len, engine.vocab_size, set(), args.seed)
+        params = SamplingParams(max_new_tokens=args.output_len, ignore_eos=True, temperature=args.temperature)
+        # One unrecorded round first: kernel compilation and graph capture are not what the trace is for.
+        warm = [[(x + 1) % engine.vocab_size for x in p] for p in prompts[: args.concurrency]]
+        closed_loop(engine, warm, args.concurrency, SamplingParams(max_new_tokens=8, ignore_eos=True), args.timeout)
+        engine.record_timeline()
+        res = closed_loop(engine, prompts, args.concurrency, params, args.timeout)
+        events = engine.timeline_events()
+        engine.record_timeline(False)
+    finally:
+        engine.shutdown()
+    tokens = sum(t.tokens for t in res.tracks)
+    extra = {"config": args.config, "policy": json.dumps(cfg.policy), "concurrency": args.concurrency,
+             "requests": args.num_requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
+             "output_tok_s": round(tokens / max(res.end - res.start, 1e-9), 1)}
+    summary = write(Path(args.out), events, f"Timeline: {Path(args.config).name} at C={args.concurrency}", extra)
+    print((Path(args.out) / "summary.md").read_text())
+    return 0 if summary["models"] else 1
+
+
+def served(args: argparse.Namespace) -> int:
+    folder = Path(args.folder)
+    if not folder.is_dir() or not any(folder.glob("*.jsonl")):
+        print(f"error: no timeline files (*.jsonl) in {folder}: start the server with "
+              f"TOKENROUTER_TIMELINE_DIR={folder} and run some load first", file=sys.stderr)
+        return 2
+    events = read_events(folder)
+    write(Path(args.out), events, f"Timeline: served deployment ({folder})", {"source": str(folder)})
+    print((Path(args.out) / "summary.md").read_text())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("record", help="run a closed loop in process and record it")
+    r.add_argument("--config", required=True)
+    r.add_argument("--policy", help="routing policy override: inline YAML/JSON or a file (default: the config's)")
+    r.add_argument("--concurrency", type=int, default=8)
+    r.add_argument("--num-requests", type=int, default=32)
+    r.add_argument("--prompt-len", type=int, default=100)
+    r.add_argument("--output-len", type=int, default=128)
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--timeout", type=float, default=600.0, help="seconds without any request finishing: abort")
+    r.add_argument("--out", required=True, help="output folder")
+    s = sub.add_parser("served", help="merge the files a server wrote with TOKENROUTER_TIMELINE_DIR")
+    s.add_argument("folder")
+    s.add_argument("--out", required=True, help="output folder")
+    args = p.parse_args(argv)
+    if args.cmd == "record":
+        for name in ("concurrency", "num_requests", "prompt_len", "output_len"):
+            if getattr(args, name) < 1:
+                p.error(f"--{name.replace('_', '-')} must be >= 1")
+        return record(args)
+    return served(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

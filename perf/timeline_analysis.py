@@ -1,0 +1,206 @@
+"""Where the time goes: a Perfetto / chrome://tracing trace and a summary from timeline events
+(backends/tokenrouter/engine/timeline.py).
+
+Summary, per model, over the window from the first step's start to the last step's end (all models):
+- busy fraction: time inside its steps / window; of a step, `forward` is the forward pass up to its tokens
+  (and the policy's values) on the host, `route+commit` the routing, commit and handoffs after it;
+- batch histogram, mean batch, tokens per step, steps with an extend or prefill, step time by batch size;
+- idle gaps between its consecutive steps, split by cause: `no request ready` (until the first of the next
+  step's rows became ready), then `waiting below threshold` (delayed batching: the next step ran fewer rows
+  than the threshold) or `host work` (rows were ready and the batch was full: loop, drain, scheduling);
+- handoff transit: a request parked by one model -> taken on by the next, per direction.
+And across models: the time two or more models stepped at once (they share the GPU then).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, defaultdict
+from typing import Any
+
+Event = dict[str, Any]
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
+
+
+def window(events: list[Event]) -> tuple[float, float] | None:
+    steps = [e for e in events if e["kind"] == "step"]
+    if not steps:
+        return None
+    return min(e["start"] for e in steps), max(e["end"] for e in steps)
+
+
+def models_of(events: list[Event]) -> list[str]:
+    seen: dict[str, None] = {}
+    for e in events:
+        name = e.get("model") if e["kind"] != "handoff" else e.get("source")
+        if name is not None:
+            seen.setdefault(name, None)
+    return list(seen)
+
+
+def _gaps(steps: list[Event]) -> dict[str, float]:
+    causes = {"no request ready": 0.0, "waiting below threshold": 0.0, "host work": 0.0}
+    for prev, cur in zip(steps, steps[1:]):
+        gap = max(0.0, cur["start"] - prev["end"])
+        ready = cur.get("first_ready")
+        starved = 0.0 if ready is None else min(gap, max(0.0, ready - prev["end"]))
+        causes["no request ready"] += starved
+        below = cur["batch"] < cur.get("threshold", 1)
+        causes["waiting below threshold" if below else "host work"] += gap - starved
+    return causes
+
+
+def _overlap(intervals_by_model: dict[str, list[tuple[float, float]]]) -> float:
+    """Seconds during which at least two models were inside a step."""
+    points = sorted((t, d) for ivs in intervals_by_model.values() for a, b in ivs for t, d in ((a, 1), (b, -1)))
+    total, depth, last = 0.0, 0, None
+    for t, d in points:
+        if depth >= 2 and last is not None:
+            total += t - last
+        depth += d
+        last = t
+    return total
+
+
+def transits(events: list[Event]) -> dict[str, list[float]]:
+    """Seconds from a model's handoff to the target's arrival, by 'source -> target'."""
+    pending: dict[tuple[str, str], float] = {}
+    out: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        if e["kind"] == "handoff":
+            pending[(e["request_id"], e["target"])] = e["t"]
+        elif e["kind"] == "arrive" and e.get("source") is not None:
+            sent = pending.pop((e["request_id"], e["model"]), None)
+            if sent is not None:
+                out[f"{e['source']} -> {e['model']}"].append(e["t"] - sent)
+    return dict(out)
+
+
+def summarize(events: list[Event]) -> dict[str, Any]:
+    span = window(events)
+    if span is None:
+        return {"window_s": 0.0, "models": {}, "handoffs": {}, "overlap_fraction": None}
+    length = max(span[1] - span[0], 1e-9)
+    steps_by_model: dict[str, list[Event]] = defaultdict(list)
+    for e in events:
+        if e["kind"] == "step":
+            steps_by_model[e["model"]].append(e)
+    models: dict[str, Any] = {}
+    for model in models_of(events):
+        steps = sorted(steps_by_model.get(model, []), key=lambda e: e["start"])
+        busy = sum(e["end"] - e["start"] for e in steps)
+        forward = sum(e["forward_end"] - e["start"] for e in steps if e.get("forward_end"))
+        by_batch: dict[int, list[float]] = defaultdict(list)
+        for e in steps:
+            by_batch[e["batch"]].append(e["end"] - e["start"])
+        models[model] = {
+            "steps": len(steps),
+            "busy_fraction": busy / length,
+            "forward_fraction_of_busy": forward / busy if busy else None,
+            "mean_batch": statistics.fmean(e["batch"] for e in steps) if steps else None,
+            "tokens_per_step": statistics.fmean(e["tokens"] for e in steps) if steps else None,
+            "steps_with_extend": sum(1 for e in steps if e.get("extends")),
+            "batch_histogram": dict(sorted(Counter(e["batch"] for e in steps).items())),
+            "step_ms_by_batch": {b: 1000 * statistics.fmean(v) for b, v in sorted(by_batch.items())},
+            "idle_s": _gaps(steps),
+            # Per step, the longest a row waited since it became ready; the median over steps.
+            "longest_wait_ms_p50": _ms(_pct([e["queue_wait_max"] for e in steps], 0.5)),
+        }
+    intervals = {m: [(e["start"], e["end"]) for e in s] for m, s in steps_by_model.items()}
+    handoffs = {
+        k: {"count": len(v), "p50_ms": _ms(_pct(v, 0.5)), "p99_ms": _ms(_pct(v, 0.99)),
+            "mean_ms": _ms(statistics.fmean(v))}
+        for k, v in transits(events).items()
+    }
+    return {
+        "window_s": length,
+        "models": models,
+        "handoffs": handoffs,
+        "overlap_fraction": _overlap(intervals) / length if len(intervals) > 1 else None,
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000.0 * seconds
+
+
+def chrome_trace(events: list[Event]) -> dict[str, Any]:
+    """The Trace Event Format (JSON) that Perfetto and chrome://tracing open: one track per model, each step a
+    slice with `forward` and `route+commit` inside it, each handoff a flow arrow to the model that takes it."""
+    span = window(events)
+    t0 = span[0] if span else min((e.get("t", 0.0) for e in events), default=0.0)
+    tids = {m: i + 1 for i, m in enumerate(models_of(events))}
+    out: list[dict[str, Any]] = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "tokenrouter"}}]
+    out += [{"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": m}} for m, tid in tids.items()]
+
+    def us(t: float) -> float:
+        return round((t - t0) * 1e6, 3)
+
+    flow = 0
+    pending: dict[tuple[str, str], int] = {}
+    for e in events:
+        if e["kind"] == "step":
+            tid = tids[e["model"]]
+            args = {k: e.get(k) for k in ("batch", "tokens", "extends", "threshold")}
+            args["queue_wait_max_ms"] = round(1000 * e.get("queue_wait_max", 0.0), 3)
+            out.append({"ph": "X", "pid": 1, "tid": tid, "name": f"step b{e['batch']}", "cat": "step",
+                        "ts": us(e["start"]), "dur": us(e["end"]) - us(e["start"]), "args": args})
+            if e.get("forward_end"):
+                out.append({"ph": "X", "pid": 1, "tid": tid, "name": "forward", "cat": "step",
+                            "ts": us(e["start"]), "dur": us(e["forward_end"]) - us(e["start"])})
+                out.append({"ph": "X", "pid": 1, "tid": tid, "name": "route+commit", "cat": "step",
+                            "ts": us(e["forward_end"]), "dur": us(e["end"]) - us(e["forward_end"])})
+        elif e["kind"] == "handoff":
+            flow += 1
+            pending[(e["request_id"], e["target"])] = flow
+            out.append({"ph": "s", "pid": 1, "tid": tids[e["source"]], "name": "handoff", "cat": "handoff",
+                        "id": flow, "ts": us(e["t"])})
+        elif e["kind"] == "arrive":
+            tid = tids[e["model"]]
+            fid = pending.pop((e["request_id"], e["model"]), None) if e.get("source") else None
+            if fid is not None:
+                out.append({"ph": "f", "bp": "e", "pid": 1, "tid": tid, "name": "handoff", "cat": "handoff",
+                            "id": fid, "ts": us(e["t"])})
+            out.append({"ph": "i", "s": "t", "pid": 1, "tid": tid, "cat": "arrive", "ts": us(e["t"]),
+                        "name": "arrive" if e.get("source") else "new request",
+                        "args": {"request_id": e["request_id"], "from": e.get("source")}})
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def markdown(summary: dict[str, Any], title: str) -> str:
+    def f(v: Any, spec: str = ".1f") -> str:
+        return "n/a" if v is None else format(v, spec)
+
+    lines = [f"# {title}", "", f"Window: {summary['window_s']:.3f} s (first step start -> last step end)."]
+    if summary.get("overlap_fraction") is not None:
+        lines.append(f"Two or more models stepping at once: {100 * summary['overlap_fraction']:.1f} % of the window.")
+    lines += ["", "| model | steps | busy | forward of busy | mean batch | tokens/step | steps with extend | "
+              "idle: no request ready | idle: below threshold | idle: host work | longest wait in a step, p50 ms |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for m, s in summary["models"].items():
+        idle = s["idle_s"]
+        share = {k: 100 * v / summary["window_s"] for k, v in idle.items()}
+        lines.append(
+            f"| {m} | {s['steps']} | {100 * s['busy_fraction']:.1f} % | "
+            f"{f(None if s['forward_fraction_of_busy'] is None else 100 * s['forward_fraction_of_busy'])} % | "
+            f"{f(s['mean_batch'], '.2f')} | {f(s['tokens_per_step'], '.1f')} | {s['steps_with_extend']} | "
+            f"{share['no request ready']:.1f} % | {share['waiting below threshold']:.1f} % | "
+            f"{share['host work']:.1f} % | {f(s['longest_wait_ms_p50'], '.2f')} |"
+        )
+    lines += ["", "Batch sizes (steps per batch size) and mean step time by batch size:", ""]
+    for m, s in summary["models"].items():
+        hist = ", ".join(f"{b}: {n}" for b, n in s["batch_histogram"].items())
+        times = ", ".join(f"{b}: {t:.2f}" for b, t in s["step_ms_by_batch"].items())
+        lines += [f"- {m}: {hist or '-'}", f"  - ms per step: {times or '-'}"]
+    if summary["handoffs"]:
+        lines += ["", "| handoff | count | transit p50 ms | p99 ms | mean ms |", "|---|---:|---:|---:|---:|"]
+        for k, h in summary["handoffs"].items():
+            lines.append(f"| {k} | {h['count']} | {f(h['p50_ms'], '.3f')} | {f(h['p99_ms'], '.3f')} | "
+                         f"{f(h['mean_ms'], '.3f')} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,166 @@
+"""The timeline recorder (engine/timeline.py) and perf/timeline.py's analysis: the summary's figures are
+right on known events, and a recording of a real routed run (in process, and served by a real
+tritonserver under load with cancellations) accounts for every step and every handoff."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tokenrouter import Engine, SamplingParams
+from tokenrouter.engine.timeline import TIMELINE_DIR_ENV, Timeline, read_events
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "perf"))
+
+from timeline_analysis import chrome_trace, summarize, transits  # noqa: E402
+
+
+def step(model: str, start: float, end: float, batch: int, threshold: int = 1, first_ready: float | None = None,
+         extends: int = 0) -> dict:
+    return {"kind": "step", "model": model, "start": start, "forward_end": (start + end) / 2, "end": end,
+            "batch": batch, "tokens": batch, "extends": extends, "threshold": threshold, "first_ready": first_ready,
+            "queue_wait_max": 0.0 if first_ready is None else start - first_ready}
+
+
+def test_summary_of_known_events() -> None:
+    events = [
+        step("small", 0.0, 1.0, 2, first_ready=0.0),
+        {"kind": "handoff", "request_id": "a", "source": "small", "target": "large", "t": 0.9},
+        {"kind": "arrive", "request_id": "a", "model": "large", "source": "small", "t": 1.1},
+        step("large", 1.5, 2.5, 1, first_ready=1.1, extends=1),
+        # small: idle 1.0 -> 3.0; its next row was ready at 2.0 and the step ran 1 row below a threshold of 2
+        step("small", 3.0, 4.0, 1, threshold=2, first_ready=2.0),
+        # small: 4.0 -> 4.5 idle with a row ready since 4.0 and a full batch: host work
+        step("small", 4.5, 5.0, 1, first_ready=4.0),
+        {"kind": "handoff", "request_id": "a", "source": "large", "target": "small", "t": 2.4},
+        {"kind": "arrive", "request_id": "a", "model": "small", "source": "large", "t": 2.6},
+        {"kind": "arrive", "request_id": "b", "model": "small", "source": None, "t": 0.0},
+    ]
+    s = summarize(sorted(events, key=lambda e: e.get("start", e.get("t"))))
+    assert s["window_s"] == pytest.approx(5.0)
+    small, large = s["models"]["small"], s["models"]["large"]
+    assert small["steps"] == 3 and large["steps"] == 1
+    assert small["busy_fraction"] == pytest.approx(2.5 / 5.0)
+    assert large["busy_fraction"] == pytest.approx(1.0 / 5.0)
+    assert small["forward_fraction_of_busy"] == pytest.approx(0.5)
+    assert small["batch_histogram"] == {1: 2, 2: 1} and large["steps_with_extend"] == 1
+    assert small["idle_s"] == pytest.approx({"no request ready": 1.0, "waiting below threshold": 1.0, "host work": 0.5})
+    assert s["overlap_fraction"] == pytest.approx(0.0)  # small's and large's steps never overlap here
+    assert {k: [round(x, 6) for x in v] for k, v in transits(events).items()} == {
+        "small -> large": [0.2], "large -> small": [0.2]}
+    assert s["handoffs"]["small -> large"]["count"] == 1
+
+    trace = chrome_trace(events)["traceEvents"]
+    slices = [e for e in trace if e["ph"] == "X"]
+    assert len(slices) == 3 * 4  # every step: itself, forward, route+commit
+    starts = {e["id"]: e for e in trace if e["ph"] == "s"}
+    ends = {e["id"]: e for e in trace if e["ph"] == "f"}
+    assert set(starts) == set(ends) and len(starts) == 2  # each handoff an arrow from source to target
+    names = {e["args"]["name"]: e["tid"] for e in trace if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert all(ends[i]["tid"] != starts[i]["tid"] for i in starts) and set(names) == {"small", "large"}
+
+
+def check_recording(events: list[dict], models: set[str], cancelled: int = 0) -> None:
+    """Every model stepped; every arrival from another model follows exactly one handoff to it, and every
+    handoff arrives unless a cancel overtook it (at most one per cancelled request)."""
+    steps = [e for e in events if e["kind"] == "step"]
+    assert {e["model"] for e in steps} == models
+    assert all(e["start"] <= e["forward_end"] <= e["end"] for e in steps)
+    handoffs = [e for e in events if e["kind"] == "handoff"]
+    arrivals = [e for e in events if e["kind"] == "arrive" and e["source"] is not None]
+    assert handoffs, "a routed run at p=0.3 hands off"
+    sent = Counter((e["request_id"], e["target"]) for e in handoffs)
+    taken = Counter((e["request_id"], e["model"]) for e in arrivals)
+    assert not taken - sent, "an arrival without its handoff"
+    lost = sent - taken
+    assert sum(lost.values()) <= cancelled and len({rid for rid, _ in lost}) == sum(lost.values()), lost
+    assert all(x >= 0 for v in transits(events).values() for x in v)
+
+
+def test_in_process_recording(tiny_dir: Path) -> None:
+    cfg = {
+        "models": {m: {"path": str(tiny_dir / m), "kv_cache_tokens": 2048} for m in ("small", "large")},
+        "entry": "small",
+        "policy": {"name": "random", "p": 0.3, "seed": 0},
+        "batching": {"thresholds": 1},
+    }
+    engine = Engine.from_config(cfg)
+    try:
+        params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+        prompts = [[5 + i, 9, 17, 33 + i] for i in range(6)]
+        engine.generate(prompts[:2], params)  # before recording: nothing is kept
+        assert all(s.timeline is None for s in engine.subservers.values())
+        steps_before = {m: s.num_steps for m, s in engine.subservers.items()}
+        engine.record_timeline()
+        outs = engine.generate(prompts, params)
+        steps_during = {m: s.num_steps - steps_before[m] for m, s in engine.subservers.items()}
+        events = engine.timeline_events()
+        engine.record_timeline(False)
+        engine.generate(prompts[:1], params)
+        assert engine.timeline_events() == []
+        check_recording(events, {"small", "large"})
+        for m in engine.subservers:
+            assert sum(1 for e in events if e["kind"] == "step" and e["model"] == m) == steps_during[m] > 0
+        assert sum(1 for e in events if e["kind"] == "handoff") == sum(o.stats["handoffs"] for o in outs)
+        assert sorted(e["request_id"] for e in events if e["kind"] == "arrive" and e["source"] is None) == sorted(
+            o.request_id for o in outs)
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+
+
+def test_file_recorder_appends_and_merges(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TIMELINE_DIR_ENV, str(tmp_path / "tl"))
+    a, b = Timeline.from_env("small"), Timeline.from_env("large")
+    assert a is not None and b is not None
+    a.arrive("r", None, 2.0)
+    b.arrive("r", "small", 1.0)
+    a.flush()
+    a.handoff("r", "large", 3.0)
+    a.flush()
+    b.flush()
+    events = read_events(tmp_path / "tl")
+    assert [(e["kind"], e["t"]) for e in events] == [("arrive", 1.0), ("arrive", 2.0), ("handoff", 3.0)]
+    monkeypatch.delenv(TIMELINE_DIR_ENV)
+    assert Timeline.from_env("small") is None
+
+
+@pytest.mark.slow
+def test_served_recording_under_load(tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real tritonserver started with TOKENROUTER_TIMELINE_DIR records every subserver under a soak with
+    cancellations, and `perf/timeline.py served` makes the trace and the summary from its files."""
+    import yaml
+    from soak import run_soak
+
+    from triton_harness import running_server
+
+    cfg = yaml.safe_load((REPO / "config" / "r2r" / "tiny-small_tiny-large.yaml").read_text())
+    for name, m in cfg["models"].items():
+        m["path"] = str(tiny_dir / name)
+        m["kv_cache_tokens"] = 4096
+    cfg["policy"] = {"name": "random", "p": 0.3, "seed": 0}
+    cfg["batching"]["thresholds"] = {"small": 2, "large": 1}
+    config = tmp_path / "timeline.yaml"
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    folder = tmp_path / "timeline"
+    monkeypatch.setenv(TIMELINE_DIR_ENV, str(folder))
+    with running_server(config, tmp_path) as server:
+        result = run_soak(server.grpc_url, requests=60, concurrency=4, cancel_fraction=0.2, max_tokens=16,
+                          metrics_url=server.metrics_url, seed=3)
+        assert result.problems() == [], result
+    events = read_events(folder)  # the server has stopped: every subserver flushed on finalize
+    check_recording(events, {"small", "large"}, cancelled=result.cancelled)
+    out = tmp_path / "out"
+    tool = [sys.executable, str(REPO / "perf" / "timeline.py"), "served", str(folder), "--out", str(out)]
+    proc = subprocess.run(tool,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["models"]) == {"small", "large"} and summary["handoffs"]["small -> large"]["count"] > 0
+    assert json.loads((out / "trace.json").read_text())["traceEvents"]
