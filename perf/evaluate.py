@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", choices=sorted(deployments.MODEL_SETS), default="qwen3",
                    help="qwen3: Qwen3-0.6B/8B/32B dummy weights on the GPU; tiny: the CPU test models")
     p.add_argument("--scale", type=float, default=1.0,
-                   help="shrink output caps, the agentic context and request counts by this factor (0, 1]")
+                   help="shrink output caps and the agentic context by this factor (0, 1]; requests per point stay "
+                        "max(2C, 4) (single-turn) or C sessions (agentic)")
     p.add_argument("--algorithms", default="r2r,citer,rstitch,collm,mixture,random")
     p.add_argument("--workloads", default=",".join(SHAPES))
     p.add_argument("--systems", default=",".join(systems.SYSTEMS))
@@ -56,7 +57,24 @@ def main(argv: list[str] | None = None) -> int:
     for s in args.systems:
         if s not in systems.SYSTEMS:
             p.error(f"unknown system {s!r}; known: {', '.join(systems.SYSTEMS)}")
+    for a in args.algorithms:  # before any model loads: a typo must not cost a calibration first
+        if a not in deployments.ALGORITHMS:
+            p.error(f"unknown algorithm {a!r}; known: {', '.join(deployments.ALGORITHMS)}")
+    for w in args.workloads:
+        if w not in SHAPES:
+            p.error(f"unknown workload {w!r}; known: {', '.join(SHAPES)}")
+    if not 0 < args.scale <= 1:
+        p.error(f"--scale must be in (0, 1], got {args.scale:g}")
+    if args.max_threshold < 1:
+        p.error(f"--max-threshold must be >= 1, got {args.max_threshold}")
     out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR / f"eval_{args.models}_scale{args.scale:g}"
+    try:  # the results are written after every point: a folder that cannot be written must fail now
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        p.error(f"--out-dir {out_dir}: cannot write there ({e.strerror or e})")
     with tempfile.TemporaryDirectory(prefix="evaluate-") as work:
         getattr(sections, f"run_{args.section}")(args, out_dir, Path(work))
     return 0

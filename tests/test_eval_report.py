@@ -85,6 +85,7 @@ def main_results() -> dict:
                 "source": "R2R paper",
                 "params": {"threshold": 0.123456},
                 "measured_share": 0.098,
+                "trials": [{"quantile": 0.9, "share": 0.098}],
                 "signal_spread": {"between_prompts_std": 0.47, "within_prompt_std": 0.05},
             },
             "mixture": {"target_share": 0.2, "source": "weights", "params": {}, "measured_share": None},
@@ -116,6 +117,12 @@ def assert_pngs(paths: list[Path], names: set[str]) -> None:
             assert p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 5000, p
 
 
+def test_calibration_not_converged_is_flagged() -> None:
+    lines = report.calibration_lines({"r2r": {"target_share": 0.1, "measured_share": 0.135, "converged": False,
+                                              "trials": [{"quantile": 0.9, "share": 0.135}]}})
+    assert cells(table_row("\n".join(lines), "r2r"))[4] == "13.5 % (not converged)"
+
+
 def test_formatting() -> None:
     assert report.fmt_tok_s(1234567.891) == "1,234,567.9"
     assert report.fmt_tok_s(None) == "n/a"
@@ -140,7 +147,7 @@ def test_main_section(tmp_path: Path, main_results: dict) -> None:
     assert "| low-effort | ~100-token prompts, cap 2,048 | 2,048 |" in md
     assert cells(table_row(md, "r2r", "10.0 %")) == ["r2r", "10.0 %", "R2R paper", "threshold=0.1235", "9.8 %",
                                                      "0.47 / 0.05"]
-    assert cells(table_row(md, "mixture", "20.0 %"))[-2:] == ["n/a", "-"]
+    assert cells(table_row(md, "mixture", "20.0 %"))[-2:] == ["-", "-"]  # fixed by its weights: no trials
     # Only mixture's routed row (9.9 % against 20 %) is flagged: r2r's 9.9 % is within 30 % of 10 %.
     assert ("Routed rows more than 30% (relative) from their target share (1): "
             "low-effort / mixture / triton C=4: 9.9 %.") in md

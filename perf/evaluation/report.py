@@ -196,7 +196,7 @@ def calibration_lines(calibration: dict[str, dict[str, Any]]) -> list[str]:
             fmt_share(c.get("target_share")),
             fmt_any(c.get("source")),
             fmt_any(c.get("params")) if c.get("params") else "-",
-            fmt_share(c.get("measured_share")),
+            measured_text(c),
             spread_text(c.get("signal_spread")),
         ]
         for algo, c in calibration.items()
@@ -206,6 +206,13 @@ def calibration_lines(calibration: dict[str, dict[str, Any]]) -> list[str]:
     return (["## Calibration", ""] + [f"Calibrated on {s}." for s in sets if s] + [""] + md_table(header, rows)
             + ["", "Where the signal varies more between prompts than within one, the threshold routes some "
                    "requests heavily and others not at all (per request more than per token).", ""])
+
+
+def measured_text(c: dict[str, Any]) -> str:
+    """The calibration's best trial; '-' where the share is fixed (no trials), flagged when off tolerance."""
+    if not c.get("trials"):
+        return "-" if c.get("measured_share") is None else fmt_share(c["measured_share"])
+    return fmt_share(c.get("measured_share")) + (" (not converged)" if c.get("converged") is False else "")
 
 
 def spread_text(spread: Any) -> str:

@@ -13,8 +13,8 @@ algorithm decodes the same number of tokens. Tokens are sampled with Qwen3's rec
 settings (SAMPLING): greedy decoding of random weights falls into a short cycle within a few tokens, after
 which a router's signal is constant per request, so a request routes always or never (measured on the
 H200: a threshold calibrated to 9.4 % gave 0 % on the next prompts); sampled tokens keep it varying per
-token, as with real weights. `--scale` shrinks the caps, the agentic context and the
-number of requests by one factor (prompt lengths stay ~100 tokens), which keeps every workload's shape.
+token, as with real weights. `--scale` shrinks the caps and the agentic context by one factor (prompt
+lengths stay ~100 tokens; requests per point do not change), which keeps every workload's shape.
 """
 
 from __future__ import annotations
