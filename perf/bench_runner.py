@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT / "backends"))
 
 from tokenrouter.config import ModelConfig  # noqa: E402
 from tokenrouter.engine.block_manager import BlockManager  # noqa: E402
-from tokenrouter.engine.scheduler import ScheduledChunk  # noqa: E402
 from tokenrouter.engine.sequence import Sequence  # noqa: E402
+from tokenrouter.runner.forward_batch import ScheduledChunk  # noqa: E402
 from tokenrouter.runner.model_runner import ModelRunner  # noqa: E402
 from tokenrouter.sampling_params import SamplingParams  # noqa: E402
 

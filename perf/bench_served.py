@@ -40,7 +40,7 @@ from soak import stream_inputs
 def make_prompts(config: str, n: int, prompt_len: int, seed: int) -> list[str]:
     """n prompts of prompt_len random ids from the deployment's vocabulary, as text (see the module doc)."""
     from tokenrouter.config import load_config
-    from tokenrouter.engine.tokenizer import load_tokenizer
+    from tokenrouter.tokenizer import load_tokenizer
 
     cfg = load_config(config)
     tok = load_tokenizer(cfg.tokenizer_path)

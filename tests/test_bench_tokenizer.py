@@ -12,7 +12,7 @@ import yaml
 
 from tokenrouter import Engine, SamplingParams, load_config
 from tokenrouter.cli import main
-from tokenrouter.engine.tokenizer import decode, load_tokenizer
+from tokenrouter.tokenizer import decode, load_tokenizer
 from tokenrouter.tools.bench_tokenizer import (
     QWEN3_VOCAB_SIZE,
     UNK,

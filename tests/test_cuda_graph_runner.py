@@ -13,10 +13,10 @@ import torch
 
 from tokenrouter.config import ModelConfig
 from tokenrouter.engine.block_manager import BlockManager
-from tokenrouter.engine.scheduler import ScheduledChunk
 from tokenrouter.engine.sequence import Sequence
 from tokenrouter.routing.policy import make_policy, step_hook
 from tokenrouter.runner.cuda_graph import GraphShape, graph_shapes, pick_shape
+from tokenrouter.runner.forward_batch import ScheduledChunk
 from tokenrouter.runner.model_runner import ModelRunner
 from tokenrouter.sampling_params import SamplingParams
 

@@ -499,7 +499,7 @@ def test_glimprouter_token_id_fallbacks() -> None:
 
 
 def test_glimprouter_with_a_real_tokenizer(tiny_dir: Path) -> None:
-    from tokenrouter.engine.tokenizer import load_tokenizer
+    from tokenrouter.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(tiny_dir / "tokenizer"))
     p = make_policy("glimprouter", MODELS, S, {"tokenizer": str(tiny_dir / "tokenizer")})

@@ -59,8 +59,8 @@ def _progress(total: int, desc: str) -> Any:
 
 
 def vocab_and_special(cfg: EngineConfig) -> tuple[int, set[int]]:
-    from tokenrouter.engine.tokenizer import load_tokenizer
     from tokenrouter.runner.arch import ArchConfig
+    from tokenrouter.tokenizer import load_tokenizer
 
     vocab = ArchConfig.from_dir(cfg.entry_model.path).vocab_size
     return vocab, set(load_tokenizer(cfg.tokenizer_path).all_special_ids)

@@ -172,7 +172,7 @@ def served(config_path: str, cfg: EngineConfig, execution_env: Path | None = Non
     """The product: tritonserver on the deployment's repository (under MPS when models share a GPU)."""
     from _common import serving
 
-    from tokenrouter.engine.tokenizer import load_tokenizer
+    from tokenrouter.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.tokenizer_path)
     with tempfile.TemporaryDirectory(prefix="eval-triton-") as work, mps_if_shared(cfg):

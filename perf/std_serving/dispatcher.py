@@ -29,11 +29,11 @@ from std_serving.repository import std_name
 from tokenrouter.config import EngineConfig
 from tokenrouter.engine.sequence import Sequence
 from tokenrouter.engine.stop import StopChecker
-from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.routing.policies.learned import LearnedRouterPolicy
 from tokenrouter.routing.policy import Lease, Policy, RouteRequest, StepResult, make_policy, resolve
 from tokenrouter.runner.arch import ArchConfig, declared_context_limit
 from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.tokenizer import load_tokenizer
 
 
 class ServerError(RuntimeError):

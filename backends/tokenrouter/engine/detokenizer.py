@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from tokenrouter.engine.tokenizer import decode
+from tokenrouter.tokenizer import decode
 
 REPLACEMENT = "\ufffd"
 # Tokens kept before the unread ones after compaction: more than the 3 tokens an incomplete UTF-8 sequence

@@ -30,9 +30,9 @@ from tokenrouter.engine.outputs import RequestOutput
 from tokenrouter.engine.stop import StopChecker
 from tokenrouter.engine.subserver import Subserver
 from tokenrouter.engine.timeline import Timeline, event_time
-from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.routing.policy import make_policy
 from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.tokenizer import load_tokenizer
 from tokenrouter.transport.messages import Append, Arrive, Event, Release
 
 log = logging.getLogger(__name__)

@@ -10,21 +10,10 @@ recently admitted sequence is preempted (its blocks freed, recomputed later).
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 
 from tokenrouter.engine.block_manager import BlockManager
 from tokenrouter.engine.sequence import SeqStatus, Sequence
-
-
-@dataclass
-class ScheduledChunk:
-    seq: Sequence
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the end of the known tokens, so the next token is sampled from it."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+from tokenrouter.runner.forward_batch import ScheduledChunk
 
 
 class Scheduler:

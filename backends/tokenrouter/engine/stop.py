@@ -6,7 +6,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tokenrouter.engine.detokenizer import MAX_HOLD, Detokenizer
 from tokenrouter.engine.sequence import Sequence
-from tokenrouter.engine.tokenizer import find_stop
+from tokenrouter.tokenizer import find_stop
 
 
 class TextTail:

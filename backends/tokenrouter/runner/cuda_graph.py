@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenrouter.engine.scheduler import ScheduledChunk
 from tokenrouter.runner.attention import AttentionBackend
-from tokenrouter.runner.forward_batch import ForwardBatch, HostBatch
+from tokenrouter.runner.forward_batch import ForwardBatch, HostBatch, ScheduledChunk
 from tokenrouter.runner.model import CausalLM
 
 log = logging.getLogger(__name__)

@@ -3,12 +3,35 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from tokenrouter.engine.scheduler import ScheduledChunk
+
+class ChunkSequence(Protocol):
+    """What the runner reads of a request (the engine's `Sequence` is one): its tokens, how many already have
+    KV, where that KV lives; it counts the tokens it runs for the request into `num_forwarded_tokens`."""
+
+    token_ids: list[int]
+    num_computed_tokens: int
+    num_forwarded_tokens: int
+    block_table: list[int]
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+@dataclass
+class ScheduledChunk:
+    """`num_new_tokens` of `seq`'s tokens, from `seq.num_computed_tokens` on, to run in one forward pass."""
+
+    seq: ChunkSequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the known tokens, so the next token is sampled from it."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass

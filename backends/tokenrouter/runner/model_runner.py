@@ -9,11 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from tokenrouter.config import ModelConfig
-from tokenrouter.engine.scheduler import ScheduledChunk
 from tokenrouter.runner.arch import ArchConfig
 from tokenrouter.runner.attention import get_backend
 from tokenrouter.runner.cuda_graph import CudaGraphRunner, StepHook, graph_shapes
-from tokenrouter.runner.forward_batch import ForwardBatch, HostBatch
+from tokenrouter.runner.forward_batch import ForwardBatch, HostBatch, ScheduledChunk
 from tokenrouter.runner.model import CausalLM
 from tokenrouter.runner.weights import init_dummy, load_safetensors
 

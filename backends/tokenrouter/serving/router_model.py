@@ -31,12 +31,12 @@ from tokenrouter.engine.autotune import TunedThresholds, solve_in_subprocess
 from tokenrouter.engine.coordinator import Coordinator
 from tokenrouter.engine.outputs import RequestOutput
 from tokenrouter.engine.step_stats import StepStats
-from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.routing.policy import make_policy
 from tokenrouter.runner.arch import ArchConfig, declared_context_limit
 from tokenrouter.serving.metrics import RouterMetrics
 from tokenrouter.serving.server import ADMIN_HEADER, ADMIN_KEY_ENV, CONTROL_URL_ENV
 from tokenrouter.serving.tensors import GenerateRequest, parse_request
+from tokenrouter.tokenizer import load_tokenizer
 from tokenrouter.transport import ipc
 from tokenrouter.transport.messages import Append, Arrive, Failed, Release, Released, StepStatsReport
 

@@ -21,11 +21,11 @@ from tokenrouter.config import load_config
 from tokenrouter.engine.stop import StopChecker
 from tokenrouter.engine.subserver import Subserver
 from tokenrouter.engine.timeline import Timeline
-from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.routing.policy import make_policy
 from tokenrouter.runner.arch import ArchConfig, declared_context_limit
 from tokenrouter.serving.metrics import SubserverMetrics
 from tokenrouter.serving.tensors import ROLE_PARAMETER, role_of
+from tokenrouter.tokenizer import load_tokenizer
 from tokenrouter.transport import ipc
 from tokenrouter.transport.messages import (
     Append,

@@ -155,7 +155,7 @@ def make_bench_tokenizer(
 ) -> pathlib.Path:
     """Write (or reuse) the benchmark tokenizer directory at `out_dir`; returns its path.
 
-    The directory loads with `AutoTokenizer.from_pretrained` (and `engine.tokenizer.load_tokenizer`). A
+    The directory loads with `AutoTokenizer.from_pretrained` (and `tokenrouter.tokenizer.load_tokenizer`). A
     complete one built with the same arguments is reused unless `force`; one built with other arguments
     is replaced; a directory this function did not write is refused (FileExistsError).
     """

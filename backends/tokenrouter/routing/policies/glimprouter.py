@@ -85,7 +85,7 @@ class GlimpRouterPolicy(Policy):
             return
         tokenizer = self.tokenizer  # the deployment's, unless the config names another
         if self.args["tokenizer"] is not None:
-            from tokenrouter.engine.tokenizer import load_tokenizer
+            from tokenrouter.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(self.args["tokenizer"])
             if tokenizer is None:

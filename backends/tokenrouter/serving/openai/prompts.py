@@ -10,7 +10,7 @@ from tokenrouter.serving.openai.protocol import GenerationRequest
 
 def load_frontend_tokenizer(tokenizer_dir: str) -> Any:
     """The tokenizer in `tokenizer_dir` (loaded the way the engine loads it); ValueError if there is none."""
-    from tokenrouter.engine.tokenizer import load_tokenizer
+    from tokenrouter.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
     if tokenizer is None:
