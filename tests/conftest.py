@@ -37,3 +37,27 @@ def bench_tokenizer_dir() -> Path:
     from tokenrouter.tools.bench_tokenizer import make_bench_tokenizer
 
     return make_bench_tokenizer(REPO / "models" / "bench-tokenizer")
+
+
+# -- helpers shared by the engine tests (import them: `from conftest import assert_idle, model_cfg`) ----------
+
+
+def model_cfg(tiny_dir: Path, model: str, **overrides: object) -> dict:
+    """One tiny model's config as the engine tests use it: 4-token KV blocks (many block boundaries in short
+    prompts), a 4,096-token KV pool; `overrides` replace or add keys."""
+    return {"path": str(tiny_dir / model), "block_size": 4, "kv_cache_tokens": 4096, **overrides}
+
+
+def make_engine(tiny_dir: Path, model: str, **overrides: object):
+    """A single-model engine of `model` (model_cfg with `overrides`)."""
+    from tokenrouter import Engine
+
+    return Engine.from_config({"models": {model: model_cfg(tiny_dir, model, **overrides)}})
+
+
+def assert_idle(engine) -> None:
+    """Nothing left running, and every KV block back in the pool (the invariant after every request ends)."""
+    engine.check_integrity()
+    bm = engine.block_manager
+    assert not engine.has_unfinished()
+    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks still held"

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import assert_idle, model_cfg
 from tokenrouter.config import ConfigError
 from tokenrouter.engine.engine import Engine
 from tokenrouter.sampling_params import SamplingParams
@@ -16,20 +17,9 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 VALID = [11, 22, 33, 44, 55, 66, 77]
 
 
-def assert_idle(engine: Engine) -> None:
-    engine.check_integrity()
-    bm = engine.block_manager
-    assert not engine.has_unfinished()
-    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks still held"
-
-
-def model_cfg(tiny_dir: Path, **kw) -> dict:
-    return {"path": str(tiny_dir / MODEL), "block_size": 4, "kv_cache_tokens": 4096, **kw}
-
-
 @pytest.fixture(scope="module")
 def engine(tiny_dir: Path):
-    eng = Engine.from_config({"models": {MODEL: model_cfg(tiny_dir, max_model_len=CONTEXT)}})
+    eng = Engine.from_config({"models": {MODEL: model_cfg(tiny_dir, MODEL, max_model_len=CONTEXT)}})
     assert eng.vocab_size == 1024
     yield eng
     for rid in list(eng.requests):
@@ -196,9 +186,9 @@ def test_engine_keeps_serving(engine: Engine, valid_reference: list[int]) -> Non
 
 def test_unknown_config_keys(tiny_dir: Path) -> None:
     with pytest.raises(ConfigError, match=r"unknown config key\(s\) in config: \['bogus'\]"):
-        Engine.from_config({"models": {MODEL: model_cfg(tiny_dir)}, "bogus": 1})
+        Engine.from_config({"models": {MODEL: model_cfg(tiny_dir, MODEL)}, "bogus": 1})
     with pytest.raises(ConfigError, match=r"unknown config key\(s\) in models\.small: \['blok_size'\]"):
-        Engine.from_config({"models": {MODEL: model_cfg(tiny_dir, blok_size=4)}})
+        Engine.from_config({"models": {MODEL: model_cfg(tiny_dir, MODEL, blok_size=4)}})
 
 
 def test_missing_model_directory(tmp_path: Path) -> None:
@@ -224,9 +214,9 @@ def test_bad_config_values(tiny_dir: Path) -> None:
     ]
     for kw, msg in cases:
         with pytest.raises(ConfigError, match=msg):
-            Engine.from_config({"models": {MODEL: model_cfg(tiny_dir, **kw)}})
+            Engine.from_config({"models": {MODEL: model_cfg(tiny_dir, MODEL, **kw)}})
     with pytest.raises(ConfigError, match="entry 'nope' is not one of the models"):
-        Engine.from_config({"models": {MODEL: model_cfg(tiny_dir)}, "entry": "nope"})
+        Engine.from_config({"models": {MODEL: model_cfg(tiny_dir, MODEL)}, "entry": "nope"})
     with pytest.raises(ConfigError, match=r"models\.small: .*path"):
         Engine.from_config({"models": {MODEL: {"dtype": "float32"}}})
 
@@ -253,7 +243,7 @@ def test_gpu_memory_fractions_must_fit_one_gpu(tiny_dir: Path) -> None:
 
 def test_context_limited_by_kv_pool(tiny_dir: Path) -> None:
     """Without max_model_len the KV pool bounds the context: one sequence can never outgrow it."""
-    eng = Engine.from_config({"models": {MODEL: model_cfg(tiny_dir, kv_cache_tokens=32)}})
+    eng = Engine.from_config({"models": {MODEL: model_cfg(tiny_dir, MODEL, kv_cache_tokens=32)}})
     with pytest.raises(ValueError, match="prompt has 32 tokens, but the context limit is 32"):
         eng.add_request(list(range(32)))
     (out,) = eng.generate([list(range(28))], SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True))
@@ -276,8 +266,8 @@ def test_a_failing_step_fails_only_its_own_requests(tiny_dir: Path) -> None:
                 raise RuntimeError("policy failure for one request")
             return [self.model] * len(batch)
 
-    small = model_cfg(tiny_dir, max_num_seqs=1)  # one request per step: "good" is waiting while "bad" runs
-    large = {**model_cfg(tiny_dir), "path": str(tiny_dir / "large")}
+    small = model_cfg(tiny_dir, MODEL, max_num_seqs=1)  # one request per step: "good" is waiting while "bad" runs
+    large = model_cfg(tiny_dir, "large")
     cfg = {"models": {"small": small, "large": large}, "entry": "small",
            "policy": {"name": "test-fails-on-one-request"}, "batching": {"thresholds": {"small": 1, "large": 1}}}
     with Engine.from_config(cfg) as eng:

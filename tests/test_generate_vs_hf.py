@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
+from conftest import assert_idle, make_engine
 from tokenrouter.engine.engine import Engine
 from tokenrouter.sampling_params import SamplingParams
 
@@ -27,18 +28,6 @@ TEXTS = [
     "class Foo(object):\n    def __init__(self, x):\n        self.x = x\n",
 ]
 ID_PROMPT_LENS = [1, 9, 30, 57]
-
-
-def assert_idle(engine: Engine) -> None:
-    engine.check_integrity()
-    bm = engine.block_manager
-    assert not engine.has_unfinished()
-    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks still held"
-
-
-def make_engine(tiny_dir: Path, **overrides) -> Engine:
-    cfg = {"path": str(tiny_dir / MODEL), "block_size": 4, "kv_cache_tokens": 4096, **overrides}
-    return Engine.from_config({"models": {MODEL: cfg}})
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +108,7 @@ def record_batches(engine: Engine) -> list[set[str]]:
 
 
 def test_together(tiny_dir: Path, prompts, reference) -> None:
-    engine = make_engine(tiny_dir)
+    engine = make_engine(tiny_dir, MODEL)
     outs = engine.generate(prompts, GREEDY)
     assert_matches(outs, prompts, reference)
     for o, p in zip(outs, prompts):
@@ -151,7 +140,7 @@ def run_staggered(engine: Engine, prompts: list, gaps: list[int]) -> list:
 
 
 def test_staggered_chunked_prefill(tiny_dir: Path, prompts, reference) -> None:
-    engine = make_engine(tiny_dir, max_num_batched_tokens=16)
+    engine = make_engine(tiny_dir, MODEL, max_num_batched_tokens=16)
     log = record_batches(engine)
     outs = run_staggered(engine, prompts, gaps=[3, 1, 5, 2, 4, 1, 3, 0])
     assert_matches(outs, prompts, reference)
@@ -165,7 +154,7 @@ def test_staggered_chunked_prefill(tiny_dir: Path, prompts, reference) -> None:
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_preemption(tiny_dir: Path, prompts, reference, prefix_caching: bool) -> None:
     # 32 blocks of 4 tokens: the longest request (57 + 64 tokens) needs 31 of them on its own.
-    engine = make_engine(tiny_dir, kv_cache_tokens=128, enable_prefix_caching=prefix_caching)
+    engine = make_engine(tiny_dir, MODEL, kv_cache_tokens=128, enable_prefix_caching=prefix_caching)
     assert engine.block_manager.num_blocks == 32
     outs = engine.generate(prompts, GREEDY)
     assert engine.scheduler.num_preemptions > 0
@@ -181,7 +170,7 @@ def test_preemption(tiny_dir: Path, prompts, reference, prefix_caching: bool) ->
 
 
 def test_staggered_with_preemption(tiny_dir: Path, prompts, reference) -> None:
-    engine = make_engine(tiny_dir, kv_cache_tokens=128, max_num_batched_tokens=16)
+    engine = make_engine(tiny_dir, MODEL, kv_cache_tokens=128, max_num_batched_tokens=16)
     outs = run_staggered(engine, prompts, gaps=[2, 2, 2, 2, 2, 2, 2, 0])
     assert engine.scheduler.num_preemptions > 0
     assert_matches(outs, prompts, reference)
@@ -191,7 +180,7 @@ def test_staggered_with_preemption(tiny_dir: Path, prompts, reference) -> None:
 def test_generate_while_other_requests_run(tiny_dir: Path, prompts, reference) -> None:
     """generate() must return its own prompts' outputs even when requests added via add_request finish
     inside its loop (they must not be counted as its results), and those requests must still complete."""
-    engine = make_engine(tiny_dir)
+    engine = make_engine(tiny_dir, MODEL)
     short = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)
     other = engine.add_request(prompts[5], short)
     eight = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
@@ -209,7 +198,7 @@ def test_generate_while_other_requests_run(tiny_dir: Path, prompts, reference) -
 def test_generate_keeps_other_requests_outputs(tiny_dir: Path, prompts, reference) -> None:
     """A request added with add_request that finishes during someone's generate() call must still have
     its final output reported by a later step(); generate() must not swallow it."""
-    engine = make_engine(tiny_dir)
+    engine = make_engine(tiny_dir, MODEL)
     short = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)
     other = engine.add_request(prompts[5], short)
     engine.generate(prompts[:2], GREEDY)

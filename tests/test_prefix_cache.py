@@ -8,19 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import assert_idle
 from tokenrouter.engine.engine import Engine
 from tokenrouter.sampling_params import SamplingParams
 
 MODEL = "large"
 GEN = 8
 GREEDY = SamplingParams(max_new_tokens=GEN, temperature=0, ignore_eos=True)
-
-
-def assert_idle(engine: Engine) -> None:
-    engine.check_integrity()
-    bm = engine.block_manager
-    assert not engine.has_unfinished()
-    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks still held"
 
 
 def make_engine(tiny_dir: Path, block_size: int, caching: bool = True, kv_tokens: int = 4096, **kw) -> Engine:

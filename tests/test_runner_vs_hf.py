@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM
 
+from conftest import assert_idle
 from tokenrouter.engine.engine import Engine
 from tokenrouter.engine.sequence import Sequence
 
@@ -21,13 +22,6 @@ MAX_REL_ERR = 1e-4
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours - ref).abs().max() / ref.abs().max()).item()
-
-
-def assert_idle(engine: Engine) -> None:
-    engine.check_integrity()
-    bm = engine.block_manager
-    assert not engine.has_unfinished()
-    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks still held"
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import assert_idle, make_engine
 from tokenrouter.engine.engine import Engine
 from tokenrouter.runner.sampler import sample
 from tokenrouter.sampling_params import SamplingParams, SamplingParamsError
@@ -19,18 +20,6 @@ SEEDED = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=123, max_new_
 GREEDY = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)
 
 
-def assert_idle(engine: Engine) -> None:
-    engine.check_integrity()
-    bm = engine.block_manager
-    assert not engine.has_unfinished()
-    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks still held"
-
-
-def make_engine(tiny_dir: Path, **kw) -> Engine:
-    cfg = {"path": str(tiny_dir / MODEL), "block_size": 4, "kv_cache_tokens": 4096, **kw}
-    return Engine.from_config({"models": {MODEL: cfg}})
-
-
 def params(base: SamplingParams, **kw) -> SamplingParams:
     d = dict(base.__dict__)
     d.update(kw)
@@ -39,7 +28,7 @@ def params(base: SamplingParams, **kw) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir: Path):
-    eng = make_engine(tiny_dir)
+    eng = make_engine(tiny_dir, MODEL)
     yield eng
     for rid in list(eng.requests):
         eng.abort(rid)
@@ -81,7 +70,7 @@ def test_seeded_same_when_batched(engine: Engine, seeded_alone) -> None:
 
 
 def test_seeded_same_when_staggered_with_chunked_prefill(tiny_dir: Path, seeded_alone) -> None:
-    eng = make_engine(tiny_dir, max_num_batched_tokens=8)
+    eng = make_engine(tiny_dir, MODEL, max_num_batched_tokens=8)
     a = eng.add_request(OTHERS[3], params(SEEDED, seed=1))
     eng.step()
     b = eng.add_request(PROMPT, SEEDED)
@@ -103,7 +92,7 @@ def test_seeded_same_after_preemption(tiny_dir: Path, engine: Engine) -> None:
     prompts = [[100 + i] * (8 + 5 * i) for i in range(len(seeds))]
     alone = [engine.generate([p], sp)[0].token_ids for p, sp in zip(prompts, plist)]
     assert_idle(engine)
-    small = make_engine(tiny_dir, kv_cache_tokens=128)
+    small = make_engine(tiny_dir, MODEL, kv_cache_tokens=128)
     outs = small.generate(prompts, plist)
     assert small.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == alone
