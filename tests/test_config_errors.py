@@ -226,3 +226,20 @@ def test_cli_bad_values_fail_before_loading(two: dict, tmp_path: Path, capsys: p
     path.write_text(yaml.safe_dump(two))
     assert main(["generate", "--config", str(path), "--prompt", "x", "--max-tokens", "0"]) == 2
     assert capsys.readouterr().err == "error: max_new_tokens must be an integer >= 1, got 0\n"
+
+
+def test_models_with_different_vocabularies_are_refused_before_loading(tiny_dir: Path, tmp_path: Path) -> None:
+    """Routed models hand each other token ids: the engine refuses a pair whose vocabularies differ, and
+    does so from their configs, before it loads any weights (the odd model here has none to load)."""
+    import json
+
+    from tokenrouter import Engine
+
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    arch = json.loads((tiny_dir / "large" / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**arch, "vocab_size": arch["vocab_size"] + 8}))
+    cfg = {"models": {"small": {"path": str(tiny_dir / "small")}, "large": {"path": str(odd)}}, "entry": "small",
+           "tokenizer": str(tiny_dir / "tokenizer")}
+    with pytest.raises(ValueError, match=r"routed models must share one vocabulary; vocab sizes: .*'large': 1032"):
+        Engine.from_config(cfg)

@@ -27,10 +27,9 @@ from tokenrouter.config import EngineConfig, load_config
 from tokenrouter.engine.autotune import solve_in_subprocess, solve_thresholds
 from tokenrouter.engine.coordinator import Coordinator, Prompt
 from tokenrouter.engine.outputs import RequestOutput
-from tokenrouter.engine.stop import StopChecker
 from tokenrouter.engine.subserver import Subserver
 from tokenrouter.engine.timeline import Timeline, event_time
-from tokenrouter.routing.policy import make_policy
+from tokenrouter.runner.arch import shared_vocab_size
 from tokenrouter.sampling_params import SamplingParams
 from tokenrouter.tokenizer import load_tokenizer
 from tokenrouter.transport.messages import Append, Arrive, Event, Release
@@ -41,8 +40,7 @@ log = logging.getLogger(__name__)
 class Engine(Coordinator):
     def __init__(self, config: EngineConfig) -> None:
         tokenizer = load_tokenizer(config.tokenizer_path)
-        names = list(config.models)
-        pol_name, pol = config.policy_spec()
+        vocab_size = shared_vocab_size(config)  # before any weights load: a mismatch fails at once
         self._events: list[Event] = []
         self._event_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
@@ -51,26 +49,17 @@ class Engine(Coordinator):
         self._pumping = False
         self._closed = False
         self.subservers: dict[str, Subserver] = {}
-        for name, mcfg in config.models.items():
-            sub = Subserver(
-                mcfg,
-                make_policy(pol_name, names, name, pol),
-                StopChecker(tokenizer, set(), 0),  # filled in below, once every model is loaded
-                self._emit,
-                default_kv_tokens=config.cpu_kv_cache_tokens,
-                threshold=config.batching.threshold_of(name),
-                max_wait_s=config.batching.max_wait_ms / 1000.0,
-            )
+        for name in config.models:
+            sub = Subserver.from_config(config, name, self._emit, tokenizer)
             sub.arrivals_possible = self._arrivals_possible_for(name)
             self.subservers[name] = sub
-        vocab = {n: s.runner.arch.vocab_size for n, s in self.subservers.items()}
-        if len(set(vocab.values())) > 1:
-            raise ValueError(f"routed models must share one vocabulary; vocab sizes: {vocab}")
         entry = self.subservers[config.entry]
+        # In process every model's KV pool is known: a request stops (finish reason "length") where the
+        # smallest of them ends, wherever it is decoding, rather than failing on a handoff to that model.
         max_len = min(s.runner.max_model_len for s in self.subservers.values())
         for sub in self.subservers.values():
-            sub.stop = StopChecker(tokenizer, set(entry.runner.arch.eos_token_ids), max_len)
-        super().__init__(config, tokenizer, entry.runner.arch.vocab_size, max_len, entry.policy)
+            sub.stop.max_model_len = max_len
+        super().__init__(config, tokenizer, vocab_size, max_len, entry.policy)
         self._update_thresholds()
 
     @classmethod

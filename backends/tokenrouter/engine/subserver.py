@@ -14,17 +14,19 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from tokenrouter.config import ModelConfig
+from tokenrouter.config import EngineConfig, ModelConfig
 from tokenrouter.engine.block_manager import BlockManager
 from tokenrouter.engine.scheduler import Scheduler
 from tokenrouter.engine.sequence import SeqStatus, Sequence
 from tokenrouter.engine.step_stats import StepStats
 from tokenrouter.engine.stop import StopChecker
 from tokenrouter.engine.timeline import Timeline
-from tokenrouter.routing.policy import Policy, RouteRequest, StepResult, resolve, step_hook
+from tokenrouter.routing.policy import Policy, RouteRequest, StepResult, make_policy, resolve, step_hook
+from tokenrouter.runner.arch import ArchConfig, declared_context_limit
 from tokenrouter.runner.model_runner import ModelRunner
 from tokenrouter.runner.sampler import sample
 from tokenrouter.transport.messages import Append, Arrive, Commit, Event, Failed, Handoff, Release, Released
@@ -86,6 +88,27 @@ class Subserver:
         # What the loop does and when (engine/timeline.py); None: not recording.
         self.timeline: Timeline | None = None
         self._in_step: list[str] = []  # request ids of the step in flight, for failing just those
+
+    @classmethod
+    def from_config(
+        cls, config: EngineConfig, name: str, emit: Callable[[Event], None], tokenizer: Any
+    ) -> Subserver:
+        """Model `name` of the deployment `config`, with its policy and its stop rule (the entry model's EOS, the
+        deployment's declared context limit lowered to what this model's KV pool holds): the one way the
+        in-process engine and a served subserver build a subserver."""
+        pol_name, pol = config.policy_spec()
+        entry_eos = set(ArchConfig.from_dir(config.entry_model.path).eos_token_ids)
+        sub = cls(
+            config.models[name],
+            make_policy(pol_name, list(config.models), name, pol),
+            StopChecker(tokenizer, entry_eos, declared_context_limit(config)),
+            emit,
+            default_kv_tokens=config.cpu_kv_cache_tokens,
+            threshold=config.batching.threshold_of(name),
+            max_wait_s=config.batching.max_wait_ms / 1000.0,
+        )
+        sub.stop.max_model_len = min(sub.stop.max_model_len, sub.runner.max_model_len)
+        return sub
 
     # -- messages in ------------------------------------------------------------------------------------
 

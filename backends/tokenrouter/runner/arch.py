@@ -115,3 +115,12 @@ def declared_context_limit(config: Any) -> int:
     """The smallest context limit among a deployment's models, from its config alone (no weights loaded;
     a model's KV pool may lower its own limit further, which that model enforces)."""
     return min(m.max_model_len or ArchConfig.from_dir(m.path).max_position_embeddings for m in config.models.values())
+
+
+def shared_vocab_size(config: Any) -> int:
+    """The vocabulary size all of a deployment's models share, from their configs alone (no weights loaded);
+    a ValueError when they differ: routed models hand each other token ids."""
+    vocab = {n: ArchConfig.from_dir(m.path).vocab_size for n, m in config.models.items()}
+    if len(set(vocab.values())) > 1:
+        raise ValueError(f"routed models must share one vocabulary; vocab sizes: {vocab}")
+    return next(iter(vocab.values()))

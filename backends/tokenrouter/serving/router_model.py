@@ -32,7 +32,7 @@ from tokenrouter.engine.coordinator import Coordinator
 from tokenrouter.engine.outputs import RequestOutput
 from tokenrouter.engine.step_stats import StepStats
 from tokenrouter.routing.policy import make_policy
-from tokenrouter.runner.arch import ArchConfig, declared_context_limit
+from tokenrouter.runner.arch import declared_context_limit, shared_vocab_size
 from tokenrouter.serving.metrics import RouterMetrics
 from tokenrouter.serving.server import ADMIN_HEADER, ADMIN_KEY_ENV, CONTROL_URL_ENV
 from tokenrouter.serving.tensors import GenerateRequest, parse_request
@@ -59,13 +59,10 @@ class SocketCoordinator(Coordinator):
 
     def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop) -> None:
         tokenizer = load_tokenizer(config.tokenizer_path)
-        archs = {n: ArchConfig.from_dir(m.path) for n, m in config.models.items()}
-        vocab = {n: a.vocab_size for n, a in archs.items()}
-        if len(set(vocab.values())) > 1:
-            raise ValueError(f"routed models must share one vocabulary; vocab sizes: {vocab}")
+        vocab_size = shared_vocab_size(config)
         name, pol = config.policy_spec()
         entry_policy = make_policy(name, list(config.models), config.entry, pol)
-        super().__init__(config, tokenizer, vocab[config.entry], declared_context_limit(config), entry_policy)
+        super().__init__(config, tokenizer, vocab_size, declared_context_limit(config), entry_policy)
         self.loop = loop
         self._closing = False
         # Models whose process went away, with why; requests are refused until they are back.

@@ -18,11 +18,8 @@ from typing import Any
 import numpy as np
 
 from tokenrouter.config import load_config
-from tokenrouter.engine.stop import StopChecker
 from tokenrouter.engine.subserver import Subserver
 from tokenrouter.engine.timeline import Timeline
-from tokenrouter.routing.policy import make_policy
-from tokenrouter.runner.arch import ArchConfig, declared_context_limit
 from tokenrouter.serving.metrics import SubserverMetrics
 from tokenrouter.serving.tensors import ROLE_PARAMETER, role_of
 from tokenrouter.tokenizer import load_tokenizer
@@ -59,21 +56,8 @@ class SubserverModel:
         mcfg = config.models[name]
         if args.get("model_instance_kind") == "GPU":
             mcfg.device = f"cuda:{args['model_instance_device_id']}"
-        tokenizer = load_tokenizer(config.tokenizer_path)
-        entry_arch = ArchConfig.from_dir(config.entry_model.path)
-        max_len = declared_context_limit(config)
-        pol_name, pol = config.policy_spec()
         self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self.sub = Subserver(
-            mcfg,
-            make_policy(pol_name, list(config.models), name, pol),
-            StopChecker(tokenizer, set(entry_arch.eos_token_ids), max_len),
-            self._events.put,
-            default_kv_tokens=config.cpu_kv_cache_tokens,
-            threshold=config.batching.threshold_of(name),
-            max_wait_s=config.batching.max_wait_ms / 1000.0,
-        )
-        self.sub.stop.max_model_len = min(max_len, self.sub.runner.max_model_len)
+        self.sub = Subserver.from_config(config, name, self._events.put, load_tokenizer(config.tokenizer_path))
         self.sub.timeline = Timeline.from_env(name)  # TOKENROUTER_TIMELINE_DIR: record for perf/timeline.py
         # Which router connection each request came from: its events go back there.
         self._lock = threading.Lock()
