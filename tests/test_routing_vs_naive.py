@@ -60,13 +60,13 @@ def naive_generate(tiny: Path, models: list[str], policy_cfg: dict, prompt: list
             view = RouteRequest("r", owner, tokens, n_prompt, state, lease)
             result = StepResult(logits, hidden, torch.tensor([t]), hf[owner].get_input_embeddings())
             decision = resolve(pols[owner], pols[owner].route([view], result))[0]
-            if lease is not None and not lease.until_route:
-                lease.produced += 1
-                done = lease.max_tokens is not None and lease.produced >= lease.max_tokens
-                if lease.stop_pattern is not None and not done:
+            if lease is not None and lease.decides:
+                # The stop pattern by decoding the lease's whole text (the engine checks it incrementally).
+                def stop_reached(lease=lease, t=t) -> bool:
                     text = tok.decode(tokens[lease.start :] + [t], skip_special_tokens=True)
-                    done = text.endswith(lease.stop_pattern)
-                target, commit = (lease.return_to if done else owner), True
+                    return text.endswith(lease.stop_pattern)
+
+                target, commit = (lease.return_to if lease.advance(stop_reached) else owner), True
             else:
                 target = decision
                 commit = target == owner or pols[owner].send(view, target, t)
@@ -77,8 +77,7 @@ def naive_generate(tiny: Path, models: list[str], policy_cfg: dict, prompt: list
                 source, owner = owner, target
                 lease = pols[owner].receive(RouteRequest("r", owner, tokens, n_prompt, state, None), source)
                 if lease is not None:
-                    lease.return_to = lease.return_to or source
-                    lease.produced, lease.start = 0, len(tokens)
+                    lease.begin(source, len(tokens))
     return tokens[n_prompt:], dict(per_model)
 
 

@@ -191,11 +191,8 @@ class StdClient:
         # `route` sees every token, also under a lease (whose own rule then decides), as in the engine.
         target = model if len(policy.models) == 1 else resolve(policy, policy.route([view], result))[0]
         lease = seq.lease
-        if lease is not None and not lease.until_route:
-            lease.produced += 1
-            done = lease.max_tokens is not None and lease.produced >= lease.max_tokens
-            if lease.stop_pattern is not None and not done:
-                done = self.stop.lease_done(seq, tok)
+        if lease is not None and lease.decides:
+            done = lease.advance(lambda: self.stop.lease_done(seq, tok))
             return (lease.return_to if done else model), True
         return target, target == model or policy.send(view, target, tok)
 
@@ -206,8 +203,7 @@ class StdClient:
         seq.lease = None
         lease: Lease | None = self.policies[target].receive(self._view(seq, target), source)
         if lease is not None:
-            lease.return_to = lease.return_to or source
-            lease.produced, lease.start = 0, len(seq.token_ids)
+            lease.begin(source, len(seq.token_ids))
         seq.lease = lease
 
     def close(self) -> None:

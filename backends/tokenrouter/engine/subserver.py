@@ -169,8 +169,7 @@ class Subserver:
         if msg.source is not None:
             lease = self.policy.receive(self._route_view(seq), msg.source)
             if lease is not None:
-                lease.return_to = lease.return_to or msg.source
-                lease.produced, lease.start = 0, len(seq.token_ids)
+                lease.begin(msg.source, len(seq.token_ids))
             seq.lease = lease
         seq.ready_since = time.monotonic()
         if self.timeline is not None:
@@ -308,11 +307,9 @@ class Subserver:
 
     def _postprocess(self, seq: Sequence, view: RouteRequest, tok: int, target: str) -> None:
         lease = seq.lease
-        if lease is not None and not lease.until_route:
-            lease.produced += 1
-            done = lease.max_tokens is not None and lease.produced >= lease.max_tokens
-            if lease.stop_pattern is not None and not done:
-                done = self.stop.lease_done(seq, tok)  # incremental: no decode of the whole lease's text
+        if lease is not None and lease.decides:
+            # incremental stop check: no decode of the whole lease's text
+            done = lease.advance(lambda: self.stop.lease_done(seq, tok))
             target = lease.return_to if done else self.name
             commit = True
         else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
@@ -35,6 +36,29 @@ class Lease:
     until_route: bool = False  # keep decoding until this model's own `route` hands it on
     produced: int = 0  # tokens produced here under this lease so far (kept by the engine)
     start: int = 0  # len(token_ids) when the lease began (kept by the engine, for stop_pattern)
+
+    # The lease's transitions, for every executor of the routing rules (the engine's subserver, Std.
+    # Serving's dispatcher, the tests' naive reference): one place for them.
+
+    def begin(self, source: str, num_tokens: int) -> None:
+        """The request arrived from `source` holding `num_tokens` tokens: the lease starts counting here."""
+        self.return_to = self.return_to or source
+        self.produced, self.start = 0, num_tokens
+
+    @property
+    def decides(self) -> bool:
+        """Whether the lease, not `route`, decides where the request goes after each token here."""
+        return not self.until_route
+
+    def advance(self, stop_reached: Callable[[], bool]) -> bool:
+        """One more token produced under the lease (it always commits); True when the lease ends with it.
+        `stop_reached()` says whether the text produced here now ends with `stop_pattern` (asked only then:
+        the engine checks it incrementally, a reference may decode)."""
+        self.produced += 1
+        done = self.max_tokens is not None and self.produced >= self.max_tokens
+        if self.stop_pattern is not None and not done:
+            done = stop_reached()
+        return done
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
