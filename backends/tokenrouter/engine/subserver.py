@@ -27,7 +27,8 @@ from tokenrouter.engine.stop import StopChecker
 from tokenrouter.engine.timeline import Timeline
 from tokenrouter.routing.policy import Policy, RouteRequest, StepResult, make_policy, resolve, step_hook
 from tokenrouter.runner.arch import ArchConfig, declared_context_limit
-from tokenrouter.runner.model_runner import ModelRunner
+from tokenrouter.runner.forward_batch import ScheduledChunk
+from tokenrouter.runner.model_runner import ForwardOutput, ModelRunner
 from tokenrouter.runner.sampler import sample
 from tokenrouter.transport.messages import Append, Arrive, Commit, Event, Failed, Handoff, Release, Released
 
@@ -218,15 +219,39 @@ class Subserver:
         return now - self._ready_since >= self.max_wait_s
 
     def step(self) -> int:
-        """One forward pass over what is scheduled; returns the number of sequences it ran."""
+        """One forward pass over what is scheduled: schedule -> forward -> sample -> route -> commit.
+        Returns the number of sequences it ran."""
         chunks = self.scheduler.schedule()
         if not chunks:
             return 0
+        timeline = self.timeline  # read once: it may be switched on or off from another thread
+        t0, start = time.perf_counter(), time.monotonic()
+        first_ready, wait_max = self._begin_step(chunks, start)
+        sampling = [c.seq for c in chunks if c.samples]
+        with self.runner.stream_context():
+            out = self.runner.forward(chunks)
+            tokens_dev, tokens, values = self._sample(out, sampling)
+        forward_end = time.monotonic() if timeline is not None else 0.0
+        for c in chunks:
+            c.seq.num_computed_tokens += c.num_new_tokens
+            self.block_manager.register_full_blocks(c.seq)
+        if sampling:
+            self._route_and_commit(sampling, out, tokens_dev, tokens, values)
+        self.num_steps += 1
+        self.last_batch_size = len(chunks)
+        self.stats.record_step(len(chunks), time.perf_counter() - t0)
+        if timeline is not None:
+            timeline.step(
+                start, forward_end, time.monotonic(), len(chunks), sum(c.num_new_tokens for c in chunks),
+                sum(c.num_new_tokens > 1 for c in chunks), self.threshold, first_ready, wait_max or 0.0,
+            )
+        return len(chunks)
+
+    def _begin_step(self, chunks: list[ScheduledChunk], now: float) -> tuple[float | None, float | None]:
+        """Note the step's requests (to fail just those if it breaks) and how long each waited since it became
+        ready; returns the longest wait and when that request became ready."""
         self._in_step = [c.seq.request_id for c in chunks]
         self._ready_since = None
-        timeline = self.timeline  # read once: it may be switched on or off from another thread
-        t0 = time.perf_counter()
-        now = time.monotonic()
         first_ready = wait_max = None
         for c in chunks:
             if c.seq.ready_since is not None:
@@ -235,45 +260,40 @@ class Subserver:
                 if wait_max is None or wait > wait_max:
                     first_ready, wait_max = c.seq.ready_since, wait
                 c.seq.ready_since = None
-        sampling = [c.seq for c in chunks if c.samples]
-        with self.runner.stream_context():
-            out = self.runner.forward(chunks)
-            tokens_dev, values_dev = out.greedy, out.step_values
-            if not all(s.params.greedy for s in sampling):
-                # The step's policy values were computed on the greedy tokens: redo them on the sampled ones.
-                tokens_dev = sample(out.logits, [s.params for s in sampling], [s.generator for s in sampling])
-                values_dev = self._step_values(out.logits, out.hidden, tokens_dev)
-            if sampling and self._route_in_step:
-                # The step's one host synchronization: its tokens and the policy's values together.
-                tokens, values = to_host(tokens_dev, values_dev)
-            elif sampling:
-                # The step ends with its tokens on the host; the policy's work follows, synchronized on its own.
-                (tokens,) = to_host(tokens_dev)
-                (values,) = to_host(self._step_values(out.logits, out.hidden, tokens_dev))
-        forward_end = time.monotonic() if timeline is not None else 0.0
-        for c in chunks:
-            c.seq.num_computed_tokens += c.num_new_tokens
-            self.block_manager.register_full_blocks(c.seq)
-        if sampling:
-            views = [self._route_view(s) for s in sampling]
-            embed = self.runner.model.model.embed_tokens
-            result = StepResult(out.logits, out.hidden, tokens_dev, embed, step_values=values)
-            with self.runner.stream_context():  # device work a policy does in route() stays on this model's stream
-                targets = self._route(views, result)
-            for seq, view, tok, target in zip(sampling, views, tokens.tolist(), targets):
-                self._postprocess(seq, view, tok, target)
-            done = time.monotonic()  # one clock read per step: when these requests became ready again
-            for seq in sampling:
-                seq.ready_since = done
-        self.num_steps += 1
-        self.last_batch_size = len(chunks)
-        self.stats.record_step(len(chunks), time.perf_counter() - t0)
-        if timeline is not None:
-            timeline.step(
-                now, forward_end, time.monotonic(), len(chunks), sum(c.num_new_tokens for c in chunks),
-                sum(c.num_new_tokens > 1 for c in chunks), self.threshold, first_ready, wait_max or 0.0,
-            )
-        return len(chunks)
+        return first_ready, wait_max
+
+    def _sample(self, out: ForwardOutput, sampling: list[Sequence]) -> tuple[torch.Tensor, Any, Any]:
+        """The sampled tokens on the device, and the tokens and the policy's values on the host (None, None
+        when no row samples). The forward pass chose greedy tokens and computed the values on them; rows that
+        sample otherwise are drawn here and their values recomputed."""
+        tokens_dev, values_dev = out.greedy, out.step_values
+        if not sampling:
+            return tokens_dev, None, None
+        if not all(s.params.greedy for s in sampling):
+            tokens_dev = sample(out.logits, [s.params for s in sampling], [s.generator for s in sampling])
+            values_dev = self._step_values(out.logits, out.hidden, tokens_dev)
+        if self._route_in_step:
+            # The step's one host synchronization: its tokens and the policy's values together.
+            tokens, values = to_host(tokens_dev, values_dev)
+        else:
+            # The step ends with its tokens on the host; the policy's work follows, synchronized on its own.
+            (tokens,) = to_host(tokens_dev)
+            (values,) = to_host(self._step_values(out.logits, out.hidden, tokens_dev))
+        return tokens_dev, tokens, values
+
+    def _route_and_commit(self, sampling: list[Sequence], out: ForwardOutput, tokens_dev: torch.Tensor,
+                          tokens: torch.Tensor, values: torch.Tensor | None) -> None:
+        """The policy decides for every sampling row at once; then each row commits, stays or hands off."""
+        views = [self._route_view(s) for s in sampling]
+        embed = self.runner.model.model.embed_tokens
+        result = StepResult(out.logits, out.hidden, tokens_dev, embed, step_values=values)
+        with self.runner.stream_context():  # device work a policy does in route() stays on this model's stream
+            targets = self._route(views, result)
+        for seq, view, tok, target in zip(sampling, views, tokens.tolist(), targets):
+            self._postprocess(seq, view, tok, target)
+        done = time.monotonic()  # one clock read per step: when these requests became ready again
+        for seq in sampling:
+            seq.ready_since = done
 
     def _step_values(self, logits: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
         if self._hook is None or not len(tokens):
