@@ -2,8 +2,9 @@
 
 It admits requests to the entry model, forwards each handoff to its target, collects committed tokens
 for streaming, and finalizes a request (exactly one final output) once it finished and every model that
-held it freed its KV. It never touches a tensor. Subclasses say how a message reaches a model
-(`_deliver`): the in-process Engine calls its subservers; the Triton router writes to their local sockets.
+held it freed its KV. It never touches a tensor, and it does not know where the models run: messages go
+out through `self.transport` (transport/base.py; in process: transport/local.py, served:
+transport/sockets.py) and the models' events come back to `_on_event`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from transformers import PreTrainedTokenizerBase
@@ -20,6 +20,7 @@ from tokenrouter.config import EngineConfig
 from tokenrouter.engine.outputs import RequestOutput, RequestState
 from tokenrouter.routing.policy import Policy
 from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.transport.base import Transport
 from tokenrouter.transport.messages import Append, Arrive, Commit, Event, Failed, Handoff, Release, Released
 
 Prompt = str | list[int]
@@ -27,7 +28,7 @@ Prompt = str | list[int]
 log = logging.getLogger(__name__)
 
 
-class Coordinator(ABC):
+class Coordinator:
     def __init__(
         self,
         config: EngineConfig,
@@ -48,13 +49,12 @@ class Coordinator(ABC):
         self._tuned: dict[str, int] | None = None
         self.thresholds: dict[str, int] = {}
         self._prompt_char_bound: int | None = None
+        # How messages reach the models; set by the subclass before the first delivery or threshold update.
+        self.transport: Transport
 
-    @abstractmethod
     def _deliver(self, model: str, msg: Arrive | Append | Release) -> None:
-        """Send a message to a model (its events come back through `_on_event`)."""
-
-    def _thresholds_changed(self) -> None:
-        """Hook: the effective thresholds changed (push them to the models if they do not pull them)."""
+        """Send a message to a model through the transport (its events come back through `_on_event`)."""
+        self.transport.deliver(model, msg)
 
     def _collect(self, out: RequestOutput) -> None:
         """Hook: an output for a request without a listener."""
@@ -219,5 +219,5 @@ class Coordinator(ABC):
             want[biggest] -= 1
         if want != self.thresholds:
             self.thresholds = want
-            self._thresholds_changed()
+            self.transport.thresholds_changed(dict(want))
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
@@ -32,7 +31,8 @@ from tokenrouter.engine.timeline import Timeline, event_time
 from tokenrouter.runner.arch import shared_vocab_size
 from tokenrouter.sampling_params import SamplingParams
 from tokenrouter.tokenizer import load_tokenizer
-from tokenrouter.transport.messages import Append, Arrive, Event, Release
+from tokenrouter.transport.local import SteppedTransport, ThreadedTransport
+from tokenrouter.transport.messages import Append, Event
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +41,13 @@ class Engine(Coordinator):
     def __init__(self, config: EngineConfig) -> None:
         tokenizer = load_tokenizer(config.tokenizer_path)
         vocab_size = shared_vocab_size(config)  # before any weights load: a mismatch fails at once
-        self._events: list[Event] = []
-        self._event_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._stop_event = threading.Event()
         self._outputs: list[RequestOutput] = []
-        self._pumping = False
         self._closed = False
         self.subservers: dict[str, Subserver] = {}
+        # Stepped (the caller's thread) until start() switches to the threaded transport.
+        self.transport: SteppedTransport | ThreadedTransport = SteppedTransport(self.subservers, self._on_event)
         for name in config.models:
             sub = Subserver.from_config(config, name, self._emit, tokenizer)
             sub.arrivals_possible = self._arrivals_possible_for(name)
@@ -106,22 +105,8 @@ class Engine(Coordinator):
     # -- events (the coordinator) ---------------------------------------------------------------------
 
     def _emit(self, ev: Event) -> None:
-        if self.running_in_background:
-            self._event_queue.put(ev)
-        else:
-            self._events.append(ev)
-
-    def _deliver(self, model: str, msg: Arrive | Append | Release) -> None:
-        sub = self.subservers[model]
-        if self.running_in_background:
-            sub.submit(msg)
-        else:
-            sub.handle(msg)
-            self._pump()
-
-    def _thresholds_changed(self) -> None:
-        for m, b in self.thresholds.items():
-            self.subservers[m].threshold = b
+        """Every subserver's event callback: on to the coordinator through the current transport."""
+        self.transport.emit(ev)
 
     def _collect(self, out: RequestOutput) -> None:
         if not self.running_in_background:
@@ -131,19 +116,9 @@ class Engine(Coordinator):
         self._pump()
 
     def _pump(self) -> None:
-        """Stepped mode: handle events until none are left (handling one may deliver more).
-
-        One event at a time, as the background coordinator does: a delivery made while handling an event
-        queues its events for this loop instead of handling them in the middle of that handler (which
-        could finalize a request under it, and the handler would then report a second final output)."""
-        if self._pumping:
-            return
-        self._pumping = True
-        try:
-            while self._events and not self.running_in_background:
-                self._on_event(self._events.pop(0))
-        finally:
-            self._pumping = False
+        """Stepped mode: handle the events waiting for the coordinator (none in background mode)."""
+        if isinstance(self.transport, SteppedTransport):
+            self.transport.pump()
 
     # -- delayed batching ------------------------------------------------------------------------------
 
@@ -270,7 +245,10 @@ class Engine(Coordinator):
                 self._threads.append(t)
         else:
             self._threads.append(threading.Thread(target=self._lockstep, name="tr-models", daemon=True))
-        self._threads.append(threading.Thread(target=self._coordinate, name="tr-coordinator", daemon=True))
+        self.transport = ThreadedTransport(self.subservers, self._on_event)
+        self._threads.append(
+            threading.Thread(target=self.transport.run, args=(self._stop_event,), name="tr-coordinator", daemon=True)
+        )
         if self.auto_thresholds:
             self._threads.append(threading.Thread(target=self._tune_forever, name="tr-tuner", daemon=True))
         for t in self._threads:
@@ -289,17 +267,6 @@ class Engine(Coordinator):
             if not ran:
                 self._stop_event.wait(min(s.max_wait_s for s in subs) if any(s.scheduler.num_ready for s in subs)
                                       else 0.0005)
-
-    def _coordinate(self) -> None:
-        while not self._stop_event.is_set():
-            try:
-                ev = self._event_queue.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            try:
-                self._on_event(ev)
-            except Exception:  # the coordinator must outlive any one request's failure
-                log.exception("coordinator: failed to handle %r", ev)
 
     async def generate_stream(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None

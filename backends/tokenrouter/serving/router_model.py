@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import json
 import logging
 import os
@@ -37,8 +36,8 @@ from tokenrouter.serving.metrics import RouterMetrics
 from tokenrouter.serving.server import ADMIN_HEADER, ADMIN_KEY_ENV, CONTROL_URL_ENV
 from tokenrouter.serving.tensors import GenerateRequest, parse_request
 from tokenrouter.tokenizer import load_tokenizer
-from tokenrouter.transport import ipc
-from tokenrouter.transport.messages import Append, Arrive, Failed, Release, Released, StepStatsReport
+from tokenrouter.transport.messages import StepStatsReport
+from tokenrouter.transport.sockets import SocketTransport
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,8 @@ REVIVE_CONNECT_S = 10.0
 
 
 class SocketCoordinator(Coordinator):
-    """The coordinator with the local sockets as its transport. Call it on the loop thread only."""
+    """The coordinator over the local sockets' transport (transport/sockets.py), plus what the router knows
+    of its models' processes (down or back, step statistics). Call it on the loop thread only."""
 
     def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop) -> None:
         tokenizer = load_tokenizer(config.tokenizer_path)
@@ -64,39 +64,12 @@ class SocketCoordinator(Coordinator):
         entry_policy = make_policy(name, list(config.models), config.entry, pol)
         super().__init__(config, tokenizer, vocab_size, declared_context_limit(config), entry_policy)
         self.loop = loop
-        self._closing = False
         # Models whose process went away, with why; requests are refused until they are back.
         self.down: dict[str, str] = {}
         self.on_model_down: Callable[[str], None] = lambda model: None
         self.step_stats: dict[str, StepStats] = {}
-        self.links = {
-            m: ipc.ModelLink(m, functools.partial(self._events_from, m), functools.partial(self._lost, m))
-            for m in self.model_names
-        }
+        self.transport = SocketTransport(self.model_names, loop, self._on_event, self._handle_events, self._model_gone)
         self._update_thresholds()
-
-    def _deliver(self, model: str, msg: Arrive | Append | Release) -> None:
-        if isinstance(msg, Arrive):
-            msg.threshold = self.thresholds.get(model)
-        try:
-            self.links[model].send([msg])
-        except ConnectionError as e:
-            log.error("%s", e)
-            # Deferred: we may be inside the coordinator's own bookkeeping for this request.
-            self.loop.call_soon(self._unreachable, model, msg.request_id, str(e))
-
-    def _unreachable(self, model: str, request_id: str, error: str) -> None:
-        self._on_event(Failed(request_id, model, error))
-        self._on_event(Released(request_id, model, 0, 0, held=False))
-
-    # -- from the reader threads ------------------------------------------------------------------------
-
-    def _events_from(self, model: str, events: list[Any]) -> None:
-        self.loop.call_soon_threadsafe(self._handle_events, events)
-
-    def _lost(self, model: str) -> None:
-        if not self._closing:  # at shutdown the router closed the link itself
-            self.loop.call_soon_threadsafe(self._model_gone, model)
 
     # -- on the loop thread -----------------------------------------------------------------------------
 
@@ -117,7 +90,7 @@ class SocketCoordinator(Coordinator):
         log.error("model %r went away holding %d request(s); failing them", model, len(held))
         error = f"model {model!r} went away during the request (its process exited, or the server is shutting down)"
         for rid in held:
-            self._unreachable(model, rid, error)
+            self.transport.fail(model, rid, error)
         if model not in self.down:
             self.down[model] = (
                 f"model {model!r} is unavailable: its process exited and is being restarted; retry shortly"
@@ -145,9 +118,7 @@ class SocketCoordinator(Coordinator):
         self._update_thresholds()
 
     def close(self) -> None:
-        self._closing = True
-        for link in self.links.values():
-            link.close()
+        self.transport.close()
 
 
 class _Graveyard:
@@ -313,9 +284,9 @@ class RouterModel:
         Python backend never restarts a dead stub itself), then reconnect its socket. Runs on its own thread:
         a reload loads the model's weights. Without explicit model control (`tokenrouter serve` enables it)
         the model stays down, and requests are refused with a message that says so."""
-        link = self.coordinator.links[model]
+        link = self.coordinator.transport.links[model]
         delay = REVIVE_BACKOFF_S
-        while not self.coordinator._closing:
+        while not self.coordinator.transport.closing:
             try:
                 log.warning("model %r: reloading it", model)
                 self._reload(model)

@@ -1,0 +1,75 @@
+"""The Triton deployment's transport: the router reaches each model's process over its local socket
+(transport/ipc.py's ModelLink) and hands what comes back to its event loop's thread.
+
+Thresholds travel with each Arrive (no extra message per change). A model that cannot be reached fails the
+message's request as the model would have (Failed, then Released); a link that closes under the router calls
+`on_lost` (the router then fails what that model held and revives it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from tokenrouter.transport import ipc
+from tokenrouter.transport.base import Message, OnEvent, Transport
+from tokenrouter.transport.messages import Arrive, Failed, Released
+
+log = logging.getLogger(__name__)
+
+
+class SocketTransport(Transport):
+    def __init__(
+        self,
+        models: list[str],
+        loop: asyncio.AbstractEventLoop,
+        on_event: OnEvent,
+        on_items: Callable[[list[Any]], None],
+        on_lost: Callable[[str], None],
+    ) -> None:
+        """`on_items`: every batch a model sends (events and its step statistics), on the loop's thread;
+        `on_event`: one event, for the failures this transport reports itself; `on_lost`: a model's link
+        closed (not at `close`)."""
+        self.loop = loop
+        self.on_event = on_event
+        self.on_items = on_items
+        self.on_lost = on_lost
+        self.closing = False
+        self.thresholds: dict[str, int] = {}
+        self.links = {m: ipc.ModelLink(m, functools.partial(self._items_from, m), functools.partial(self._lost, m))
+                      for m in models}
+
+    def deliver(self, model: str, msg: Message) -> None:
+        if isinstance(msg, Arrive):
+            msg.threshold = self.thresholds.get(model)
+        try:
+            self.links[model].send([msg])
+        except ConnectionError as e:
+            log.error("%s", e)
+            # Deferred: the coordinator may be inside its own bookkeeping for this request.
+            self.loop.call_soon(self.fail, model, msg.request_id, str(e))
+
+    def fail(self, model: str, request_id: str, error: str) -> None:
+        """`model`'s part of a request is lost: the events it would have sent for a failure (loop thread)."""
+        self.on_event(Failed(request_id, model, error))
+        self.on_event(Released(request_id, model, 0, 0, held=False))
+
+    def thresholds_changed(self, thresholds: dict[str, int]) -> None:
+        self.thresholds = dict(thresholds)
+
+    def close(self) -> None:
+        self.closing = True
+        for link in self.links.values():
+            link.close()
+
+    # -- from the links' reader threads -----------------------------------------------------------------------
+
+    def _items_from(self, model: str, items: list[Any]) -> None:
+        self.loop.call_soon_threadsafe(self.on_items, items)
+
+    def _lost(self, model: str) -> None:
+        if not self.closing:  # at shutdown the router closed the link itself
+            self.loop.call_soon_threadsafe(self.on_lost, model)
