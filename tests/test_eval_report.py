@@ -209,6 +209,7 @@ def test_ablation_section(tmp_path: Path) -> None:
             "output_tok_s": tok_s,
             "per_user_tok_s": None if tok_s is None else tok_s / 16,
             "ttft_ms_p50": 20.0 + s,
+            "large_share": 0.1 + s / 100,
             "errors": err,
             "requests": 32,
             "first_error": "timeout" if err else None,
@@ -219,7 +220,8 @@ def test_ablation_section(tmp_path: Path) -> None:
     md = (tmp_path / "ablation.md").read_text()
 
     assert cells(table_row(md, "0", "eager"))[2:5] == ["1,000.0", "-", "1.00x"]
-    assert cells(table_row(md, "1", "+ CUDA graphs for extends"))[2:7] == ["1,500.0", "1.50x", "1.50x", "93.8", "21.0"]
+    assert cells(table_row(md, "1", "+ CUDA graphs for extends"))[2:8] == [
+        "1,500.0", "1.50x", "1.50x", "93.8", "21.0", "11.0 %"]
     # Step 2 lost requests: its figure shows, but no ratio is taken from or against it.
     assert cells(table_row(md, "2", "+ overlap"))[2:5] == ["1,800.0", "n/a", "n/a"]
     assert cells(table_row(md, "3", "+ bigger batch"))[2:5] == ["2,700.0", "n/a", "2.70x"]

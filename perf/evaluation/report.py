@@ -460,6 +460,7 @@ def ablation_table(steps: dict[int, Row]) -> list[str]:
                 fmt_ratio(ratio(tok_s, base)),
                 fmt_tok_s(r.get("per_user_tok_s")),
                 fmt_ms(r.get("ttft_ms_p50")),
+                fmt_share(r.get("large_share")),
                 fmt_int(r.get("errors")),
                 switches_text(r.get("config"), prev.get("config") if prev else None),
             ]
@@ -472,6 +473,7 @@ def ablation_table(steps: dict[int, Row]) -> list[str]:
         "x step 0",
         "per-user tok/s",
         "TTFT p50 ms",
+        "large share",  # each step is a fresh run: its share differs a little, and throughput with it
         "errors",
         "switches",
     ]
