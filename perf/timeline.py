@@ -78,6 +78,13 @@ def served(args: argparse.Namespace) -> int:
         print(f"error: no timeline files (*.jsonl) in {folder}: start the server with "
               f"TOKENROUTER_TIMELINE_DIR={folder} and run some load first", file=sys.stderr)
         return 2
+    per_model: dict[str, list[str]] = {}
+    for path in sorted(folder.glob("*.jsonl")):
+        per_model.setdefault(path.name.rsplit(".", 2)[0], []).append(path.name)
+    for model, names in per_model.items():
+        if len(names) > 1:  # a reloaded model, or an earlier server's files: their windows add up
+            print(f"warning: {len(names)} files for model {model!r} ({', '.join(names)}): events of several "
+                  "processes are merged; use a fresh folder per run", file=sys.stderr)
     events = read_events(folder)
     write(Path(args.out), events, f"Timeline: served deployment ({folder})", {"source": str(folder)})
     print((Path(args.out) / "summary.md").read_text())

@@ -6,8 +6,11 @@ Summary, per model, over the window from the first step's start to the last step
   (and the policy's values) on the host, `route+commit` the routing, commit and handoffs after it;
 - batch histogram, mean batch, tokens per step, steps with an extend or prefill, step time by batch size;
 - idle gaps between its consecutive steps, split by cause: `no request ready` (until the first of the next
-  step's rows became ready), then `waiting below threshold` (delayed batching: the next step ran fewer rows
-  than the threshold) or `host work` (rows were ready and the batch was full: loop, drain, scheduling);
+  step's rows became ready); `waiting below threshold` (delayed batching, threshold > 1: from then until the
+  last of its rows became ready, or until the step when it ran below the threshold after its bounded wait);
+  the rest `host work` (rows ready, nothing to wait for: loop, inbox, scheduling; with lockstep loops also
+  the other models' steps). A step that ran below its threshold because no request could arrive counts as
+  waiting too (the event does not say why the loop stepped);
 - handoff transit: a request parked by one model -> taken on by the next, per direction.
 And across models: the time two or more models stepped at once (they share the GPU then).
 """
@@ -45,14 +48,23 @@ def models_of(events: list[Event]) -> list[str]:
 
 
 def _gaps(steps: list[Event]) -> dict[str, float]:
+    """A model's idle time between consecutive steps, by cause (see the module docstring)."""
     causes = {"no request ready": 0.0, "waiting below threshold": 0.0, "host work": 0.0}
     for prev, cur in zip(steps, steps[1:]):
         gap = max(0.0, cur["start"] - prev["end"])
-        ready = cur.get("first_ready")
-        starved = 0.0 if ready is None else min(gap, max(0.0, ready - prev["end"]))
-        causes["no request ready"] += starved
-        below = cur["batch"] < cur.get("threshold", 1)
-        causes["waiting below threshold" if below else "host work"] += gap - starved
+        first = cur.get("first_ready")
+        last = cur.get("last_ready", first)
+        first = prev["end"] if first is None else min(max(first, prev["end"]), cur["start"])
+        last = first if last is None else min(max(last, first), cur["start"])
+        causes["no request ready"] += first - prev["end"]
+        if cur.get("threshold", 1) > 1:
+            # Delayed batching: from the first ready row until the last one came; and when the step still ran
+            # below the threshold (its bounded wait expired), until the step too.
+            waited = (cur["start"] if cur["batch"] < cur["threshold"] else last) - first
+        else:
+            waited = 0.0
+        causes["waiting below threshold"] += waited
+        causes["host work"] += gap - (first - prev["end"]) - waited
     return causes
 
 

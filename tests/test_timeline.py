@@ -22,9 +22,10 @@ from timeline_analysis import chrome_trace, summarize, transits  # noqa: E402
 
 
 def step(model: str, start: float, end: float, batch: int, threshold: int = 1, first_ready: float | None = None,
-         extends: int = 0) -> dict:
+         extends: int = 0, last_ready: float | None = None) -> dict:
     return {"kind": "step", "model": model, "start": start, "forward_end": (start + end) / 2, "end": end,
             "batch": batch, "tokens": batch, "extends": extends, "threshold": threshold, "first_ready": first_ready,
+            "last_ready": first_ready if last_ready is None else last_ready,
             "queue_wait_max": 0.0 if first_ready is None else start - first_ready}
 
 
@@ -38,19 +39,22 @@ def test_summary_of_known_events() -> None:
         step("small", 3.0, 4.0, 1, threshold=2, first_ready=2.0),
         # small: 4.0 -> 4.5 idle with a row ready since 4.0 and a full batch: host work
         step("small", 4.5, 5.0, 1, first_ready=4.0),
+        # small: 5.0 -> 6.0 idle; a row ready at 5.0, the fourth at 5.5 fills the threshold of 4: 0.5 waiting,
+        # then 0.5 host work until the step
+        step("small", 6.0, 6.5, 4, threshold=4, first_ready=5.0, last_ready=5.5),
         {"kind": "handoff", "request_id": "a", "source": "large", "target": "small", "t": 2.4},
         {"kind": "arrive", "request_id": "a", "model": "small", "source": "large", "t": 2.6},
         {"kind": "arrive", "request_id": "b", "model": "small", "source": None, "t": 0.0},
     ]
     s = summarize(sorted(events, key=lambda e: e.get("start", e.get("t"))))
-    assert s["window_s"] == pytest.approx(5.0)
+    assert s["window_s"] == pytest.approx(6.5)
     small, large = s["models"]["small"], s["models"]["large"]
-    assert small["steps"] == 3 and large["steps"] == 1
-    assert small["busy_fraction"] == pytest.approx(2.5 / 5.0)
-    assert large["busy_fraction"] == pytest.approx(1.0 / 5.0)
+    assert small["steps"] == 4 and large["steps"] == 1
+    assert small["busy_fraction"] == pytest.approx(3.0 / 6.5)
+    assert large["busy_fraction"] == pytest.approx(1.0 / 6.5)
     assert small["forward_fraction_of_busy"] == pytest.approx(0.5)
-    assert small["batch_histogram"] == {1: 2, 2: 1} and large["steps_with_extend"] == 1
-    assert small["idle_s"] == pytest.approx({"no request ready": 1.0, "waiting below threshold": 1.0, "host work": 0.5})
+    assert small["batch_histogram"] == {1: 2, 2: 1, 4: 1} and large["steps_with_extend"] == 1
+    assert small["idle_s"] == pytest.approx({"no request ready": 1.0, "waiting below threshold": 1.5, "host work": 1.0})
     assert s["overlap_fraction"] == pytest.approx(0.0)  # small's and large's steps never overlap here
     assert {k: [round(x, 6) for x in v] for k, v in transits(events).items()} == {
         "small -> large": [0.2], "large -> small": [0.2]}
@@ -58,7 +62,7 @@ def test_summary_of_known_events() -> None:
 
     trace = chrome_trace(events)["traceEvents"]
     slices = [e for e in trace if e["ph"] == "X"]
-    assert len(slices) == 3 * 4  # every step: itself, forward, route+commit
+    assert len(slices) == 5 * 3  # every step: itself, forward, route+commit
     starts = {e["id"]: e for e in trace if e["ph"] == "s"}
     ends = {e["id"]: e for e in trace if e["ph"] == "f"}
     assert set(starts) == set(ends) and len(starts) == 2  # each handoff an arrow from source to target
@@ -123,12 +127,25 @@ def test_file_recorder_appends_and_merges(tmp_path: Path, monkeypatch: pytest.Mo
     b.arrive("r", "small", 1.0)
     a.flush()
     a.handoff("r", "large", 3.0)
-    a.flush()
-    b.flush()
+    a.close()
+    b.close()
     events = read_events(tmp_path / "tl")
     assert [(e["kind"], e["t"]) for e in events] == [("arrive", 1.0), ("arrive", 2.0), ("handoff", 3.0)]
     monkeypatch.delenv(TIMELINE_DIR_ENV)
     assert Timeline.from_env("small") is None
+
+
+def test_file_recorder_that_cannot_write_keeps_recording_in_memory(tmp_path: Path) -> None:
+    """A timeline file that cannot be written (here: its folder is a file) must not fail the loop that
+    records: file output turns off and the events stay in memory."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    tl = Timeline("small", blocker / "small.jsonl")
+    tl.arrive("r", None, 1.0)
+    tl.flush()  # raises nothing
+    assert tl.path is None
+    tl.arrive("s", None, 2.0)
+    assert [e["request_id"] for e in tl.take()] == ["r", "s"]
 
 
 @pytest.mark.slow

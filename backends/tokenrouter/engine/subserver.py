@@ -173,8 +173,9 @@ class Subserver:
                 lease.begin(msg.source, len(seq.token_ids))
             seq.lease = lease
         seq.ready_since = time.monotonic()
-        if self.timeline is not None:
-            self.timeline.arrive(msg.request_id, msg.source, seq.ready_since)
+        timeline = self.timeline  # read once: it may be switched off from another thread
+        if timeline is not None:
+            timeline.arrive(msg.request_id, msg.source, seq.ready_since)
         if msg.first_visit:
             self.scheduler.add(seq)
         else:
@@ -226,7 +227,7 @@ class Subserver:
             return 0
         timeline = self.timeline  # read once: it may be switched on or off from another thread
         t0, start = time.perf_counter(), time.monotonic()
-        first_ready, wait_max = self._begin_step(chunks, start)
+        first_ready, last_ready, wait_max = self._begin_step(chunks, start)
         sampling = [c.seq for c in chunks if c.samples]
         with self.runner.stream_context():
             out = self.runner.forward(chunks)
@@ -243,24 +244,24 @@ class Subserver:
         if timeline is not None:
             timeline.step(
                 start, forward_end, time.monotonic(), len(chunks), sum(c.num_new_tokens for c in chunks),
-                sum(c.num_new_tokens > 1 for c in chunks), self.threshold, first_ready, wait_max or 0.0,
+                sum(c.num_new_tokens > 1 for c in chunks), self.threshold, first_ready, last_ready, wait_max,
             )
         return len(chunks)
 
-    def _begin_step(self, chunks: list[ScheduledChunk], now: float) -> tuple[float | None, float | None]:
+    def _begin_step(self, chunks: list[ScheduledChunk], now: float) -> tuple[float | None, float | None, float]:
         """Note the step's requests (to fail just those if it breaks) and how long each waited since it became
-        ready; returns the longest wait and when that request became ready."""
+        ready; returns when the first and the last of them became ready, and the longest wait."""
         self._in_step = [c.seq.request_id for c in chunks]
         self._ready_since = None
-        first_ready = wait_max = None
+        first_ready = last_ready = None
         for c in chunks:
-            if c.seq.ready_since is not None:
-                wait = now - c.seq.ready_since
-                self._queue_waits.append(wait)
-                if wait_max is None or wait > wait_max:
-                    first_ready, wait_max = c.seq.ready_since, wait
+            ready = c.seq.ready_since
+            if ready is not None:
+                self._queue_waits.append(now - ready)
+                first_ready = ready if first_ready is None else min(first_ready, ready)
+                last_ready = ready if last_ready is None else max(last_ready, ready)
                 c.seq.ready_since = None
-        return first_ready, wait_max
+        return first_ready, last_ready, 0.0 if first_ready is None else now - first_ready
 
     def _sample(self, out: ForwardOutput, sampling: list[Sequence]) -> tuple[torch.Tensor, Any, Any]:
         """The sampled tokens on the device, and the tokens and the policy's values on the host (None, None
@@ -355,8 +356,9 @@ class Subserver:
         arrive = Arrive(
             seq.request_id, suffix, first, seq.num_prompt_tokens, seq.params, seq.state, self.name, seen
         )
-        if self.timeline is not None:
-            self.timeline.handoff(seq.request_id, target, time.monotonic())
+        timeline = self.timeline  # read once: it may be switched off from another thread
+        if timeline is not None:
+            timeline.handoff(seq.request_id, target, time.monotonic())
         self.emit(Handoff(self.name, target, arrive))
 
     def _finish(self, seq: Sequence) -> None:
@@ -383,8 +385,6 @@ class Subserver:
                 self.safe_step()
                 continue
             timeout = self.max_wait_s if self.scheduler.num_ready else 0.05
-            if self.timeline is not None and not self.scheduler.num_ready:
-                self.timeline.flush()  # idle: a served recorder's file catches up (in memory: a no-op)
             self._wake.wait(timeout)
             self._wake.clear()
 

@@ -3,8 +3,8 @@
 perf/timeline.py turns the events into a Perfetto / chrome://tracing trace and a summary of where the time
 goes (busy fraction, batch sizes, idle gaps and their causes, handoff transit). Recording is off unless
 asked for: `Engine.record_timeline()` in process, or the environment variable TIMELINE_DIR_ENV for the
-served subservers (each appends its events to `<dir>/<model>.<pid>.jsonl`). When off, a step pays one
-`is None` test.
+served subservers (each appends its events to `<dir>/<model>.<pid>.jsonl`, from a writer thread of its
+own every WRITE_INTERVAL_S: never on the decoding thread). When off, a step pays one `is None` test.
 
 Times are `time.monotonic()` seconds: CLOCK_MONOTONIC is one clock for every process of a machine, so the
 files of a served deployment's subservers merge into one trace.
@@ -12,8 +12,8 @@ files of a served deployment's subservers merge into one trace.
 Events (plain dicts, JSON-safe):
 - step: model, start, forward_end (tokens and the policy's values on the host), end (routed and committed),
   batch, tokens (new tokens computed), extends (rows computing more than one token: prefills and extends),
-  threshold (the delayed-batching threshold at the time), first_ready (the earliest time one of its rows
-  became ready to step), queue_wait_max.
+  threshold (the delayed-batching threshold at the time), first_ready / last_ready (when the first and the
+  last of its rows became ready to step), queue_wait_max.
 - handoff: request_id, source, target, t (the source parks the request and sends it).
 - arrive: request_id, model, source (None: a new request), t (the target takes it on).
 """
@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import threading
 from pathlib import Path
 from typing import Any
 
 TIMELINE_DIR_ENV = "TOKENROUTER_TIMELINE_DIR"
-FLUSH_EVERY = 4096  # events buffered before a served subserver appends them to its file
+WRITE_INTERVAL_S = 0.5  # how often a served subserver's writer thread appends what was recorded
+
+log = logging.getLogger(__name__)
 
 
 class Timeline:
@@ -40,27 +43,41 @@ class Timeline:
         # Bounded: a recorder left on cannot grow without limit (the oldest events go first).
         self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=capacity)
         self._lock = threading.Lock()
+        self._closed: threading.Event | None = None  # the file writer's stop signal (served recorders)
 
     @classmethod
     def from_env(cls, model: str) -> Timeline | None:
-        """The served subserver's recorder when TIMELINE_DIR_ENV names a directory, else None."""
+        """The served subserver's recorder when TIMELINE_DIR_ENV names a directory (its writer thread
+        started), else None."""
         folder = os.environ.get(TIMELINE_DIR_ENV)
         if not folder:
             return None
         Path(folder).mkdir(parents=True, exist_ok=True)
-        return cls(model, Path(folder) / f"{model}.{os.getpid()}.jsonl")
+        timeline = cls(model, Path(folder) / f"{model}.{os.getpid()}.jsonl")
+        timeline._closed = threading.Event()
+        threading.Thread(target=timeline._write_forever, name=f"tr-{model}-timeline", daemon=True).start()
+        return timeline
 
     def record(self, event: dict[str, Any]) -> None:
         self._events.append(event)  # deque.append is atomic: the loop thread never waits here
-        if self.path is not None and len(self._events) >= FLUSH_EVERY:
+
+    def _write_forever(self) -> None:
+        assert self._closed is not None
+        while not self._closed.wait(WRITE_INTERVAL_S):
             self.flush()
 
+    def close(self) -> None:
+        """Stop the writer thread and write what is left."""
+        if self._closed is not None:
+            self._closed.set()
+        self.flush()
+
     def step(self, start: float, forward_end: float, end: float, batch: int, tokens: int, extends: int,
-             threshold: int, first_ready: float | None, queue_wait_max: float) -> None:
+             threshold: int, first_ready: float | None, last_ready: float | None, queue_wait_max: float) -> None:
         self.record({
             "kind": "step", "model": self.model, "start": start, "forward_end": forward_end, "end": end,
             "batch": batch, "tokens": tokens, "extends": extends, "threshold": threshold,
-            "first_ready": first_ready, "queue_wait_max": queue_wait_max,
+            "first_ready": first_ready, "last_ready": last_ready, "queue_wait_max": queue_wait_max,
         })
 
     def handoff(self, request_id: str, target: str, t: float) -> None:
@@ -78,13 +95,22 @@ class Timeline:
             return out
 
     def flush(self) -> None:
-        """Append what was recorded to `path` (one JSON object per line)."""
-        if self.path is None:
+        """Append what was recorded to `path` (one JSON object per line). A file that cannot be written turns
+        file output off (logged once) and keeps the events in memory: recording must never fail a request."""
+        path = self.path
+        if path is None:
             return
         events = self.take()
-        if events:
-            with self._lock, self.path.open("a") as f:
+        if not events:
+            return
+        try:
+            with self._lock, path.open("a") as f:
                 f.writelines(json.dumps(e) + "\n" for e in events)
+        except OSError as e:
+            log.error("timeline of %s: cannot write %s (%s); recording in memory only from now on", self.model,
+                      path, e)
+            self.path = None
+            self._events.extendleft(reversed(events))  # kept, ahead of what was recorded since
 
 
 def read_events(folder: Path) -> list[dict[str, Any]]:

@@ -183,4 +183,4 @@ class SubserverModel:
         for t in self._threads:
             t.join(timeout=5)
         if self.sub.timeline is not None:
-            self.sub.timeline.flush()
+            self.sub.timeline.close()
