@@ -27,7 +27,7 @@ from bench_engine import closed_loop, make_prompts, parse_policy
 from timeline_analysis import chrome_trace, markdown, summarize
 
 from tokenrouter import Engine, SamplingParams
-from tokenrouter.config import load_config
+from tokenrouter.config import ConfigError, load_config
 from tokenrouter.engine.timeline import read_events
 
 
@@ -113,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("concurrency", "num_requests", "prompt_len", "output_len"):
             if getattr(args, name) < 1:
                 p.error(f"--{name.replace('_', '-')} must be >= 1")
+        try:
+            load_config(args.config)
+        except ConfigError as e:
+            p.error(str(e))
         return record(args)
     return served(args)
 
