@@ -15,23 +15,20 @@ import json
 import os
 import pathlib
 import shutil
-import sysconfig
 from collections.abc import Iterator
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from transformers.utils import logging as hf_logging
 
+from tokenrouter.tools.bpe import train_bpe_tokenizer
 from tokenrouter.tools.build_dir import build_dir
-from tokenrouter.tools.chatml import CHAT_TEMPLATE, ENDOFTEXT, IM_END, IM_START
+from tokenrouter.tools.chatml import ENDOFTEXT, IM_END
 
 # Bump whenever the output would change for the same seed, so stale sets get rebuilt.
 GENERATOR_VERSION = 1
 
 VOCAB_SIZE = 1024
-# Order matters: the trainer assigns ids in this order, so <|endoftext|> is id 0.
-SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
 
 # About 3 MB keeps BPE training to a few seconds on two cores while still giving
 # sensible merges for code and English.
@@ -52,62 +49,8 @@ HEAD_DIM = 16
 LARGE_SHARD_SIZE = "1MB"
 
 
-def _corpus() -> Iterator[str]:
-    """Yield stdlib .py sources in path order until about CORPUS_BYTES have been read."""
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    # Third-party packages may live under the stdlib dir; they vary between machines.
-    files = sorted(
-        (p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts),
-        key=lambda p: p.relative_to(root).as_posix(),
-    )
-    total = 0
-    for path in files:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue  # a few test fixtures are deliberately not UTF-8
-        yield text
-        total += len(text.encode("utf-8"))
-        if total >= CORPUS_BYTES:
-            return
-
-
 def _train_tokenizer(out: pathlib.Path) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    # No normalizer and no prefix space: bytes in, same bytes out, so decode(encode(s)) == s.
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
-        # Seed all 256 bytes so any unicode text can be encoded, seen in training or not.
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=IM_END,
-        pad_token=ENDOFTEXT,
-        bos_token=None,  # like Qwen: nothing is prepended
-        additional_special_tokens=[IM_START, IM_END],
-        model_max_length=4096,
-        # The default cleanup rewrites " ." etc. and would break exact round-trips.
-        clean_up_tokenization_spaces=False,
-        chat_template=CHAT_TEMPLATE,
-    )
-    wrapped.save_pretrained(out)
-    # transformers 5 writes its internal class name and a list-valued
-    # "extra_special_tokens", neither of which 4.x understands; the older spellings
-    # load the same tokenizer under both major versions.
-    cfg_path = out / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    if isinstance(cfg.get("extra_special_tokens"), list):
-        cfg["additional_special_tokens"] = cfg.pop("extra_special_tokens")
-    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
-    return wrapped
+    return train_bpe_tokenizer(out, VOCAB_SIZE, CORPUS_BYTES)
 
 
 def _build_model(name: str, k: int, seed: int, tokenizer: PreTrainedTokenizerFast, out: pathlib.Path) -> None:
