@@ -1,0 +1,182 @@
+"""Train R2R's token router for a small/large pair from the pair's own divergence labels.
+
+    python -m tokenrouter.tools.train_router --pair models/pair --out models/pair/r2r_router.safetensors
+    # then: policy: {name: r2r, checkpoint: models/pair/r2r_router.safetensors, hidden_dim: 256, threshold: ...}
+
+Labels (R2R routes the tokens where the small model would take the response somewhere the large one would
+not): the small model continues training-set prompts greedily; at every output position the large model's
+greedy token is computed on the same prefix (teacher-forced). Where both agree the label is 0. Where they
+differ, the large model continues both variants greedily for `--lookahead` tokens and the two texts are
+compared: if the small model's token only spelled the same text differently (e.g. `ret` + `urn` against
+`return`), the texts agree and the label is 0; if they differ, the token diverges: label 1. (R2R judges
+divergence with a verifier model; continuing with the large model is this project's stand-in, stated.)
+
+Features are exactly what the policy reads inside the step (routing/policies/r2r.py): the small model's
+final-norm hidden state of the position that predicted the token, its top-k logits sorted, and the token's
+input embedding. The network is R2RRouter; loss: binary cross-entropy weighted for the class balance.
+Prompts come from the training files of tools/train_pair.py (the held-out files stay unseen for
+perf/routing_quality.py). Writes the state dict (safetensors) and `<out>.json` with the label statistics,
+validation metrics and the policy settings that load it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+from tokenrouter.routing.policies.r2r import R2RRouter
+from tokenrouter.tools.bpe import read_sources, stdlib_sources
+from tokenrouter.tools.train_pair import split_files
+
+TOP_K = 100  # R2R's top-k logits (the policy's default `top_k_logits`), clamped to the vocabulary
+
+
+def training_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list[int]]:
+    train, _ = split_files(stdlib_sources())
+    tokenizer.model_max_length = sys.maxsize  # whole files are tokenized, then cut into windows
+    rng = random.Random(seed)
+    files = rng.sample(train, min(len(train), 4 * n))
+    docs = [d for d in (tokenizer(t, add_special_tokens=False)["input_ids"] for t in read_sources(files))
+            if len(d) > length]
+    if not docs:
+        raise SystemExit(f"error: no training file has more than {length} tokens")
+    out = []
+    for i in range(n):
+        d = docs[i % len(docs)]
+        start = rng.randrange(0, len(d) - length)
+        out.append(d[start : start + length])
+    return out
+
+
+@torch.no_grad()
+def greedy(model: Qwen3ForCausalLM, ids: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@torch.no_grad()
+def label_prompt(small: Qwen3ForCausalLM, large: Qwen3ForCausalLM, tokenizer: Any, prompt: list[int],
+                 gen_len: int, lookahead: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """Features (hidden, top-k logits, token embedding) and labels of one prompt's small continuation."""
+    cont = greedy(small, prompt, gen_len)
+    seq = torch.tensor([prompt + cont])
+    out = small(seq, output_hidden_states=True)
+    pos = slice(len(prompt) - 1, len(prompt) - 1 + len(cont))  # positions that predicted each output token
+    hidden = out.hidden_states[-1][0, pos].float()
+    top = torch.topk(out.logits[0, pos].float(), k, dim=-1, sorted=True).values
+    tokens = torch.tensor(cont)
+    emb = small.get_input_embeddings()(tokens).float()
+    large_choice = large(seq).logits[0, pos].argmax(-1).tolist()
+    labels = []
+    for t, (s_tok, l_tok) in enumerate(zip(cont, large_choice)):
+        if s_tok == l_tok:
+            labels.append(0)
+            continue
+        prefix = prompt + cont[:t]
+        a = tokenizer.decode([s_tok] + greedy(large, prefix + [s_tok], lookahead))
+        b = tokenizer.decode([l_tok] + greedy(large, prefix + [l_tok], lookahead))
+        n = min(len(a), len(b))
+        labels.append(int(a[:n] != b[:n]))
+    return hidden, top, emb, labels
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float | None:
+    """Probability that a random positive scores above a random negative (ties count half)."""
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    if not len(pos) or not len(neg):
+        return None
+    greater = (pos[:, None] > neg[None, :]).float().mean()
+    ties = (pos[:, None] == neg[None, :]).float().mean()
+    return float(greater + 0.5 * ties)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pair", required=True, help="folder with small/ and large/ model directories")
+    p.add_argument("--out", required=True, help="router checkpoint to write (.safetensors)")
+    p.add_argument("--prompts", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--lookahead", type=int, default=8)
+    p.add_argument("--hidden-dim", type=int, default=256, help="the router's width (the policy's hidden_dim)")
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    pair, out = Path(args.pair), Path(args.out)
+    if out.suffix != ".safetensors":
+        p.error("--out must end in .safetensors")
+    for name in ("prompts", "prompt_len", "gen_len", "lookahead", "hidden_dim", "epochs"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    torch.manual_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(pair / "small")
+    small = Qwen3ForCausalLM.from_pretrained(pair / "small", dtype=torch.float32).eval()
+    large = Qwen3ForCausalLM.from_pretrained(pair / "large", dtype=torch.float32).eval()
+    k = min(TOP_K, small.config.vocab_size)
+
+    feats: list[tuple[torch.Tensor, ...]] = []
+    labels: list[int] = []
+    for i, prompt in enumerate(training_prompts(tokenizer, args.prompts, args.prompt_len, args.seed)):
+        h, top, emb, lab = label_prompt(small, large, tokenizer, prompt, args.gen_len, args.lookahead, k)
+        feats.append((h, top, emb))
+        labels += lab
+        if (i + 1) % 32 == 0:
+            print(f"labelled {i + 1} prompts: {sum(labels)} of {len(labels)} tokens diverge", flush=True)
+    h, top, emb = (torch.cat([f[j] for f in feats]) for j in range(3))
+    y = torch.tensor(labels, dtype=torch.float32)
+    n = len(y)
+    if y.min() == y.max():
+        print(f"error: all {n} labels are {int(y[0])}: nothing to learn (the models agree everywhere, or nowhere: "
+              "random weights diverge on every token)", file=sys.stderr)
+        return 2
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed))
+    val, train = perm[: max(1, n // 10)], perm[max(1, n // 10):]
+
+    net = R2RRouter(small.config.hidden_size, k, args.hidden_dim)
+    opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.01)
+    positives = float(y[train].sum())
+    pos_weight = torch.tensor((len(train) - positives) / max(1.0, positives))
+    loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=pos_weight)
+    history = []
+    for _ in range(args.epochs):
+        net.train()
+        order = train[torch.randperm(len(train))]
+        total = 0.0
+        for b in range(0, len(order), 256):
+            idx = order[b : b + 256]
+            loss = loss_fn(net(h[idx], top[idx], emb[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += loss.item() * len(idx)
+        history.append(total / len(train))
+    net.eval()
+    with torch.no_grad():
+        scores = torch.sigmoid(net(h[val], top[val], emb[val]))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file({name: t.contiguous() for name, t in net.state_dict().items()}, str(out))
+    report = {
+        "pair": str(pair), "prompts": args.prompts, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+        "lookahead": args.lookahead, "tokens": n, "divergent": int(y.sum()),
+        "divergent_share": float(y.mean()), "train_loss_first_epoch": history[0], "train_loss_last_epoch": history[-1],
+        "validation": {"tokens": len(val), "auc": auc(scores, y[val]),
+                       "accuracy_at_0.5": float(((scores >= 0.5).float() == y[val]).float().mean())},
+        "policy": {"name": "r2r", "checkpoint": str(out), "hidden_dim": args.hidden_dim, "top_k_logits": TOP_K},
+    }
+    Path(str(out) + ".json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""R2R router training (tools/train_router.py) on a pair built from the tiny models: the large model is the
+small one with its output layer perturbed, so the two agree on most tokens and diverge on some (random
+models of different shapes diverge everywhere: nothing to learn). The features the trainer computes offline
+must be the ones the policy computes inside the engine's step, or a trained router would be served wrong."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+from tokenrouter import Engine, SamplingParams
+from tokenrouter.routing.policies.r2r import R2RRouter
+from tokenrouter.tools.train_router import label_prompt, main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def near_pair(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("near-pair")
+    shutil.copytree(tiny_dir / "large", out / "small")
+    model = Qwen3ForCausalLM.from_pretrained(tiny_dir / "large", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.2 * model.lm_head.weight.std() * torch.randn(model.lm_head.weight.shape,
+                                                                                  generator=gen))
+    model.save_pretrained(out / "large")
+    for f in (tiny_dir / "large").iterdir():
+        if f.name.startswith(("tokenizer", "special", "chat")):
+            shutil.copy2(f, out / "large" / f.name)
+    return out
+
+
+def test_router_trains_on_divergence_labels_and_loads_in_the_policy(near_pair: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "r2r.safetensors"
+    rc = main(["--pair", str(near_pair), "--out", str(ckpt), "--prompts", "12", "--prompt-len", "24",
+               "--gen-len", "16", "--lookahead", "4", "--hidden-dim", "32", "--epochs", "60"])
+    assert rc == 0
+    report = json.loads(Path(str(ckpt) + ".json").read_text())
+    assert 0 < report["divergent"] < report["tokens"], report
+    assert report["train_loss_last_epoch"] < report["train_loss_first_epoch"]
+
+    policy = {"name": "r2r", "checkpoint": str(ckpt), "hidden_dim": 32, "threshold": 0.5}
+    models = {m: {"path": str(near_pair / m), "dtype": "float32", "kv_cache_tokens": 2048} for m in ("small", "large")}
+    engine = Engine.from_config({"models": models, "entry": "small", "policy": policy})
+    try:
+        greedy = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.0)
+        out = engine.generate([5, 9, 17, 33, 65], greedy)[0]
+        assert len(out.token_ids) == 16
+    finally:
+        engine.shutdown()
+
+
+def test_training_features_are_the_served_ones(near_pair: Path) -> None:
+    """The router's value for each token, from the trainer's features (transformers, teacher-forced), equals
+    the value the policy computes inside the engine's step for the same tokens (the probe records it)."""
+    sys.path.insert(0, str(REPO / "perf"))
+    from std_serving.probe_policy import ProbePolicy  # noqa: F401  (registers `probe`)
+
+    tok = AutoTokenizer.from_pretrained(near_pair / "small")
+    small = Qwen3ForCausalLM.from_pretrained(near_pair / "small", dtype=torch.float32).eval()
+    large = Qwen3ForCausalLM.from_pretrained(near_pair / "large", dtype=torch.float32).eval()
+    prompt = [5, 9, 17, 33, 65, 129, 257]
+    h, top, emb, _ = label_prompt(small, large, tok, prompt, gen_len=10, lookahead=2, k=100)
+    net = R2RRouter(small.config.hidden_size, 100, 32)
+    torch.manual_seed(1)
+    for p in net.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    ckpt = near_pair / "probe_router.pt"
+    torch.save(net.state_dict(), ckpt)
+    with torch.no_grad():
+        offline = net(h, top, emb)
+
+    inner = {"name": "r2r", "checkpoint": str(ckpt), "hidden_dim": 32}
+    engine = Engine.from_config({
+        "models": {"small": {"path": str(near_pair / "small"), "dtype": "float32", "kv_cache_tokens": 2048}},
+        "entry": "small", "policy": {"name": "probe", "inner": inner, "models": ["small", "large"]},
+    })
+    try:
+        out = engine.generate(prompt, SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.0))[0]
+        served = torch.tensor([row[0] for row in engine.entry.policy.take(out.request_id)])
+    finally:
+        engine.shutdown()
+    torch.testing.assert_close(served, offline, rtol=1e-4, atol=1e-4)
