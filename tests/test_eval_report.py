@@ -332,3 +332,11 @@ def test_cli_regenerates_from_json(tmp_path: Path, main_results: dict) -> None:
         [sys.executable, str(script), str(src / "main.json"), "--out-dir", str(other)], check=True, capture_output=True
     )
     assert (other / "main.md").read_text() == (src / "main.md").read_text()
+
+
+def test_speedups_fall_back_to_in_process_without_servers(tmp_path: Path) -> None:
+    rows = [main_row("low-effort", "r2r", "in-process", 8, 900.0), main_row("low-effort", "-", "llm-only", 8, 300.0)]
+    report.write_report({**header("main"), "rows": rows}, tmp_path)
+    md = (tmp_path / "main.md").read_text()
+    assert "## Speed-up of in-process (output tok/s ratio)" in md
+    assert cells(table_row(md, "low-effort", "r2r", "8")) == ["low-effort", "r2r", "8", "900.0", "n/a", "3.00x"]

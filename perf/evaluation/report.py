@@ -373,12 +373,12 @@ def main_table_lines(index: MainIndex, workload: Any, algorithm: Any) -> list[st
     return [f"### {workload} / {algorithm}", ""] + table + [""] + error_notes(rows)
 
 
-def speedup_rows(index: MainIndex, workloads: Sequence[Any]) -> list[list[str]]:
+def speedup_rows(index: MainIndex, workloads: Sequence[Any], system: str = "triton") -> list[list[str]]:
     out = []
     for w in workloads:
         for a in index.algorithms(w):
             for c in index.concurrencies(w):
-                triton = clean(index.get(w, a, "triton", c), "output_tok_s")
+                triton = clean(index.get(w, a, system, c), "output_tok_s")
                 std = clean(index.get(w, a, "std-serving", c), "output_tok_s")
                 llm = clean(index.get(w, a, "llm-only", c), "output_tok_s")
                 out.append(
@@ -397,16 +397,18 @@ def speedup_rows(index: MainIndex, workloads: Sequence[Any]) -> list[list[str]]:
 def main_lines(results: dict[str, Any], plots: Sequence[Path], missing_reason: str | None) -> list[str]:
     index = MainIndex(results.get("rows") or [])
     workloads = index.workloads(results.get("workloads") or {})
+    # The served product when it was measured; the in-process engine when a run left the servers out.
+    product = "triton" if any(r.get("system") == "triton" for r in index.rows) else "in-process"
     lines = [
-        "## Speed-up of triton (output tok/s ratio)",
+        f"## Speed-up of {product} (output tok/s ratio)",
         "",
         "n/a where a system or point is missing, or where requests failed in either run (such points are also "
         "left out of the plots).",
         "",
     ]
     lines += md_table(
-        ["workload", "algorithm", "C", "triton tok/s", "over std-serving", "over llm-only"],
-        speedup_rows(index, workloads),
+        ["workload", "algorithm", "C", f"{product} tok/s", "over std-serving", "over llm-only"],
+        speedup_rows(index, workloads, product),
     ) + [""]
     lines += share_notes(results)
     for w in workloads:
