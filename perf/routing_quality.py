@@ -32,24 +32,32 @@ from _common import command_line, machine_info, machine_line, now_iso
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from tokenrouter import Engine, SamplingParams
-from tokenrouter.tools.bpe import read_sources, stdlib_sources
-from tokenrouter.tools.train_pair import split_files
+from tokenrouter.routing.policy import make_policy
+from tokenrouter.tools.bpe import read_sources
+from tokenrouter.tools.train_pair import pair_split
 
-# Each policy's settings, from routing least to most (learned routers untrained unless the pair ships one).
-DEFAULT_GRID: list[dict[str, Any]] = [
-    {"name": "always", "model": "small"},
-    *({"name": "random", "p": p, "seed": 0} for p in (0.1, 0.25, 0.5)),
-    *({"name": "r2r", "threshold": t, "checkpoint": None, "hidden_dim": 64} for t in (0.7, 0.5, 0.3)),
-    *({"name": "collm", "threshold": t, "checkpoint": None} for t in (0.7, 0.5, 0.3)),
-    *({"name": "citer", "threshold": t, "checkpoint": None} for t in (0.3, 0.5, 0.7)),
-    *({"name": "rstitch", "tau_high": h, "tau_low": h / 2} for h in (0.9, 0.7, 0.5)),
-    {"name": "always", "model": "large"},
-]
+ROUTER_REPORT = "r2r_router.safetensors.json"  # what tools/train_router.py writes beside its checkpoint
 
 
-def held_out_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list[int]]:
-    """`n` windows of `length` tokens from the held-out stdlib files, one per file at most where possible."""
-    _, held = split_files(stdlib_sources())
+def default_grid(pair: Path) -> list[dict[str, Any]]:
+    """Each policy's settings, from routing least to most: the baselines, random, R-Stitch (no training),
+    and R2R when the pair has a trained router (PAIR/r2r_router.safetensors from tools/train_router.py).
+    Untrained learned routers are left out: their decisions say nothing about the pair."""
+    grid: list[dict[str, Any]] = [
+        {"name": "always", "model": "small"},
+        *({"name": "random", "p": p, "seed": 0} for p in (0.1, 0.25, 0.5)),
+        *({"name": "rstitch", "tau_high": h, "tau_low": h / 2} for h in (0.9, 0.7, 0.5)),
+    ]
+    report = pair / ROUTER_REPORT
+    if report.is_file():
+        trained = json.loads(report.read_text())["policy"]
+        grid += [{**trained, "threshold": t} for t in (0.7, 0.5, 0.3)]
+    return grid + [{"name": "always", "model": "large"}]
+
+
+def held_out_prompts(tokenizer: Any, pair: Path, n: int, length: int, seed: int) -> list[list[int]]:
+    """`n` windows of `length` tokens from the pair's held-out stdlib files, one per file where possible."""
+    _, held, _ = pair_split(pair)
     tokenizer.model_max_length = sys.maxsize  # whole files are tokenized, then cut into windows
     docs = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in read_sources(held)]
     docs = [d for d in docs if len(d) > length]
@@ -116,7 +124,7 @@ def evaluate(pair: Path, grid: list[dict[str, Any]], prompts: list[list[int]], m
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"# Routing quality against cost ({report['pair']})", "", f"```\n{report['command']}\n```", "",
-             f"- date: {report['date']}", f"- machine: {report['machine']}",
+             f"- date: {report['date']}", f"- machine: {report['machine']}", f"- held-out files: {report['held_out']}",
              f"- prompts: {report['prompts']} held-out windows of {report['prompt_len']} tokens, "
              f"{report['max_tokens']} output tokens each, greedy", "",
              "| policy | settings | large share | large log-lik / token | agreement with large | prefix match |",
@@ -159,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policy", action="append", type=json.loads, default=None,
                    help='a policy mapping as JSON (repeatable), e.g. \'{"name": "random", "p": 0.2}\'; '
-                        "default: a grid over always / random / r2r / collm / citer / rstitch")
+                        "default: always / random / rstitch, and r2r when the pair has a trained router")
     p.add_argument("--out", required=True, help="output folder")
     args = p.parse_args(argv)
     pair = Path(args.pair)
@@ -169,16 +177,25 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("prompts", "prompt_len", "max_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    grid = args.policy or DEFAULT_GRID
+    grid = args.policy or default_grid(pair)
     if any(not isinstance(g, dict) or "name" not in g for g in grid):
         p.error("--policy must be a JSON mapping with a 'name'")
-    tokenizer = AutoTokenizer.from_pretrained(pair / "small")
-    prompts = held_out_prompts(tokenizer, args.prompts, args.prompt_len, args.seed)
-    rows = evaluate(pair, grid, prompts, args.max_tokens)
-    report = {"pair": str(pair), "command": command_line(), "date": now_iso(), "machine": machine_line(machine_info()),
-              "prompts": len(prompts), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "rows": rows}
+    for g in grid:  # before any model runs: a bad setting must not cost the reference run first
+        try:
+            make_policy(g["name"], ["small", "large"], "small", {k: v for k, v in g.items() if k != "name"})
+        except (ValueError, KeyError) as e:
+            p.error(f"--policy {json.dumps(g)}: {e}")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {out}: {e.strerror or e}")
+    tokenizer = AutoTokenizer.from_pretrained(pair / "small")
+    prompts = held_out_prompts(tokenizer, pair, args.prompts, args.prompt_len, args.seed)
+    rows = evaluate(pair, grid, prompts, args.max_tokens)
+    report = {"pair": str(pair), "held_out": pair_split(pair)[2], "command": command_line(), "date": now_iso(),
+              "machine": machine_line(machine_info()),
+              "prompts": len(prompts), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "rows": rows}
     (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "results.md").write_text(markdown(report))
     drawn = plot(rows, out / "quality_vs_share.png")

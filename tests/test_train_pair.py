@@ -57,3 +57,20 @@ def test_the_pair_serves_routed_and_matches_transformers(pair: Path) -> None:
         assert len(out.token_ids) == 24 and out.stats["tokens_per_model"].get("large", 0) > 0
     finally:
         routed.shutdown()
+
+
+def test_the_held_out_files_travel_with_the_pair(pair: Path) -> None:
+    """Tools that use the pair read its own held-out list (by path and hash), not their machine's split: a
+    file listed there is never a training file, and one that changed is used for neither."""
+    from tokenrouter.tools.train_pair import HELD_OUT_FILE, pair_split
+
+    listed = json.loads((pair / HELD_OUT_FILE).read_text())["files"]
+    train, held, note = pair_split(pair)
+    assert {f.name for f in held} and len(held) == len(listed), note
+    assert not {f.as_posix() for f in train} & {f.as_posix() for f in held}
+    changed = dict(listed[0], sha256="0" * 64)
+    (pair / "altered").mkdir(exist_ok=True)
+    (pair / "altered" / HELD_OUT_FILE).write_text(json.dumps({"files": [changed, *listed[1:]]}))
+    train2, held2, note2 = pair_split(pair / "altered")
+    assert len(held2) == len(listed) - 1 and "1 left out" in note2
+    assert all(not f.as_posix().endswith(listed[0]["path"]) for f in train2)

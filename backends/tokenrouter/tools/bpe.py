@@ -43,9 +43,10 @@ def read_sources(files: list[pathlib.Path], max_bytes: int | None = None) -> Ite
             return
 
 
-def train_bpe_tokenizer(out: pathlib.Path, vocab_size: int, corpus_bytes: int) -> PreTrainedTokenizerFast:
-    """Train on the first `corpus_bytes` of the stdlib sources and save to `out` (a Hugging Face tokenizer
-    directory that transformers 4 and 5 both load)."""
+def train_bpe_tokenizer(out: pathlib.Path, vocab_size: int, corpus_bytes: int,
+                        files: list[pathlib.Path] | None = None) -> PreTrainedTokenizerFast:
+    """Train on the first `corpus_bytes` of `files` (default: all stdlib sources) and save to `out` (a Hugging
+    Face tokenizer directory that transformers 4 and 5 both load)."""
     tok = Tokenizer(models.BPE())
     # No normalizer and no prefix space: bytes in, same bytes out, so decode(encode(s)) == s.
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -57,7 +58,7 @@ def train_bpe_tokenizer(out: pathlib.Path, vocab_size: int, corpus_bytes: int) -
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(read_sources(stdlib_sources(), corpus_bytes), trainer=trainer)
+    tok.train_from_iterator(read_sources(stdlib_sources() if files is None else files, corpus_bytes), trainer=trainer)
 
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok,

@@ -8,8 +8,10 @@ show anything (the large model must be clearly better than the small one).
     python -m tokenrouter.tools.train_pair --out /tmp/pair --shapes smoke --steps 20 --device cpu
 
 Data: every stdlib .py file, one document each, `<|endoftext|>` between them; every HELD_OUT_EVERY-th file
-(in path order) is held out, so held-out loss is measured on files neither model saw. Tokenizer: the
-project's byte-level BPE (tools/bpe.py) at --vocab-size, trained on the training files' first bytes.
+(in path order) is held out, so held-out loss is measured on files neither model (nor the tokenizer) saw;
+OUT/held_out.json lists them by path and hash, and the tools that use the pair on another machine
+(train_router.py, perf/routing_quality.py) read that list (`pair_split`). Tokenizer: the project's
+byte-level BPE (tools/bpe.py) at --vocab-size, trained on the training files' first bytes.
 Training: next-token cross-entropy on random windows of --seq-len tokens, AdamW, linear warm-up then cosine
 decay, bf16 autocast on CUDA. Writes OUT/small, OUT/large (config.json, model.safetensors in bf16,
 generation_config.json, the tokenizer files), OUT/tokenizer and OUT/TRAINING.json (shapes, parameter counts,
@@ -19,11 +21,13 @@ tokens seen, seconds, held-out loss of each model before and after training).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import pathlib
 import shutil
 import sys
+import sysconfig
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -65,10 +69,44 @@ SHAPES: dict[str, dict[str, Shape]] = {
 }
 
 
+HELD_OUT_FILE = "held_out.json"
+
+
 def split_files(files: list[pathlib.Path]) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
     train = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY]
     held = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY == 0]
     return train, held
+
+
+def _digest(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_held_out(out: pathlib.Path, held: list[pathlib.Path]) -> None:
+    """The held-out files by path relative to the stdlib and content hash: another machine's Python has
+    other files at other positions, so tools run there must use this list, not their own split."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = [{"path": f.relative_to(root).as_posix(), "sha256": _digest(f)} for f in held]
+    (out / HELD_OUT_FILE).write_text(json.dumps({"python": sys.version.split()[0], "files": files}, indent=1) + "\n")
+
+
+def pair_split(pair: pathlib.Path) -> tuple[list[pathlib.Path], list[pathlib.Path], str]:
+    """(training files, held-out files, how they were chosen) for a pair: the held-out list it was trained
+    with when it has one (files missing or changed on this machine are left out of both), else this
+    machine's own split (models without one, e.g. the tiny test models)."""
+    files = stdlib_sources()
+    listed = pair / HELD_OUT_FILE
+    if not listed.is_file():
+        train, held = split_files(files)
+        return train, held, f"this machine's split (every {HELD_OUT_EVERY}th stdlib file; no {HELD_OUT_FILE})"
+    data = json.loads(listed.read_text())
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    wanted = {e["path"]: e["sha256"] for e in data["files"]}
+    held = [root / p for p, h in wanted.items() if (root / p).is_file() and _digest(root / p) == h]
+    train = [f for f in files if f.relative_to(root).as_posix() not in wanted]
+    missing = len(wanted) - len(held)
+    note = f"the pair's {HELD_OUT_FILE}: {len(held)} of {len(wanted)} files present and unchanged here"
+    return train, held, note + (f" ({missing} left out)" if missing else "")
 
 
 def encode(tokenizer: PreTrainedTokenizerFast, files: list[pathlib.Path], max_bytes: int | None) -> torch.Tensor:
@@ -93,9 +131,10 @@ def model_config(shape: Shape, tokenizer: PreTrainedTokenizerFast, max_len: int)
 
 
 def windows(data: torch.Tensor, seq_len: int, batch: int, gen: torch.Generator) -> torch.Tensor:
-    """`batch` random windows of seq_len + 1 tokens (inputs and their next tokens)."""
-    starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=gen)
-    return torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()]).long()
+    """`batch` random windows of seq_len + 1 tokens (inputs and their next tokens), gathered on `data`'s
+    device (the training tokens live there: no host copy per step)."""
+    starts = torch.randint(0, len(data) - seq_len - 1, (batch, 1), generator=gen).to(data.device)
+    return data[starts + torch.arange(seq_len + 1, device=data.device)].long()
 
 
 @torch.no_grad()
@@ -141,7 +180,7 @@ def train(model: Qwen3ForCausalLM, data: torch.Tensor, steps: int, lr: float, se
         scale = (step + 1) / warm if step < warm else 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
         for g in opt.param_groups:
             g["lr"] = lr * scale
-        x = windows(data, seq_len, batch, gen).to(device, non_blocking=True)
+        x = windows(data, seq_len, batch, gen)
         with _autocast(device):
             logits = model(x[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
@@ -185,15 +224,22 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     out = pathlib.Path(args.out)
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        p.error(f"--device {args.device!r}: {e}")
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here (use --device cpu)")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {out}: {e.strerror or e}")
 
     t0 = time.perf_counter()
     train_files, held_files = split_files(stdlib_sources())
-    tokenizer = train_bpe_tokenizer(out / "tokenizer", args.vocab_size, TOKENIZER_CORPUS_BYTES)
-    train_data = encode(tokenizer, train_files, args.max_train_bytes)
+    write_held_out(out, held_files)
+    tokenizer = train_bpe_tokenizer(out / "tokenizer", args.vocab_size, TOKENIZER_CORPUS_BYTES, train_files)
+    train_data = encode(tokenizer, train_files, args.max_train_bytes).to(device)
     held_data = encode(tokenizer, held_files, None)
     print(f"tokenizer {len(tokenizer)} ids; {len(train_data):,} training and {len(held_data):,} held-out tokens "
           f"({len(train_files)} / {len(held_files)} files), {time.perf_counter() - t0:.0f} s", flush=True)

@@ -33,14 +33,14 @@ from safetensors.torch import save_file
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from tokenrouter.routing.policies.r2r import R2RRouter
-from tokenrouter.tools.bpe import read_sources, stdlib_sources
-from tokenrouter.tools.train_pair import split_files
+from tokenrouter.tools.bpe import read_sources
+from tokenrouter.tools.train_pair import pair_split
 
 TOP_K = 100  # R2R's top-k logits (the policy's default `top_k_logits`), clamped to the vocabulary
 
 
-def training_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list[int]]:
-    train, _ = split_files(stdlib_sources())
+def training_prompts(tokenizer: Any, pair: Path, n: int, length: int, seed: int) -> list[list[int]]:
+    train, _, _ = pair_split(pair)
     tokenizer.model_max_length = sys.maxsize  # whole files are tokenized, then cut into windows
     rng = random.Random(seed)
     files = rng.sample(train, min(len(train), 4 * n))
@@ -58,7 +58,7 @@ def training_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[lis
 
 @torch.no_grad()
 def greedy(model: Qwen3ForCausalLM, ids: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+    out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                          eos_token_id=None, pad_token_id=0)
     return out[0, len(ids):].tolist()
 
@@ -68,12 +68,12 @@ def label_prompt(small: Qwen3ForCausalLM, large: Qwen3ForCausalLM, tokenizer: An
                  gen_len: int, lookahead: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """Features (hidden, top-k logits, token embedding) and labels of one prompt's small continuation."""
     cont = greedy(small, prompt, gen_len)
-    seq = torch.tensor([prompt + cont])
+    seq = torch.tensor([prompt + cont], device=small.device)
     out = small(seq, output_hidden_states=True)
     pos = slice(len(prompt) - 1, len(prompt) - 1 + len(cont))  # positions that predicted each output token
     hidden = out.hidden_states[-1][0, pos].float()
     top = torch.topk(out.logits[0, pos].float(), k, dim=-1, sorted=True).values
-    tokens = torch.tensor(cont)
+    tokens = torch.tensor(cont, device=small.device)
     emb = small.get_input_embeddings()(tokens).float()
     large_choice = large(seq).logits[0, pos].argmax(-1).tolist()
     labels = []
@@ -86,7 +86,7 @@ def label_prompt(small: Qwen3ForCausalLM, large: Qwen3ForCausalLM, tokenizer: An
         b = tokenizer.decode([l_tok] + greedy(large, prefix + [l_tok], lookahead))
         n = min(len(a), len(b))
         labels.append(int(a[:n] != b[:n]))
-    return hidden, top, emb, labels
+    return hidden.cpu(), top.cpu(), emb.cpu(), labels
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float | None:
@@ -111,25 +111,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the pair runs to label (the router trains on the CPU)")
     args = p.parse_args(argv)
     pair, out = Path(args.pair), Path(args.out)
+    for m in ("small", "large"):
+        if not (pair / m / "config.json").is_file():
+            p.error(f"--pair {pair}: no {m}/config.json (a folder with small/ and large/ model directories)")
     if out.suffix != ".safetensors":
         p.error("--out must end in .safetensors")
+    try:  # before minutes of labelling: a place that cannot be written fails now
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".write-test").write_text("")
+        out.with_suffix(".write-test").unlink()
+    except OSError as e:
+        p.error(f"--out {out}: {e.strerror or e}")
     for name in ("prompts", "prompt_len", "gen_len", "lookahead", "hidden_dim", "epochs"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(pair / "small")
-    small = Qwen3ForCausalLM.from_pretrained(pair / "small", dtype=torch.float32).eval()
-    large = Qwen3ForCausalLM.from_pretrained(pair / "large", dtype=torch.float32).eval()
+    small = Qwen3ForCausalLM.from_pretrained(pair / "small", dtype=torch.float32).to(args.device).eval()
+    large = Qwen3ForCausalLM.from_pretrained(pair / "large", dtype=torch.float32).to(args.device).eval()
     k = min(TOP_K, small.config.vocab_size)
 
     feats: list[tuple[torch.Tensor, ...]] = []
     labels: list[int] = []
-    for i, prompt in enumerate(training_prompts(tokenizer, args.prompts, args.prompt_len, args.seed)):
+    owner: list[int] = []  # the prompt of each token: validation is split by prompt, not by token
+    for i, prompt in enumerate(training_prompts(tokenizer, pair, args.prompts, args.prompt_len, args.seed)):
         h, top, emb, lab = label_prompt(small, large, tokenizer, prompt, args.gen_len, args.lookahead, k)
         feats.append((h, top, emb))
         labels += lab
+        owner += [i] * len(lab)
         if (i + 1) % 32 == 0:
             print(f"labelled {i + 1} prompts: {sum(labels)} of {len(labels)} tokens diverge", flush=True)
     h, top, emb = (torch.cat([f[j] for f in feats]) for j in range(3))
@@ -139,8 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: all {n} labels are {int(y[0])}: nothing to learn (the models agree everywhere, or nowhere: "
               "random weights diverge on every token)", file=sys.stderr)
         return 2
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed))
-    val, train = perm[: max(1, n // 10)], perm[max(1, n // 10):]
+    # A tenth of the prompts (at least one) validate; their neighbouring tokens never train.
+    prompts_perm = torch.randperm(len(feats), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    val_prompts = set(prompts_perm[: max(1, len(feats) // 10)])
+    is_val = torch.tensor([o in val_prompts for o in owner])
+    val, train = is_val.nonzero().flatten(), (~is_val).nonzero().flatten()
 
     net = R2RRouter(small.config.hidden_size, k, args.hidden_dim)
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.01)
