@@ -104,33 +104,41 @@ def results_path(value: str | os.PathLike, suffix: str) -> Path:
 
 
 @contextmanager
-def serving(config: str, work: Path, execution_env: Path | None = None) -> Iterator[Any]:
-    """Start tritonserver on a repository written for `config` (free ports), yield it, stop it. The
-    server's `grpc_url` and `metrics_url` say where it answers. The stubs run `execution_env` (a venv, e.g.
-    `tokenrouter stub-env`'s), by default this interpreter's venv."""
-    from tokenrouter.serving import triton_install
-    from tokenrouter.serving.repository import write_repository
-    from tokenrouter.serving.server import TritonServer, ensure_models, free_ports
+def running_server(repo: Path, log: Path, what: str) -> Iterator[Any]:
+    """tritonserver on the model repository `repo` (free ports), ready, then stopped; when it fails to start,
+    the end of its log is printed (the log often lives in a temporary folder that is about to go)."""
+    from tokenrouter.serving.server import TritonServer, free_ports
 
-    config_path = Path(config).resolve()
-    ensure_models(config_path)
-    env = execution_env or triton_install.execution_env()
-    repo = write_repository(config_path, work / "model_repository", execution_env=env)
     http, grpc, metrics = free_ports(3)
-    log = work / "tritonserver.log"
-    print(f"starting tritonserver for {config} (gRPC :{grpc}); log: {log}", flush=True)
+    print(f"starting tritonserver for {what} (gRPC :{grpc}); log: {log}", flush=True)
     server = TritonServer(repo, http, grpc, metrics, log_file=log)
     server.start()
     try:
         try:
             server.wait_ready(timeout=600)
         except (RuntimeError, TimeoutError):
-            # The log lives in a temporary folder that is about to go: show its end now.
             print(log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)", file=sys.stderr)
             raise
         yield server
     finally:
         server.stop()
+
+
+@contextmanager
+def serving(config: str, work: Path, execution_env: Path | None = None) -> Iterator[Any]:
+    """Start tritonserver on a repository written for `config` (free ports), yield it, stop it. The
+    server's `grpc_url` and `metrics_url` say where it answers. The stubs run `execution_env` (a venv, e.g.
+    `tokenrouter stub-env`'s), by default this interpreter's venv."""
+    from tokenrouter.serving import triton_install
+    from tokenrouter.serving.repository import write_repository
+    from tokenrouter.serving.server import ensure_models
+
+    config_path = Path(config).resolve()
+    ensure_models(config_path)
+    env = execution_env or triton_install.execution_env()
+    repo = write_repository(config_path, work / "model_repository", execution_env=env)
+    with running_server(repo, work / "tritonserver.log", config) as server:
+        yield server
 
 
 def check_server(url: str, model: str) -> None:

@@ -129,8 +129,10 @@ def serving_std(
     for the routed deployment at `config_path`, on free ports; its `grpc_url` says where it answers. Models
     that share a GPU get CUDA MPS, as `tokenrouter serve` gives the routed deployment. The stubs run
     `execution_env` (a venv; default: this interpreter's)."""
+    from _common import running_server
+
     from tokenrouter.serving import mps
-    from tokenrouter.serving.server import TritonServer, ensure_models, free_ports
+    from tokenrouter.serving.server import ensure_models
 
     config_path = Path(config_path).resolve()
     ensure_models(config_path)
@@ -138,23 +140,13 @@ def serving_std(
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     repo = write_std_repository(config_path, work / "std_repository", execution_env)
-    http, grpc, metrics = free_ports(3)
-    log = work / "tritonserver_std.log"
-    server = TritonServer(repo, http, grpc, metrics, log_file=log)
     started_mps = False
     if mps.shared_gpus(cfg) and not mps.running():
         mps.start()
         started_mps = True
     try:
-        server.start()
-        try:
-            server.wait_ready(timeout=600)
-        except (RuntimeError, TimeoutError):
-            # The log often lives in a temporary folder that is about to go: show its end now.
-            print(log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)", file=sys.stderr)
-            raise
-        yield server
+        with running_server(repo, work / "tritonserver_std.log", f"Std. Serving of {config_path.name}") as server:
+            yield server
     finally:
-        server.stop()
         if started_mps and not mps.stop():
             print("warning: the CUDA MPS daemon did not quit within 30 s", file=sys.stderr)
