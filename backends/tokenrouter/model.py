@@ -3,6 +3,7 @@
 `1/model.json` next to each model's config.pbtxt names the deployment YAML and the role:
   {"role": "router", "config": "<yaml>"}                   the `tokenrouter` entry model
   {"role": "subserver", "config": "<yaml>", "model": "small"}  one model's decoding loop
+  {"role": "peer", "config": "<yaml>", "model": "large"}       `peer_large`: that model for a remote router
 Everything below `initialize` lives in tokenrouter.serving and is testable without Triton.
 """
 
@@ -21,8 +22,8 @@ def _settings(args: dict) -> dict:
     path = os.path.join(folder, "model.json")
     with open(path) as f:
         settings = json.load(f)
-    if settings.get("role") not in ("router", "subserver"):
-        raise ValueError(f"{path}: 'role' must be 'router' or 'subserver', got {settings.get('role')!r}")
+    if settings.get("role") not in ("router", "subserver", "peer"):
+        raise ValueError(f"{path}: 'role' must be 'router', 'subserver' or 'peer', got {settings.get('role')!r}")
     config = settings.get("config")
     if not config:
         raise ValueError(f"{path}: 'config' (the deployment YAML) is required")
@@ -44,6 +45,10 @@ class TritonPythonModel:
             from tokenrouter.serving.router_model import RouterModel
 
             self.impl = RouterModel(args, settings, pb_utils)
+        elif settings["role"] == "peer":
+            from tokenrouter.serving.peer_model import PeerModel
+
+            self.impl = PeerModel(args, settings, pb_utils)
         else:
             from tokenrouter.serving.subserver_model import SubserverModel
 

@@ -16,6 +16,12 @@ from tokenrouter.config import load_config
 from tokenrouter.serving.tensors import ROLE_PARAMETER
 
 ROUTER = "tokenrouter"
+PEER_PREFIX = "peer_"
+
+
+def peer_name(model: str) -> str:
+    """The Triton model through which a router on another server reaches `model` (serving/peer_model.py)."""
+    return PEER_PREFIX + model
 
 
 def _pbtxt(kind: str, gpu: int | None, env: str | None, role: str) -> str:
@@ -40,10 +46,13 @@ def _write(folder: Path, pbtxt: str, settings: dict) -> None:
 
 
 def write_repository(
-    config_path: str | os.PathLike, out: str | os.PathLike, execution_env: str | os.PathLike | None = None
+    config_path: str | os.PathLike, out: str | os.PathLike, execution_env: str | os.PathLike | None = None,
+    peer: bool = False,
 ) -> Path:
     """Write (or refresh) the repository for the deployment YAML at `config_path` under `out`; with
-    `execution_env` (a Python environment folder with bin/activate) every model's stub runs that Python."""
+    `execution_env` (a Python environment folder with bin/activate) every model's stub runs that Python.
+    `peer`: this server offers its models to a router on another server: no router here, and a gateway
+    `peer_<model>` beside each subserver."""
     config_path = Path(config_path).resolve()
     cfg = load_config(config_path)
     if ROUTER in cfg.models:
@@ -60,19 +69,26 @@ def write_repository(
         return "$$TRITON_MODEL_DIRECTORY/" + os.path.relpath(Path(execution_env).resolve(), folder.resolve())
 
     router = out / ROUTER
-    (router / "1").mkdir(parents=True, exist_ok=True)
-    _write(router, _pbtxt("KIND_CPU", None, env(router), "router"), {"role": "router", "config": rel(router)})
+    if not peer:
+        (router / "1").mkdir(parents=True, exist_ok=True)
+        _write(router, _pbtxt("KIND_CPU", None, env(router), "router"), {"role": "router", "config": rel(router)})
     for name, m in cfg.models.items():
         folder = out / name
         (folder / "1").mkdir(parents=True, exist_ok=True)
         kind = "KIND_GPU" if m.gpu is not None else "KIND_CPU"
         settings = {"role": "subserver", "config": rel(folder), "model": name}
         _write(folder, _pbtxt(kind, m.gpu, env(folder), "subserver"), settings)
+        if peer:
+            gate = out / peer_name(name)
+            (gate / "1").mkdir(parents=True, exist_ok=True)
+            gate_settings = {"role": "peer", "config": rel(gate), "model": name}
+            _write(gate, _pbtxt("KIND_CPU", None, env(gate), "peer"), gate_settings)
     # Models of an earlier deployment in the same folder would be loaded too: remove ours that are stale.
+    keep = set(cfg.models) | ({peer_name(m) for m in cfg.models} if peer else {ROUTER})
     for stale in out.iterdir():
-        if stale.is_dir() and stale.name not in cfg.models and stale.name != ROUTER:
+        if stale.is_dir() and stale.name not in keep:
             settings = stale / "1" / "model.json"
-            if settings.is_file() and json.loads(settings.read_text()).get("role") == "subserver":
+            if settings.is_file() and json.loads(settings.read_text()).get("role") in ("subserver", "peer", "router"):
                 for f in sorted(stale.rglob("*"), reverse=True):
                     f.unlink() if f.is_file() else f.rmdir()
                 stale.rmdir()

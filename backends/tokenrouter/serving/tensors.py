@@ -31,30 +31,39 @@ OUTPUTS: list[dict[str, Any]] = [
 # Python backend restarts a dead stub of a (non-decoupled) model when it next gets a request.
 SUBSERVER_INPUTS: list[dict[str, Any]] = [{"name": "tokenrouter_probe", "data_type": "TYPE_BOOL", "dims": [1]}]
 SUBSERVER_OUTPUTS: list[dict[str, Any]] = [{"name": "tokenrouter_ready", "data_type": "TYPE_BOOL", "dims": [1]}]
+# A peer gateway (serving/peer_model.py) offers a subserver to a router on another server: a connection's
+# request streams its events back (decoupled); message batches come in further requests.
+PEER_INPUTS: list[dict[str, Any]] = [
+    {"name": "tokenrouter_connection", "data_type": "TYPE_STRING", "dims": [1]},
+    {"name": "tokenrouter_messages", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+]
+PEER_OUTPUTS: list[dict[str, Any]] = [{"name": "tokenrouter_events", "data_type": "TYPE_STRING", "dims": [1]}]
 # config.pbtxt parameter that tells `auto_complete` which interface a model gets (written by repository.py).
 ROLE_PARAMETER = "tokenrouter_role"
 
 
 def role_of(config: dict[str, Any]) -> str:
-    """`router` or `subserver`, from a model config's parameters (no parameter: the router)."""
+    """`router`, `subserver` or `peer`, from a model config's parameters (no parameter: the router)."""
     return config.get("parameters", {}).get(ROLE_PARAMETER, {}).get("string_value", "router")
 
 
 def auto_complete(config: Any) -> Any:
     """Declare the tensors and the transaction policy, so config.pbtxt needs only backend and instances: the
-    router streams (decoupled); a subserver answers its probe with one response."""
+    router and a peer gateway stream (decoupled); a subserver answers its probe with one response."""
     as_dict = config.as_dict()
-    subserver = role_of(as_dict) == "subserver"
+    role = role_of(as_dict)
+    inputs, outputs = {"subserver": (SUBSERVER_INPUTS, SUBSERVER_OUTPUTS), "peer": (PEER_INPUTS, PEER_OUTPUTS)}.get(
+        role, (INPUTS, OUTPUTS))
     declared_in = {i["name"] for i in as_dict.get("input", [])}
     declared_out = {o["name"] for o in as_dict.get("output", [])}
-    for spec in SUBSERVER_INPUTS if subserver else INPUTS:
+    for spec in inputs:
         if spec["name"] not in declared_in:
             config.add_input(spec)
-    for spec in SUBSERVER_OUTPUTS if subserver else OUTPUTS:
+    for spec in outputs:
         if spec["name"] not in declared_out:
             config.add_output(spec)
     config.set_max_batch_size(0)
-    config.set_model_transaction_policy({"decoupled": not subserver})
+    config.set_model_transaction_policy({"decoupled": role != "subserver"})
     return config
 
 

@@ -1,0 +1,129 @@
+"""The peer gateway `peer_<model>`: offers a subserver of this server to a router on another server, over
+Triton gRPC streaming (the first half of a two-node deployment; the router's side is not built yet).
+
+A router opens a connection with one request that carries only `tokenrouter_connection` (an id it chose):
+the gateway connects a local socket to the subserver for it (transport/ipc.py, as a local router would)
+and streams every batch of the subserver's events back as responses to that request, for as long as the
+connection lives. Each later request carries a batch of messages (`tokenrouter_messages`, transport/codec.py
+JSON) for a connection and is answered at once with an empty final response (or an error for that request
+alone). When the router's stream goes away (Triton cancels the request), the gateway closes the socket and
+the subserver releases every request that connection brought, as for a local router that died.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+
+from tokenrouter.transport import codec, ipc
+
+log = logging.getLogger(__name__)
+
+CANCEL_CHECK_S = 0.5  # how often open connections are checked for a router that went away
+
+
+class _Connection:
+    def __init__(self, link: ipc.ModelLink, sender: Any) -> None:
+        self.link, self.sender = link, sender
+
+
+class PeerModel:
+    def __init__(self, args: dict[str, Any], settings: dict[str, Any], pb_utils: Any) -> None:
+        self.pb = pb_utils
+        self.model = settings["model"]
+        self._conns: dict[str, _Connection] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch_cancellations, name=f"tr-peer-{self.model}", daemon=True).start()
+
+    # -- Triton entry points ------------------------------------------------------------------------------
+
+    def execute(self, requests: list[Any]) -> None:
+        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                conn = self._string(request, "tokenrouter_connection")
+                if not conn:
+                    raise ValueError("tokenrouter_connection must be a non-empty string")
+                body = self._string(request, "tokenrouter_messages")
+                if body is None:
+                    self._open(conn, sender)  # stays open: the connection's events stream back on it
+                    continue
+                with self._lock:
+                    c = self._conns.get(conn)
+                if c is None:
+                    raise ValueError(f"no open connection {conn!r} to model {self.model!r}: open it first")
+                c.link.send(codec.decode(body))
+                sender.send(flags=final)
+            except Exception as e:  # this request alone fails; the connection and the model carry on
+                log.warning("peer %s: refused a request: %s", self.model, e)
+                sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(str(e))), flags=final)
+        return None
+
+    def finalize(self) -> None:
+        self._stop.set()
+        with self._lock:
+            conns, self._conns = list(self._conns.values()), {}
+        for c in conns:
+            c.link.close()
+            self._end(c.sender, "the peer server is shutting down")
+
+    # -- connections --------------------------------------------------------------------------------------
+
+    def _string(self, request: Any, name: str) -> str | None:
+        tensor = self.pb.get_input_tensor_by_name(request, name)
+        if tensor is None:
+            return None
+        value = tensor.as_numpy().reshape(-1)[0]
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+    def _open(self, conn: str, sender: Any) -> None:
+        with self._lock:
+            if conn in self._conns:
+                raise ValueError(f"connection {conn!r} is already open")
+        link = ipc.ModelLink(self.model, lambda items: self._relay(conn, items), lambda: self._lost(conn))
+        link.connect()  # ConnectionError: the local subserver is not up
+        with self._lock:
+            self._conns[conn] = _Connection(link, sender)
+
+    def _relay(self, conn: str, items: list[Any]) -> None:
+        """A batch of the subserver's events for `conn` (the link's reader thread): one response."""
+        with self._lock:
+            c = self._conns.get(conn)
+        if c is None:
+            return
+        payload = np.array([codec.encode(items).encode("utf-8")], dtype=np.object_)
+        try:
+            c.sender.send(self.pb.InferenceResponse(output_tensors=[self.pb.Tensor("tokenrouter_events", payload)]))
+        except Exception:  # the router's stream is gone: the watcher closes the connection
+            log.warning("peer %s: could not send events on connection %s", self.model, conn)
+
+    def _lost(self, conn: str) -> None:
+        """The local subserver's socket closed (its process died): the connection ends with an error."""
+        with self._lock:
+            c = self._conns.pop(conn, None)
+        if c is not None:
+            self._end(c.sender, f"model {self.model!r} went away on the peer server")
+
+    def _end(self, sender: Any, error: str) -> None:
+        try:
+            sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(error)),
+                        flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:
+            pass  # already cancelled or closed
+
+    def _watch_cancellations(self) -> None:
+        """A router that went away cancels its connection's request: close the socket, so the subserver
+        releases what that router brought."""
+        while not self._stop.wait(CANCEL_CHECK_S):
+            with self._lock:
+                gone = [k for k, c in self._conns.items() if c.sender.is_cancelled()]
+                closed = [self._conns.pop(k) for k in gone]
+            for k, c in zip(gone, closed):
+                log.warning("peer %s: connection %s went away; releasing its requests", self.model, k)
+                c.link.close()
+                self._end(c.sender, "cancelled")

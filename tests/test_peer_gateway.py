@@ -1,0 +1,150 @@
+"""The peer gateway (serving/peer_model.py) on a real tritonserver: a model served in peer mode answers a
+remote router's messages over Triton gRPC streaming with the same events a local router gets over its
+socket; its greedy tokens equal the in-process engine's; a bad message fails that request alone; and a
+router that goes away (its stream closed) has its requests released on the peer, KV and all."""
+
+from __future__ import annotations
+
+import queue
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from tokenrouter import Engine, SamplingParams
+from tokenrouter.serving import triton_install
+from tokenrouter.serving.repository import peer_name, write_repository
+from tokenrouter.serving.server import TritonServer, free_ports
+from tokenrouter.transport import codec
+from tokenrouter.transport.messages import Arrive, Commit, Release, Released
+from triton_harness import metrics
+
+PROMPT = [5, 9, 17, 33, 65, 129]
+GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def peer(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    work = tmp_path_factory.mktemp("peer")
+    cfg = {"models": {"large": {"path": str(tiny_dir / "large"), "kv_cache_tokens": 2048}}, "entry": "large"}
+    config = work / "peer.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    repo = write_repository(config, work / "repository", execution_env=triton_install.execution_env(), peer=True)
+    http, grpc, port_metrics = free_ports(3)
+    server = TritonServer(repo, http, grpc, port_metrics, log_file=work / "tritonserver.log")
+    server.start()
+    try:
+        server.wait_ready(timeout=240)
+        yield server, config
+    finally:
+        server.stop()
+
+
+class Router:
+    """A minimal remote router: one gRPC stream, one connection, messages in, events out."""
+
+    def __init__(self, url: str, conn: str) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self.grpc = grpcclient
+        self.conn = conn
+        self.events: queue.Queue = queue.Queue()
+        self.errors: queue.Queue = queue.Queue()
+        self.client = grpcclient.InferenceServerClient(url)
+        self.client.start_stream(callback=self._on_result)
+        self._request(None, "open")
+
+    def _on_result(self, result, error) -> None:
+        if error is not None:
+            self.errors.put(str(error))
+            return
+        out = result.as_numpy("tokenrouter_events")
+        if out is not None:
+            for ev in codec.decode(out.reshape(-1)[0]):
+                self.events.put(ev)
+
+    def _request(self, body: str | None, rid: str) -> None:
+        conn = self.grpc.InferInput("tokenrouter_connection", [1], "BYTES")
+        conn.set_data_from_numpy(np.array([self.conn.encode()], dtype=np.object_))
+        inputs = [conn]
+        if body is not None:
+            msgs = self.grpc.InferInput("tokenrouter_messages", [1], "BYTES")
+            msgs.set_data_from_numpy(np.array([body.encode()], dtype=np.object_))
+            inputs.append(msgs)
+        self.client.async_stream_infer(peer_name("large"), inputs, request_id=rid)
+
+    def send(self, messages: list, rid: str) -> None:
+        self._request(codec.encode(messages), rid)
+
+    def until_released(self, request_id: str, timeout: float = 60.0) -> list:
+        got, deadline = [], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                ev = self.events.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            got.append(ev)
+            if isinstance(ev, Released) and ev.request_id == request_id:
+                return got
+        errors = list(self.errors.queue)
+        raise AssertionError(f"no Released for {request_id} in {timeout} s; got {got}, errors {errors}")
+
+    def close(self) -> None:
+        self.client.stop_stream(cancel_requests=True)
+        self.client.close()
+
+
+def arrive(request_id: str, params: SamplingParams = GREEDY) -> Arrive:
+    return Arrive(request_id, list(PROMPT), True, len(PROMPT), params)
+
+
+@pytest.mark.slow
+def test_a_remote_router_gets_the_local_events_and_tokens(peer, tiny_dir: Path) -> None:
+    server, config = peer
+    router = Router(server.grpc_url, "router-a")
+    try:
+        router.send([arrive("q1")], "m1")
+        events = router.until_released("q1")
+    finally:
+        router.close()
+    tokens = [t for ev in events if isinstance(ev, Commit) for t in ev.token_ids]
+    assert [ev.finish_reason for ev in events if isinstance(ev, Commit)][-1] == "length"
+    with Engine.from_config(config) as engine:
+        expected = engine.generate(PROMPT, GREEDY)[0].token_ids
+    assert tokens == expected
+
+
+@pytest.mark.slow
+def test_bad_messages_fail_alone_and_a_router_that_goes_away_is_released(peer) -> None:
+    server, _ = peer
+    router = Router(server.grpc_url, "router-b")
+    try:
+        router._request("not json", "bad")
+        router.send([Release("nothing-here")], "harmless")
+        long = SamplingParams(max_new_tokens=400, ignore_eos=True, temperature=0.0)
+        router.send([arrive("q2", long)], "m2")
+        deadline = time.monotonic() + 30
+        while router.events.empty() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not router.events.empty(), "the request never started"
+        assert router.errors.get(timeout=10)  # the malformed request's own error
+    finally:
+        router.close()  # the router goes away mid-request
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = metrics(server)
+        held = m.get('tokenrouter_requests_held{model="large"}', 1)
+        if held == 0 and m.get('tokenrouter_kv_blocks_used{model="large"}', 1) == 0:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"the peer still holds the router's request: {metrics(server)}")
+    # And it keeps serving the next router.
+    again = Router(server.grpc_url, "router-c")
+    try:
+        again.send([arrive("q3")], "m3")
+        assert any(isinstance(ev, Commit) for ev in again.until_released("q3"))
+    finally:
+        again.close()
