@@ -44,6 +44,10 @@ class ModelConfig:
 
     name: str
     path: str
+    # Served by a peer Triton server (`tokenrouter serve --peer` there) at this gRPC address, host:port; the
+    # router reaches it over Triton gRPC streaming. `path` must still hold the model's config.json (the
+    # router reads its architecture); its weights load on the peer. Triton deployment only.
+    url: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
     load_format: Literal["auto", "dummy"] = "auto"
@@ -85,6 +89,9 @@ class ModelConfig:
     def validate(self) -> None:
         where = f"models.{self.name}"
         _check_fields(self, f"{where}.")
+        address = r"[\w.\-\[\]:]+:\d{1,5}"
+        if self.url is not None and not (isinstance(self.url, str) and re.fullmatch(address, self.url)):
+            raise ConfigError(f"{where}.url must be a peer server's gRPC address, host:port, got {self.url!r}")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"{where}.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not os.path.isdir(self.path):

@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 
 class Engine(Coordinator):
     def __init__(self, config: EngineConfig) -> None:
+        remote = [n for n, m in config.models.items() if m.url is not None]
+        if remote:
+            raise ValueError(f"models {remote} are served by peer servers (url): only the Triton deployment "
+                             "reaches those; the in-process Engine loads every model itself")
         tokenizer = load_tokenizer(config.tokenizer_path)
         vocab_size = shared_vocab_size(config)  # before any weights load: a mismatch fails at once
         self._threads: list[threading.Thread] = []

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from tokenrouter.transport import codec, ipc
+from tokenrouter.transport.grpc_link import CONNECTION_CLOSED
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class PeerModel:
 
     def _end(self, sender: Any, error: str) -> None:
         try:
-            sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(error)),
+            sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(CONNECTION_CLOSED + error)),
                         flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception:
             pass  # already cancelled or closed

@@ -14,14 +14,9 @@ from pathlib import Path
 
 from tokenrouter.config import load_config
 from tokenrouter.serving.tensors import ROLE_PARAMETER
+from tokenrouter.transport.grpc_link import peer_model_name
 
 ROUTER = "tokenrouter"
-PEER_PREFIX = "peer_"
-
-
-def peer_name(model: str) -> str:
-    """The Triton model through which a router on another server reaches `model` (serving/peer_model.py)."""
-    return PEER_PREFIX + model
 
 
 def _pbtxt(kind: str, gpu: int | None, env: str | None, role: str) -> str:
@@ -51,12 +46,16 @@ def write_repository(
 ) -> Path:
     """Write (or refresh) the repository for the deployment YAML at `config_path` under `out`; with
     `execution_env` (a Python environment folder with bin/activate) every model's stub runs that Python.
-    `peer`: this server offers its models to a router on another server: no router here, and a gateway
-    `peer_<model>` beside each subserver."""
+    `peer`: this server is the peer that the deployment's models with a `url:` name: it serves those models
+    (with the whole deployment's policy and model list, as the router's server would) and a gateway
+    `peer_<model>` beside each, and no router."""
     config_path = Path(config_path).resolve()
     cfg = load_config(config_path)
     if ROUTER in cfg.models:
         raise ValueError(f"a model may not be named {ROUTER!r}: that is the router's name")
+    served = [n for n, m in cfg.models.items() if (m.url is not None) == peer]
+    if peer and not served:
+        raise ValueError("no model names a url: a peer serves the deployment's models that do")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -73,18 +72,20 @@ def write_repository(
         (router / "1").mkdir(parents=True, exist_ok=True)
         _write(router, _pbtxt("KIND_CPU", None, env(router), "router"), {"role": "router", "config": rel(router)})
     for name, m in cfg.models.items():
+        if name not in served:
+            continue  # a router's server leaves the peers' models to them; a peer serves only those
         folder = out / name
         (folder / "1").mkdir(parents=True, exist_ok=True)
         kind = "KIND_GPU" if m.gpu is not None else "KIND_CPU"
         settings = {"role": "subserver", "config": rel(folder), "model": name}
         _write(folder, _pbtxt(kind, m.gpu, env(folder), "subserver"), settings)
         if peer:
-            gate = out / peer_name(name)
+            gate = out / peer_model_name(name)
             (gate / "1").mkdir(parents=True, exist_ok=True)
             gate_settings = {"role": "peer", "config": rel(gate), "model": name}
             _write(gate, _pbtxt("KIND_CPU", None, env(gate), "peer"), gate_settings)
     # Models of an earlier deployment in the same folder would be loaded too: remove ours that are stale.
-    keep = set(cfg.models) | ({peer_name(m) for m in cfg.models} if peer else {ROUTER})
+    keep = set(served) | ({peer_model_name(m) for m in served} if peer else {ROUTER})
     for stale in out.iterdir():
         if stale.is_dir() and stale.name not in keep:
             settings = stale / "1" / "model.json"

@@ -68,7 +68,9 @@ class SocketCoordinator(Coordinator):
         self.down: dict[str, str] = {}
         self.on_model_down: Callable[[str], None] = lambda model: None
         self.step_stats: dict[str, StepStats] = {}
-        self.transport = SocketTransport(self.model_names, loop, self._on_event, self._handle_events, self._model_gone)
+        urls = {n: m.url for n, m in config.models.items() if m.url is not None}
+        self.transport = SocketTransport(self.model_names, urls, loop, self._on_event, self._handle_events,
+                                         self._model_gone)
         self._update_thresholds()
 
     # -- on the loop thread -----------------------------------------------------------------------------
@@ -88,12 +90,19 @@ class SocketCoordinator(Coordinator):
         ones until it is back, and have it revived."""
         held = [rid for rid, r in self.requests.items() if model in r.holders]
         log.error("model %r went away holding %d request(s); failing them", model, len(held))
-        error = f"model {model!r} went away during the request (its process exited, or the server is shutting down)"
+        error = (f"model {model!r} went away during the request (its process exited, or the server is shutting down)"
+                 if self.config.models[model].url is None else
+                 f"model {model!r} went away during the request (its peer server at {self.config.models[model].url} "
+                 "went away or cannot be reached)")
         for rid in held:
             self.transport.fail(model, rid, error)
         if model not in self.down:
+            where = self.config.models[model].url
             self.down[model] = (
                 f"model {model!r} is unavailable: its process exited and is being restarted; retry shortly"
+                if where is None else
+                f"model {model!r} is unavailable: its peer server at {where} went away or cannot be reached; "
+                "retry shortly"
             )
             self.on_model_down(model)
 
@@ -281,15 +290,18 @@ class RouterModel:
 
     def _revive(self, model: str) -> None:
         """Bring back a model whose process died: reload it through Triton's model-control API (Triton 2.51's
-        Python backend never restarts a dead stub itself), then reconnect its socket. Runs on its own thread:
+        Python backend never restarts a dead stub itself), then reconnect its socket; a model on a peer server
+        is only reconnected, with back-off, once that server answers again. Runs on its own thread:
         a reload loads the model's weights. Without explicit model control (`tokenrouter serve` enables it)
         the model stays down, and requests are refused with a message that says so."""
         link = self.coordinator.transport.links[model]
+        remote = self.config.models[model].url is not None  # its server is not ours to reload: reconnect
         delay = REVIVE_BACKOFF_S
         while not self.coordinator.transport.closing:
             try:
-                log.warning("model %r: reloading it", model)
-                self._reload(model)
+                if not remote:
+                    log.warning("model %r: reloading it", model)
+                    self._reload(model)
                 link.connect(timeout=REVIVE_CONNECT_S)
                 break
             except ConnectionError as e:

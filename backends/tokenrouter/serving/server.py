@@ -264,6 +264,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--execution-env", help="Python environment (a venv folder) for the model stubs; default: "
                    "this interpreter's venv (see `tokenrouter stub-env`)")
+    p.add_argument("--peer", action="store_true",
+                   help="serve the deployment's models to a router on another server (its YAML names this server "
+                        "under the models' `url:`), through gateways `peer_<model>`, with no router here")
     p.add_argument("--no-mps", action="store_true",
                    help="do not start CUDA MPS when models share a GPU (they then time-slice it)")
     p.add_argument("--admin-key", help=f"key for the restricted admin APIs (header {ADMIN_HEADER!r}; gRPC "
@@ -332,7 +335,7 @@ def serve_main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    repo = write_repository(config_path, args.model_repository, execution_env=env)
+    repo = write_repository(config_path, args.model_repository, execution_env=env, peer=args.peer)
     server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port, verbose=args.log_verbose,
                           admin_key=admin_key, restricted_apis=apis)
     key_file = None

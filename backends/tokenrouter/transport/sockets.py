@@ -1,5 +1,6 @@
 """The Triton deployment's transport: the router reaches each model's process over its local socket
-(transport/ipc.py's ModelLink) and hands what comes back to its event loop's thread.
+(transport/ipc.py's ModelLink), or a model on a peer server over Triton gRPC (transport/grpc_link.py), and
+hands what comes back to its event loop's thread.
 
 Thresholds travel with each Arrive (no extra message per change). A model that cannot be reached fails the
 message's request as the model would have (Failed, then Released); a link that closes under the router calls
@@ -16,6 +17,7 @@ from typing import Any
 
 from tokenrouter.transport import ipc
 from tokenrouter.transport.base import Message, OnEvent, Transport
+from tokenrouter.transport.grpc_link import GrpcLink
 from tokenrouter.transport.messages import Arrive, Failed, Released
 
 log = logging.getLogger(__name__)
@@ -25,12 +27,15 @@ class SocketTransport(Transport):
     def __init__(
         self,
         models: list[str],
+        urls: dict[str, str],
         loop: asyncio.AbstractEventLoop,
         on_event: OnEvent,
         on_items: Callable[[list[Any]], None],
         on_lost: Callable[[str], None],
     ) -> None:
-        """`on_items`: every batch a model sends (events and its step statistics), on the loop's thread;
+        """`urls`: the models served by peer servers (their gRPC addresses), reached through a GrpcLink; the
+        others through their local socket. `on_items`: every batch a model sends (events and its step
+        statistics), on the loop's thread;
         `on_event`: one event, for the failures this transport reports itself; `on_lost`: a model's link
         closed (not at `close`)."""
         self.loop = loop
@@ -39,8 +44,11 @@ class SocketTransport(Transport):
         self.on_lost = on_lost
         self.closing = False
         self.thresholds: dict[str, int] = {}
-        self.links = {m: ipc.ModelLink(m, functools.partial(self._items_from, m), functools.partial(self._lost, m))
-                      for m in models}
+        self.links: dict[str, ipc.ModelLink | GrpcLink] = {}
+        for m in models:
+            on_items, on_lost = functools.partial(self._items_from, m), functools.partial(self._lost, m)
+            remote = m in urls
+            self.links[m] = GrpcLink(m, urls[m], on_items, on_lost) if remote else ipc.ModelLink(m, on_items, on_lost)
 
     def deliver(self, model: str, msg: Message) -> None:
         if isinstance(msg, Arrive):

@@ -1,0 +1,161 @@
+"""The router's link to a model on another Triton server (a model with `url:` in the deployment YAML): one
+Triton gRPC stream to that server's peer gateway `peer_<model>` (serving/peer_model.py), with the interface
+of the local `ipc.ModelLink`, so transport/sockets.py treats local and remote models alike.
+
+The stream's first request opens a connection (its id is random per link); the gateway streams the model's
+events back as responses to it. Each `send` is one more request carrying a batch of messages (the codec's
+JSON). A stream that fails (the peer server died, or the network between them) calls `on_lost` once;
+sends then fail fast with a clear error until `connect` succeeds again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from tokenrouter.transport import codec
+from tokenrouter.transport.ipc import RETRY_AFTER_S
+
+log = logging.getLogger(__name__)
+
+OPEN_REQUEST = "open"
+# How the peer gateway's error for a connection's own request begins: the connection is over (a refused
+# message batch is an error of that request alone, without it).
+CONNECTION_CLOSED = "connection closed: "
+
+
+def peer_model_name(model: str) -> str:
+    """The gateway's Triton model name (serving/repository.py writes it)."""
+    return f"peer_{model}"
+
+
+class GrpcLink:
+    def __init__(self, model: str, url: str, on_events: Callable[[list[Any]], None], on_lost: Callable[[], None],
+                 connect_timeout: float = 10.0) -> None:
+        self.model, self.url = model, url
+        self._on_events, self._on_lost = on_events, on_lost
+        self.connect_timeout = connect_timeout
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._conn: str | None = None
+        self._ids = itertools.count()
+        self._ever_connected = False
+        self._down_until, self._down_error = 0.0, ""
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    def _open(self, timeout: float) -> tuple[Any, str]:
+        import tritonclient.grpc as grpcclient
+
+        client = grpcclient.InferenceServerClient(self.url)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if client.is_model_ready(peer_model_name(self.model), client_timeout=max(1.0, timeout)):
+                    break
+                problem = f"{peer_model_name(self.model)} is not ready there"
+            except Exception as e:  # tritonclient raises InferenceServerException for an unreachable server
+                problem = str(e).splitlines()[0]
+            if time.monotonic() >= deadline:
+                client.close()
+                raise ConnectionError(f"model {self.model!r} at {self.url} is not reachable: {problem}")
+            time.sleep(0.2)
+        conn = uuid.uuid4().hex
+        client.start_stream(callback=lambda result, error: self._on_result(conn, result, error))
+        self._request(client, conn, None, OPEN_REQUEST)
+        return client, conn
+
+    def _request(self, client: Any, conn: str, body: str | None, request_id: str) -> None:
+        import tritonclient.grpc as grpcclient
+
+        inputs = [grpcclient.InferInput("tokenrouter_connection", [1], "BYTES")]
+        inputs[0].set_data_from_numpy(np.array([conn.encode()], dtype=np.object_))
+        if body is not None:
+            inputs.append(grpcclient.InferInput("tokenrouter_messages", [1], "BYTES"))
+            inputs[1].set_data_from_numpy(np.array([body.encode()], dtype=np.object_))
+        client.async_stream_infer(peer_model_name(self.model), inputs, request_id=request_id)
+
+    def _on_result(self, conn: str, result: Any, error: Any) -> None:
+        """The stream's callback (tritonclient's thread): events, a refused batch, or the end of the stream."""
+        if conn != self._conn:
+            return  # a stream this link already gave up
+        if error is None:
+            out = result.as_numpy("tokenrouter_events")
+            if out is not None:
+                self._on_events(codec.decode(out.reshape(-1)[0]))
+            return
+        text = error.message() if hasattr(error, "message") else str(error)
+        status = error.status() if hasattr(error, "status") else None
+        if status is None and not text.startswith(CONNECTION_CLOSED):
+            # The peer refused one batch (a bug, or a model that refused a request): the model's own Failed
+            # events settle requests it refuses; log what the gateway said.
+            log.error("model %r at %s refused a message batch: %s", self.model, self.url, text)
+            return
+        self._lost(conn, text)
+
+    def _lost(self, conn: str, why: str) -> None:
+        with self._lock:
+            if self._conn != conn:
+                return
+            client, self._client, self._conn = self._client, None, None
+            self._down_until = float("inf")  # until connect() succeeds again
+            self._down_error = f"model {self.model!r} at {self.url} is unavailable: {why.splitlines()[0]}"
+        log.error("%s", self._down_error)
+        threading.Thread(target=_close, args=(client,), daemon=True).start()  # not on the stream's own thread
+        self._on_lost()
+
+    def connect(self, timeout: float | None = None) -> None:
+        """Connect now (blocking up to `timeout`, default connect_timeout); ConnectionError if not reachable."""
+        with self._lock:
+            if self.connected:
+                return
+        client, conn = self._open(self.connect_timeout if timeout is None else timeout)
+        with self._lock:
+            if self.connected:  # another thread won the race
+                _close(client)
+                return
+            self._client, self._conn, self._ever_connected, self._down_until = client, conn, True, 0.0
+
+    def send(self, messages: list[Any]) -> None:
+        """Send a batch of messages; ConnectionError when the model cannot be reached."""
+        with self._lock:
+            if self._client is None:
+                if time.monotonic() < self._down_until:
+                    raise ConnectionError(self._down_error)
+                try:
+                    # Only the first connection waits for the peer to come up (the servers are starting).
+                    self._client, self._conn = self._open(1.0 if self._ever_connected else self.connect_timeout)
+                    self._ever_connected = True
+                except ConnectionError as e:
+                    self._down_until, self._down_error = time.monotonic() + RETRY_AFTER_S, str(e)
+                    raise
+            client, conn = self._client, self._conn
+            request_id = f"m{next(self._ids)}"
+        try:
+            self._request(client, conn, codec.encode(messages), request_id)
+        except Exception as e:
+            self._lost(conn, str(e))
+            raise ConnectionError(f"model {self.model!r} at {self.url} went away: {e}") from None
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client, self._conn = self._client, None, None
+        if client is not None:
+            _close(client)
+
+
+def _close(client: Any) -> None:
+    try:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    except Exception:  # closing a stream that already failed
+        pass
