@@ -6,9 +6,12 @@ router that goes away (its stream closed) has its requests released on the peer,
 from __future__ import annotations
 
 import json
+import os
 import queue
+import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -157,21 +160,66 @@ def test_bad_messages_fail_alone_and_a_router_that_goes_away_is_released(peer) -
         again.close()
 
 
-def _start(repo: Path, work: Path, ports: tuple[int, int, int], log: str) -> TritonServer:
-    server = TritonServer(repo, *ports, log_file=work / log)
+def _start(server: TritonServer) -> TritonServer:
     server.start()
     server.wait_ready(timeout=240)
     return server
 
 
-@pytest.mark.slow
-def test_two_servers_route_across_nodes_and_survive_the_peer_dying(tiny_dir: Path, tmp_path: Path) -> None:
-    """The router's server holds `small`; `large` is on a peer server (`url:`). Routed greedy output equals
-    the in-process engine's with both models local; the peer dying mid-request fails that request with a
-    clear error, the router keeps answering (refusing while the peer is away), and once the peer is back
-    the router reconnects and serves routed requests again."""
-    import tritonclient.grpc as grpcclient  # noqa: F401  (the router's stubs import it: fail early here)
+class NamespacedServer(TritonServer):
+    """tritonserver inside the network namespace `netns` (its own loopback and a veth address `host`):
+    reachable from here only over that link, as a server on another machine would be."""
 
+    def __init__(self, *args, netns: str, host: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.netns, self.host = netns, host
+
+    def command(self) -> list[str]:
+        return ["ip", "netns", "exec", self.netns, *super().command()]
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.host}:{self.http_port}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+
+@pytest.fixture
+def netns():
+    """A network namespace joined to this one by a veth pair: (name, address inside it); skipped where
+    namespaces cannot be made (no root, no `ip`)."""
+    name, n = f"trpeer{os.getpid() % 10000}", os.getpid() % 200 + 20
+    host_if, peer_if = f"trh{n}", f"trp{n}"
+    here, there = f"10.231.{n}.1", f"10.231.{n}.2"
+    steps = [
+        ["ip", "netns", "add", name],
+        ["ip", "link", "add", host_if, "type", "veth", "peer", "name", peer_if],
+        ["ip", "link", "set", peer_if, "netns", name],
+        ["ip", "addr", "add", f"{here}/30", "dev", host_if],
+        ["ip", "link", "set", host_if, "up"],
+        ["ip", "netns", "exec", name, "ip", "addr", "add", f"{there}/30", "dev", peer_if],
+        ["ip", "netns", "exec", name, "ip", "link", "set", peer_if, "up"],
+        ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
+    ]
+    try:
+        for cmd in steps:
+            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.CalledProcessError) as e:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        detail = e.stderr.strip() if isinstance(e, subprocess.CalledProcessError) else str(e)
+        pytest.skip(f"cannot make a network namespace here ({detail}): needs root and iproute2")
+    try:
+        yield name, there
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)  # takes the veth pair with it
+
+
+def _cross_node(tiny_dir: Path, tmp_path: Path, peer_host: str, make_peer) -> None:
+    """The router's server holds `small`; `large` is on a peer server at `peer_host` (`url:`). Routed greedy
+    output equals the in-process engine's with both models local; the peer dying mid-request fails that
+    request with a clear error, the router keeps answering (refusing while the peer is away), and once the
+    peer is back the router reconnects and serves routed requests again."""
     from triton_harness import generate_stream
 
     env = triton_install.execution_env()
@@ -179,23 +227,22 @@ def test_two_servers_route_across_nodes_and_survive_the_peer_dying(tiny_dir: Pat
     policy = {"name": "random", "p": 0.3, "seed": 0}
     models = {"small": {"path": str(tiny_dir / "small"), "kv_cache_tokens": 4096},
               "large": {"path": str(tiny_dir / "large"), "kv_cache_tokens": 4096,
-                        "url": f"127.0.0.1:{peer_ports[1]}"}}
-    router_cfg = tmp_path / "router.yaml"
-    router_cfg.write_text(yaml.safe_dump({"models": models, "entry": "small", "policy": policy,  # order: small, large
-                                          "tokenizer": str(tiny_dir / "tokenizer")}, sort_keys=False))
-    local = {"models": {k: {kk: vv for kk, vv in v.items() if kk != "url"} for k, v in models.items()},
-             "entry": "small", "policy": policy, "tokenizer": str(tiny_dir / "tokenizer")}
+                        "url": f"{peer_host}:{peer_ports[1]}"}}
+    deployment = {"models": models, "entry": "small", "policy": policy, "tokenizer": str(tiny_dir / "tokenizer")}
+    config = tmp_path / "deployment.yaml"
+    config.write_text(yaml.safe_dump(deployment, sort_keys=False))  # model order: small, large
+    local = dict(deployment, models={k: {kk: vv for kk, vv in v.items() if kk != "url"} for k, v in models.items()})
     body = {"text_input": "def fibonacci(n):", "stream": True,
             "sampling_parameters": json.dumps({"max_tokens": 24, "temperature": 0, "ignore_eos": True}),
             "return_routing_stats": True}
     # Both servers read the same deployment: the peer serves the models with a url, the router the others.
-    peer_repo = write_repository(router_cfg, tmp_path / "peer_repo", execution_env=env, peer=True)
-    router_repo = write_repository(router_cfg, tmp_path / "router_repo", execution_env=env)
+    peer_repo = write_repository(config, tmp_path / "peer_repo", execution_env=env, peer=True)
+    router_repo = write_repository(config, tmp_path / "router_repo", execution_env=env)
     assert not (router_repo / "large").exists() and (peer_repo / peer_model_name("large")).is_dir()
     assert not (peer_repo / "small").exists() and not (peer_repo / "tokenrouter").exists()
 
-    peer = _start(peer_repo, tmp_path, peer_ports, "peer.log")
-    router = _start(router_repo, tmp_path, free_ports(3), "router.log")
+    peer = _start(make_peer(peer_repo, peer_ports, tmp_path / "peer.log"))
+    router = _start(TritonServer(router_repo, *free_ports(3), log_file=tmp_path / "router.log"))
     try:
         status, events = generate_stream(router, body)
         assert status == 200 and not any("error" in e for e in events), events
@@ -219,7 +266,7 @@ def test_two_servers_route_across_nodes_and_survive_the_peer_dying(tiny_dir: Pat
         assert status >= 400 or any("error" in e for e in events)
         assert "peer server" in json.dumps(events)
 
-        peer = _start(peer_repo, tmp_path, peer_ports, "peer2.log")
+        peer = _start(make_peer(peer_repo, peer_ports, tmp_path / "peer2.log"))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             status, events = generate_stream(router, body)
@@ -233,3 +280,18 @@ def test_two_servers_route_across_nodes_and_survive_the_peer_dying(tiny_dir: Pat
     finally:
         router.stop()
         peer.stop()
+
+
+@pytest.mark.slow
+def test_two_servers_route_across_nodes_and_survive_the_peer_dying(tiny_dir: Path, tmp_path: Path) -> None:
+    _cross_node(tiny_dir, tmp_path, "127.0.0.1",
+                lambda repo, ports, log: TritonServer(repo, *ports, log_file=log))
+
+
+@pytest.mark.slow
+def test_a_peer_in_its_own_network_namespace(tiny_dir: Path, tmp_path: Path, netns) -> None:
+    """The same with the peer in a network namespace of its own, reached over a veth pair: nothing but
+    Triton gRPC crosses between the servers (the abstract local sockets are per namespace)."""
+    name, address = netns
+    _cross_node(tiny_dir, tmp_path, address,
+                lambda repo, ports, log: NamespacedServer(repo, *ports, log_file=log, netns=name, host=address))
