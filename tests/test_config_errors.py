@@ -243,3 +243,9 @@ def test_models_with_different_vocabularies_are_refused_before_loading(tiny_dir:
            "tokenizer": str(tiny_dir / "tokenizer")}
     with pytest.raises(ValueError, match=r"routed models must share one vocabulary; vocab sizes: .*'large': 1032"):
         Engine.from_config(cfg)
+
+
+@pytest.mark.parametrize("url", ["fe80::1", "host", "host:0", "host:99999", "[:8001", "h:80/x"])
+def test_a_peer_url_must_be_host_and_port(two: dict, url: object) -> None:
+    with pytest.raises(ConfigError, match=r"models\.small\.url must be a peer server's gRPC address"):
+        load_config(with_model(two, url=url))

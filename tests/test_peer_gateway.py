@@ -295,3 +295,47 @@ def test_a_peer_in_its_own_network_namespace(tiny_dir: Path, tmp_path: Path, net
     name, address = netns
     _cross_node(tiny_dir, tmp_path, address,
                 lambda repo, ports, log: NamespacedServer(repo, *ports, log_file=log, netns=name, host=address))
+
+
+class _Error:
+    def __init__(self, text: str, status: str | None = None) -> None:
+        self.text, self.code = text, status
+
+    def message(self) -> str:
+        return self.text
+
+    def status(self) -> str | None:
+        return self.code
+
+
+class _Result:
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+    def as_numpy(self, name: str):
+        return np.array([self.payload], dtype=np.object_)
+
+
+def test_grpc_link_settles_refusals_and_ends_on_closed_or_broken_streams() -> None:
+    """Without a server: a batch the peer refuses fails exactly its requests (they would wait forever
+    otherwise); an error that ends the connection, a stream failure or undecodable events end the link."""
+    from tokenrouter.transport.grpc_link import BATCH_PREFIX, CONNECTION_CLOSED, GrpcLink
+    from tokenrouter.transport.messages import Failed
+
+    got, lost = [], []
+    link = GrpcLink("large", "127.0.0.1:1", got.extend, lambda: lost.append(1))
+    link._conn, link._client = "c1", None
+    link._sent["m7"] = ["r1", "r2"]
+    link._on_result("c1", None, _Error(f"{BATCH_PREFIX}m7: model refused"))
+    assert [(type(e).__name__, e.request_id) for e in got] == [
+        ("Failed", "r1"), ("Released", "r1"), ("Failed", "r2"), ("Released", "r2")]
+    assert "refused" in next(e for e in got if isinstance(e, Failed)).error and not lost
+    link._on_result("old-stream", None, _Error(CONNECTION_CLOSED + "gone"))  # a stream given up: ignored
+    assert not lost
+    link._on_result("c1", _Result(b"not json"), None)  # undecodable events end the link
+    assert lost == [1] and not link.connected
+    link._conn = "c2"
+    link._on_result("c2", None, _Error("StatusCode.UNAVAILABLE", status="StatusCode.UNAVAILABLE"))
+    assert lost == [1, 1]
+    with pytest.raises(ConnectionError, match="unavailable"):
+        link.send([Release("r3")])  # fails fast while down

@@ -38,6 +38,19 @@ def _spec(
     return field(default=default, metadata={k: v for k, v in meta.items() if v is not None and v != ""})
 
 
+def _is_address(url: object) -> bool:
+    """host:port with a port in 1..65535; an IPv6 host in brackets."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str) or "/" in url or not url:
+        return False
+    try:
+        parts = urlsplit("//" + url)
+        return bool(parts.hostname) and parts.port is not None and 0 < parts.port < 65536
+    except ValueError:
+        return False
+
+
 @dataclass
 class ModelConfig:
     """One model (one subserver): where its weights are, where it runs, and how its KV cache is sized."""
@@ -89,9 +102,9 @@ class ModelConfig:
     def validate(self) -> None:
         where = f"models.{self.name}"
         _check_fields(self, f"{where}.")
-        address = r"[\w.\-\[\]:]+:\d{1,5}"
-        if self.url is not None and not (isinstance(self.url, str) and re.fullmatch(address, self.url)):
-            raise ConfigError(f"{where}.url must be a peer server's gRPC address, host:port, got {self.url!r}")
+        if self.url is not None and not _is_address(self.url):
+            raise ConfigError(f"{where}.url must be a peer server's gRPC address, host:port (IPv6 in brackets), "
+                              f"got {self.url!r}")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"{where}.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not os.path.isdir(self.path):

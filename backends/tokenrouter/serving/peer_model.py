@@ -1,5 +1,5 @@
 """The peer gateway `peer_<model>`: offers a subserver of this server to a router on another server, over
-Triton gRPC streaming (the first half of a two-node deployment; the router's side is not built yet).
+Triton gRPC streaming (the router's side: transport/grpc_link.py).
 
 A router opens a connection with one request that carries only `tokenrouter_connection` (an id it chose):
 the gateway connects a local socket to the subserver for it (transport/ipc.py, as a local router would)
@@ -12,6 +12,7 @@ the subserver releases every request that connection brought, as for a local rou
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from tokenrouter.transport import codec, ipc
-from tokenrouter.transport.grpc_link import CONNECTION_CLOSED
+from tokenrouter.transport.grpc_link import BATCH_PREFIX, CONNECTION_CLOSED
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,9 @@ class PeerModel:
         self.pb = pb_utils
         self.model = settings["model"]
         self._conns: dict[str, _Connection] = {}
+        # Recent responses stay referenced a while: Triton 2.51's Python backend may free a dropped response's
+        # tensors without the GIL (router_model._Graveyard has the story); dropped here, by Python, later.
+        self._recent: collections.deque[Any] = collections.deque(maxlen=4096)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         threading.Thread(target=self._watch_cancellations, name=f"tr-peer-{self.model}", daemon=True).start()
@@ -46,13 +50,17 @@ class PeerModel:
         final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         for request in requests:
             sender = request.get_response_sender()
+            body = None
             try:
                 conn = self._string(request, "tokenrouter_connection")
                 if not conn:
                     raise ValueError("tokenrouter_connection must be a non-empty string")
                 body = self._string(request, "tokenrouter_messages")
                 if body is None:
-                    self._open(conn, sender)  # stays open: the connection's events stream back on it
+                    try:
+                        self._open(conn, sender)  # stays open: the connection's events stream back on it
+                    except Exception as e:  # the connection never opened: the router must know it is over
+                        self._end(sender, str(e))
                     continue
                 with self._lock:
                     c = self._conns.get(conn)
@@ -62,7 +70,9 @@ class PeerModel:
                 sender.send(flags=final)
             except Exception as e:  # this request alone fails; the connection and the model carry on
                 log.warning("peer %s: refused a request: %s", self.model, e)
-                sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(str(e))), flags=final)
+                # Named by its request id, so the router can fail the requests that batch carried.
+                why = f"{BATCH_PREFIX}{request.request_id()}: {e}" if body is not None else str(e)
+                sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(why)), flags=final)
         return None
 
     def finalize(self) -> None:
@@ -98,8 +108,10 @@ class PeerModel:
         if c is None:
             return
         payload = np.array([codec.encode(items).encode("utf-8")], dtype=np.object_)
+        response = self.pb.InferenceResponse(output_tensors=[self.pb.Tensor("tokenrouter_events", payload)])
+        self._recent.append(response)
         try:
-            c.sender.send(self.pb.InferenceResponse(output_tensors=[self.pb.Tensor("tokenrouter_events", payload)]))
+            c.sender.send(response)
         except Exception:  # the router's stream is gone: the watcher closes the connection
             log.warning("peer %s: could not send events on connection %s", self.model, conn)
 
@@ -122,9 +134,11 @@ class PeerModel:
         releases what that router brought."""
         while not self._stop.wait(CANCEL_CHECK_S):
             with self._lock:
-                gone = [k for k, c in self._conns.items() if c.sender.is_cancelled()]
-                closed = [self._conns.pop(k) for k in gone]
-            for k, c in zip(gone, closed):
+                conns = list(self._conns.items())
+            gone = [k for k, c in conns if c.sender.is_cancelled()]  # outside the lock: it asks Triton
+            with self._lock:
+                closed = [(k, self._conns.pop(k)) for k in gone if k in self._conns]
+            for k, c in closed:
                 log.warning("peer %s: connection %s went away; releasing its requests", self.model, k)
                 c.link.close()
                 self._end(c.sender, "cancelled")

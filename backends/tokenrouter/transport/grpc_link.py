@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -22,10 +23,13 @@ import numpy as np
 
 from tokenrouter.transport import codec
 from tokenrouter.transport.ipc import RETRY_AFTER_S
+from tokenrouter.transport.messages import Failed, Released
 
 log = logging.getLogger(__name__)
 
 OPEN_REQUEST = "open"
+SENT_REMEMBERED = 4096  # message batches whose request ids are kept, so a refused batch can fail its requests
+BATCH_PREFIX = "batch "  # the gateway's error for a refused batch: "batch <its request id>: why"
 # How the peer gateway's error for a connection's own request begins: the connection is over (a refused
 # message batch is an error of that request alone, without it).
 CONNECTION_CLOSED = "connection closed: "
@@ -38,7 +42,7 @@ def peer_model_name(model: str) -> str:
 
 class GrpcLink:
     def __init__(self, model: str, url: str, on_events: Callable[[list[Any]], None], on_lost: Callable[[], None],
-                 connect_timeout: float = 10.0) -> None:
+                 connect_timeout: float = 2.0) -> None:
         self.model, self.url = model, url
         self._on_events, self._on_lost = on_events, on_lost
         self.connect_timeout = connect_timeout
@@ -48,30 +52,42 @@ class GrpcLink:
         self._ids = itertools.count()
         self._ever_connected = False
         self._down_until, self._down_error = 0.0, ""
+        self._sent: OrderedDict[str, list[str]] = OrderedDict()  # batch request id -> its requests' ids
 
     @property
     def connected(self) -> bool:
         return self._client is not None
 
     def _open(self, timeout: float) -> tuple[Any, str]:
+        """A stream with an open connection; ConnectionError when the peer or its model is not ready."""
         import tritonclient.grpc as grpcclient
 
         client = grpcclient.InferenceServerClient(self.url)
         deadline = time.monotonic() + timeout
         while True:
             try:
-                if client.is_model_ready(peer_model_name(self.model), client_timeout=max(1.0, timeout)):
+                # The gateway and the model behind it: Triton loads them in parallel.
+                if all(client.is_model_ready(m, client_timeout=max(1.0, timeout))
+                       for m in (peer_model_name(self.model), self.model)):
                     break
-                problem = f"{peer_model_name(self.model)} is not ready there"
+                problem = f"{peer_model_name(self.model)} or {self.model} is not ready there"
             except Exception as e:  # tritonclient raises InferenceServerException for an unreachable server
                 problem = str(e).splitlines()[0]
             if time.monotonic() >= deadline:
-                client.close()
+                _close(client)
                 raise ConnectionError(f"model {self.model!r} at {self.url} is not reachable: {problem}")
             time.sleep(0.2)
         conn = uuid.uuid4().hex
-        client.start_stream(callback=lambda result, error: self._on_result(conn, result, error))
-        self._request(client, conn, None, OPEN_REQUEST)
+        # The connection is this link's before any callback of its stream can run (an open refused at once
+        # must end it, not be dropped as a stale stream's).
+        self._conn = conn
+        try:
+            client.start_stream(callback=lambda result, error: self._on_result(conn, result, error))
+            self._request(client, conn, None, OPEN_REQUEST)
+        except Exception as e:
+            self._conn = None
+            _close(client)
+            raise ConnectionError(f"model {self.model!r} at {self.url}: cannot open a stream: {e}") from None
         return client, conn
 
     def _request(self, client: Any, conn: str, body: str | None, request_id: str) -> None:
@@ -88,17 +104,26 @@ class GrpcLink:
         """The stream's callback (tritonclient's thread): events, a refused batch, or the end of the stream."""
         if conn != self._conn:
             return  # a stream this link already gave up
-        if error is None:
-            out = result.as_numpy("tokenrouter_events")
-            if out is not None:
-                self._on_events(codec.decode(out.reshape(-1)[0]))
+        try:
+            if error is None:
+                out = result.as_numpy("tokenrouter_events")
+                if out is not None:
+                    self._on_events(codec.decode(out.reshape(-1)[0]))
+                return
+            text = error.message() if hasattr(error, "message") else str(error)
+            status = error.status() if hasattr(error, "status") else None
+        except Exception as e:  # undecodable events (e.g. other versions on the two nodes): the link is unusable
+            self._lost(conn, f"bad events from the peer: {e!r}")
             return
-        text = error.message() if hasattr(error, "message") else str(error)
-        status = error.status() if hasattr(error, "status") else None
         if status is None and not text.startswith(CONNECTION_CLOSED):
-            # The peer refused one batch (a bug, or a model that refused a request): the model's own Failed
-            # events settle requests it refuses; log what the gateway said.
+            # The peer refused one batch: fail its requests as the model would have, so none waits forever.
             log.error("model %r at %s refused a message batch: %s", self.model, self.url, text)
+            batch = text[len(BATCH_PREFIX):].split(":", 1)[0] if text.startswith(BATCH_PREFIX) else ""
+            rids = self._sent.pop(batch, None)
+            if rids:
+                self._on_events([ev for rid in rids for ev in (
+                    Failed(rid, self.model, f"model {self.model!r} at {self.url} refused the request: {text}"),
+                    Released(rid, self.model, 0, 0, held=False))])
             return
         self._lost(conn, text)
 
@@ -114,15 +139,13 @@ class GrpcLink:
         self._on_lost()
 
     def connect(self, timeout: float | None = None) -> None:
-        """Connect now (blocking up to `timeout`, default connect_timeout); ConnectionError if not reachable."""
+        """Connect now (blocking up to `timeout`, default connect_timeout); ConnectionError if not reachable.
+        Under the link's lock: one connection at a time (sends to this model wait meanwhile; while it is
+        down the router refuses new requests, so only handoffs already under way to it do)."""
         with self._lock:
             if self.connected:
                 return
-        client, conn = self._open(self.connect_timeout if timeout is None else timeout)
-        with self._lock:
-            if self.connected:  # another thread won the race
-                _close(client)
-                return
+            client, conn = self._open(self.connect_timeout if timeout is None else timeout)
             self._client, self._conn, self._ever_connected, self._down_until = client, conn, True, 0.0
 
     def send(self, messages: list[Any]) -> None:
@@ -140,6 +163,9 @@ class GrpcLink:
                     raise
             client, conn = self._client, self._conn
             request_id = f"m{next(self._ids)}"
+            self._sent[request_id] = list(dict.fromkeys(m.request_id for m in messages))
+            while len(self._sent) > SENT_REMEMBERED:
+                self._sent.popitem(last=False)
         try:
             self._request(client, conn, codec.encode(messages), request_id)
         except Exception as e:
