@@ -160,14 +160,16 @@ class TritonServer:
         self.admin_key = (admin_key or secrets.token_urlsafe(32)) if self.restricted_apis else None
         self._restriction = restriction_args(self.admin_key, self.restricted_apis) if self.admin_key else []
         self.proc: subprocess.Popen | None = None
+        # Where this process reaches the server (it listens on every interface).
+        self.host = "127.0.0.1"
 
     @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self.host}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+        return f"http://{self.host}:{self.metrics_port}/metrics"
 
     def command(self) -> list[str]:
         backends = triton_install.prepare_backends()
@@ -207,7 +209,7 @@ class TritonServer:
 
     def ready(self) -> bool:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/v2/health/ready", timeout=2) as r:
+            with urllib.request.urlopen(f"http://{self.host}:{self.http_port}/v2/health/ready", timeout=2) as r:
                 return r.status == 200
         except OSError:
             return False
