@@ -208,9 +208,14 @@ class TritonServer:
         )
 
     def ready(self) -> bool:
+        """Ready, and every endpoint listens: Triton starts its metrics service after it answers ready on
+        HTTP (a scrape right after `wait_ready` was refused once in CI)."""
         try:
             with urllib.request.urlopen(f"http://{self.host}:{self.http_port}/v2/health/ready", timeout=2) as r:
-                return r.status == 200
+                if r.status != 200:
+                    return False
+            with socket.create_connection((self.host, self.metrics_port), timeout=2):
+                return True
         except OSError:
             return False
 
