@@ -90,19 +90,15 @@ class SocketCoordinator(Coordinator):
         ones until it is back, and have it revived."""
         held = [rid for rid, r in self.requests.items() if model in r.holders]
         log.error("model %r went away holding %d request(s); failing them", model, len(held))
-        error = (f"model {model!r} went away during the request (its process exited, or the server is shutting down)"
-                 if self.config.models[model].url is None else
-                 f"model {model!r} went away during the request (its peer server at {self.config.models[model].url} "
-                 "went away or cannot be reached)")
+        url = self.config.models[model].url
+        cause = ("its process exited, or the server is shutting down" if url is None
+                 else f"its peer server at {url} went away or cannot be reached")
         for rid in held:
-            self.transport.fail(model, rid, error)
+            self.transport.fail(model, rid, f"model {model!r} went away during the request ({cause})")
         if model not in self.down:
-            where = self.config.models[model].url
             self.down[model] = (
                 f"model {model!r} is unavailable: its process exited and is being restarted; retry shortly"
-                if where is None else
-                f"model {model!r} is unavailable: its peer server at {where} went away or cannot be reached; "
-                "retry shortly"
+                if url is None else f"model {model!r} is unavailable: {cause}; retry shortly"
             )
             self.on_model_down(model)
 

@@ -46,9 +46,8 @@ class SocketTransport(Transport):
         self.thresholds: dict[str, int] = {}
         self.links: dict[str, ipc.ModelLink | GrpcLink] = {}
         for m in models:
-            on_items, on_lost = functools.partial(self._items_from, m), functools.partial(self._lost, m)
-            remote = m in urls
-            self.links[m] = GrpcLink(m, urls[m], on_items, on_lost) if remote else ipc.ModelLink(m, on_items, on_lost)
+            items, lost = functools.partial(self._items_from, m), functools.partial(self._lost, m)
+            self.links[m] = GrpcLink(m, urls[m], items, lost) if m in urls else ipc.ModelLink(m, items, lost)
 
     def deliver(self, model: str, msg: Message) -> None:
         if isinstance(msg, Arrive):
