@@ -36,22 +36,28 @@ from tokenrouter.routing.policy import make_policy
 from tokenrouter.tools.bpe import read_sources
 from tokenrouter.tools.train_pair import pair_split
 
-ROUTER_REPORT = "r2r_router.safetensors.json"  # what tools/train_router.py writes beside its checkpoint
+# What tools/train_router.py and tools/train_collm.py write beside their checkpoints.
+R2R_REPORT = "r2r_router.safetensors.json"
+COLLM_REPORT = "collm_head.safetensors.json"
 
 
 def default_grid(pair: Path) -> list[dict[str, Any]]:
     """Each policy's settings, from routing least to most: the baselines, random, R-Stitch (no training),
-    and R2R when the pair has a trained router (PAIR/r2r_router.safetensors from tools/train_router.py).
+    and R2R / Co-LLM where the pair has their trained routers (PAIR/r2r_router.safetensors from
+    tools/train_router.py, PAIR/collm_head.safetensors from tools/train_collm.py).
     Untrained learned routers are left out: their decisions say nothing about the pair."""
     grid: list[dict[str, Any]] = [
         {"name": "always", "model": "small"},
         *({"name": "random", "p": p, "seed": 0} for p in (0.1, 0.25, 0.5)),
         *({"name": "rstitch", "tau_high": h, "tau_low": h / 2} for h in (0.9, 0.7, 0.5)),
     ]
-    report = pair / ROUTER_REPORT
-    if report.is_file():
-        trained = json.loads(report.read_text())["policy"]
-        grid += [{**trained, "threshold": t} for t in (0.7, 0.5, 0.3)]
+    if (pair / R2R_REPORT).is_file():
+        trained = json.loads((pair / R2R_REPORT).read_text())["policy"]
+        grid += [{**trained, "threshold": t} for t in (0.9, 0.8, 0.7, 0.5, 0.3)]
+    if (pair / COLLM_REPORT).is_file():
+        report = json.loads((pair / COLLM_REPORT).read_text())
+        thresholds = sorted({r["threshold"] for r in report["validation"]["routed"]}, reverse=True)
+        grid += [{**report["policy"], "threshold": t} for t in thresholds]
     return grid + [{"name": "always", "model": "large"}]
 
 

@@ -39,6 +39,29 @@ def bench_tokenizer_dir() -> Path:
     return make_bench_tokenizer(REPO / "models" / "bench-tokenizer")
 
 
+@pytest.fixture(scope="session")
+def near_pair(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small/large pair for the router trainers: the tiny large model, and the same with its output layer
+    perturbed, so the two agree on most tokens and differ on some."""
+    import shutil
+
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    out = tmp_path_factory.mktemp("near-pair")
+    shutil.copytree(tiny_dir / "large", out / "small")
+    model = Qwen3ForCausalLM.from_pretrained(tiny_dir / "large", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.2 * model.lm_head.weight.std() * torch.randn(model.lm_head.weight.shape,
+                                                                                  generator=gen))
+    model.save_pretrained(out / "large")
+    for f in (tiny_dir / "large").iterdir():
+        if f.name.startswith(("tokenizer", "special", "chat")):
+            shutil.copy2(f, out / "large" / f.name)
+    return out
+
+
 # -- helpers shared by the engine tests (import them: `from conftest import assert_idle, model_cfg`) ----------
 
 

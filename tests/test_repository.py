@@ -12,7 +12,7 @@ import yaml
 from tokenrouter.serving.repository import write_repository
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT = REPO / "config" / "r2r" / "tiny-small_tiny-large.yaml"
+DEFAULT = REPO / "config" / "r2r" / "pair-small_pair-large.yaml"
 
 
 def _tree(root: Path) -> dict[str, object]:

@@ -1,16 +1,14 @@
-"""R2R router training (tools/train_router.py) on a pair built from the tiny models: the large model is the
-small one with its output layer perturbed, so the two agree on most tokens and diverge on some (random
-models of different shapes diverge everywhere: nothing to learn). The features the trainer computes offline
-must be the ones the policy computes inside the engine's step, or a trained router would be served wrong."""
+"""R2R router training (tools/train_router.py) on `near_pair` (conftest: two tiny models that agree on most
+tokens and diverge on some; random models of different shapes diverge everywhere: nothing to learn). The
+features the trainer computes offline must be the ones the policy computes inside the engine's step, or a
+trained router would be served wrong."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
@@ -19,22 +17,6 @@ from tokenrouter.routing.policies.r2r import R2RRouter
 from tokenrouter.tools.train_router import label_prompt, main
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def near_pair(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("near-pair")
-    shutil.copytree(tiny_dir / "large", out / "small")
-    model = Qwen3ForCausalLM.from_pretrained(tiny_dir / "large", dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        model.lm_head.weight.add_(0.2 * model.lm_head.weight.std() * torch.randn(model.lm_head.weight.shape,
-                                                                                  generator=gen))
-    model.save_pretrained(out / "large")
-    for f in (tiny_dir / "large").iterdir():
-        if f.name.startswith(("tokenizer", "special", "chat")):
-            shutil.copy2(f, out / "large" / f.name)
-    return out
 
 
 def test_router_trains_on_divergence_labels_and_loads_in_the_policy(near_pair: Path, tmp_path: Path) -> None:

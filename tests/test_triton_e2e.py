@@ -300,12 +300,17 @@ def test_openai_chat_models_health_and_errors(openai_url: str) -> None:
 
 
 def test_serve_command_end_to_end(tmp_path: Path) -> None:
-    """The README's serve command (`tokenrouter serve`, default deployment) answers, then stops on SIGINT."""
+    """The README's serve command (`tokenrouter serve`, the default deployment: the trained pair with its
+    trained router) answers with the in-process engine's greedy text, then stops on SIGINT."""
     import signal
     import sys
 
-    from tokenrouter.serving.server import TritonServer
+    from tokenrouter.serving.server import DEFAULT_CONFIG, TritonServer
     from triton_harness import free_ports
+
+    with Engine.from_config(DEFAULT_CONFIG) as engine:
+        params = SamplingParams(max_new_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        expected = engine.generate(["def main():"], params)[0].text
 
     http, grpc, metrics_port = free_ports(3)
     cmd = [sys.executable, "-m", "tokenrouter.cli", "serve", "--http-port", str(http), "--grpc-port", str(grpc),
@@ -321,7 +326,7 @@ def test_serve_command_end_to_end(tmp_path: Path) -> None:
             time.sleep(0.5)
         status, events = generate_stream(probe, _body("def main():"))
         assert status == 200 and events[-1]["finish_reason"] == "length"
-        assert len("".join(e.get("text_output", "") for e in events)) > 0
+        assert "".join(e.get("text_output", "") for e in events) == expected
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0

@@ -6,8 +6,8 @@ Example::
       small: {path: models/tiny/small, dtype: float32, device: cpu}
     entry: small
 
-Relative model paths resolve against the YAML file's folder (or the working directory for a dict);
-`$VARS` and `~` expand.
+Relative model paths, the tokenizer's and a policy's router `checkpoint` resolve against the YAML file's
+folder (or the working directory for a dict); `$VARS` and `~` expand.
 """
 
 from __future__ import annotations
@@ -376,6 +376,10 @@ def load_config(source: str | os.PathLike | dict[str, Any] | EngineConfig) -> En
         data["batching"] = _build(BatchingConfig, data["batching"] or {}, "batching")
     if isinstance(data.get("policy"), str):
         data["policy"] = {"name": data["policy"]}
+    policy = data.get("policy")
+    if isinstance(policy, dict) and isinstance(policy.get("checkpoint"), str) and policy["checkpoint"]:
+        # Like model paths: a deployment's router travels with it (a server's working directory is not the YAML's).
+        data["policy"] = {**policy, "checkpoint": resolve_path(policy["checkpoint"], base)}
     if isinstance(data.get("tokenizer"), str):
         data["tokenizer"] = resolve_path(data["tokenizer"], base)
     cfg = _build(EngineConfig, data, "config", models=models)

@@ -30,7 +30,7 @@ from tokenrouter.serving import mps, stub_env, triton_install
 from tokenrouter.serving.repository import write_repository
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-DEFAULT_CONFIG = REPO_ROOT / "config" / "r2r" / "tiny-small_tiny-large.yaml"
+DEFAULT_CONFIG = REPO_ROOT / "config" / "r2r" / "pair-small_pair-large.yaml"
 
 # The APIs tritonserver can restrict (`--http-restricted-api`, `--grpc-restricted-protocol`).
 TRITON_APIS = (
@@ -263,7 +263,7 @@ class TritonServer:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="deployment YAML (default: tiny r2r pair)")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="deployment YAML (default: R2R on the trained pair)")
     p.add_argument("--model-repository", default=str(REPO_ROOT / ".cache" / "model_repository"))
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)

@@ -19,10 +19,15 @@ from tokenrouter.tools.chatml import CHAT_TEMPLATE, ENDOFTEXT, IM_END, IM_START
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
 
 
-def stdlib_sources() -> list[pathlib.Path]:
+def stdlib_root() -> pathlib.Path:
+    """This Python's standard library folder."""
+    return pathlib.Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_sources(root: pathlib.Path | None = None) -> list[pathlib.Path]:
     """The standard library's .py files in path order (third-party packages under it left out: they vary
-    between machines)."""
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    between machines). `root`: a copy of a standard library elsewhere (default: this Python's)."""
+    root = stdlib_root() if root is None else root
     return sorted(
         (p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts),
         key=lambda p: p.relative_to(root).as_posix(),

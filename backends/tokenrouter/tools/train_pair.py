@@ -2,7 +2,7 @@
 library's sources (no weights or data can be downloaded): the model pair that token-level routing needs to
 show anything (the large model must be clearly better than the small one).
 
-    # one H200 (issue 15: ~3M and ~30M parameters, a few minutes each)
+    # one H200 (issue 15: ~1.3M and ~7.3M parameters, a few minutes each)
     python -m tokenrouter.tools.train_pair --out models/pair --device cuda
     # a CPU smoke run of the whole pipeline (tiny shapes, a few steps)
     python -m tokenrouter.tools.train_pair --out /tmp/pair --shapes smoke --steps 20 --device cpu
@@ -27,7 +27,6 @@ import math
 import pathlib
 import shutil
 import sys
-import sysconfig
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from tokenrouter.tools.bpe import read_sources, stdlib_sources, train_bpe_tokenizer
+from tokenrouter.tools.bpe import read_sources, stdlib_root, stdlib_sources, train_bpe_tokenizer
 from tokenrouter.tools.chatml import ENDOFTEXT, IM_END
 
 HELD_OUT_EVERY = 50  # every 50th stdlib file is held out (about 2 % of the corpus)
@@ -55,11 +54,13 @@ class Shape:
 
 
 SHAPES: dict[str, dict[str, Shape]] = {
-    # ~3M and ~30M parameters at a 4,096-token vocabulary (embeddings included).
+    # ~1.3M and ~7.3M parameters at a 4,096-token vocabulary (embeddings included; 2.6 MB and 14.7 MB in bf16).
+    # Sized to travel: the committed pair must fit, beside the checkout and the GPU bundle, in one device
+    # call's 64 MiB, and keep the repository lean; the 5.6x gap is what routing needs (held-out loss).
     "pair": {
-        "small": Shape(hidden=192, layers=4, heads=6, kv_heads=2, head_dim=32, intermediate=512, tied=True, lr=2e-3),
-        "large": Shape(hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, intermediate=1536, tied=False,
-                       lr=8e-4),
+        "small": Shape(hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, intermediate=384, tied=True, lr=3e-3),
+        "large": Shape(hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64, intermediate=768, tied=True,
+                       lr=1.5e-3),
     },
     # The whole pipeline in seconds on a CPU (tests).
     "smoke": {
@@ -82,12 +83,11 @@ def _digest(path: pathlib.Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def write_held_out(out: pathlib.Path, held: list[pathlib.Path]) -> None:
+def write_held_out(out: pathlib.Path, held: list[pathlib.Path], root: pathlib.Path, python: str) -> None:
     """The held-out files by path relative to the stdlib and content hash: another machine's Python has
     other files at other positions, so tools run there must use this list, not their own split."""
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     files = [{"path": f.relative_to(root).as_posix(), "sha256": _digest(f)} for f in held]
-    (out / HELD_OUT_FILE).write_text(json.dumps({"python": sys.version.split()[0], "files": files}, indent=1) + "\n")
+    (out / HELD_OUT_FILE).write_text(json.dumps({"python": python, "files": files}, indent=1) + "\n")
 
 
 def pair_split(pair: pathlib.Path) -> tuple[list[pathlib.Path], list[pathlib.Path], str]:
@@ -100,7 +100,7 @@ def pair_split(pair: pathlib.Path) -> tuple[list[pathlib.Path], list[pathlib.Pat
         train, held = split_files(files)
         return train, held, f"this machine's split (every {HELD_OUT_EVERY}th stdlib file; no {HELD_OUT_FILE})"
     data = json.loads(listed.read_text())
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    root = stdlib_root()
     wanted = {e["path"]: e["sha256"] for e in data["files"]}
     held = [root / p for p, h in wanted.items() if (root / p).is_file() and _digest(root / p) == h]
     train = [f for f in files if f.relative_to(root).as_posix() not in wanted]
@@ -113,8 +113,10 @@ def encode(tokenizer: PreTrainedTokenizerFast, files: list[pathlib.Path], max_by
     """The files' tokens back to back, `<|endoftext|>` after each (int32 on the CPU)."""
     eot = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     ids: list[int] = []
-    for text in read_sources(files, max_bytes):
-        ids += tokenizer(text, add_special_tokens=False)["input_ids"] + [eot]
+    texts = list(read_sources(files, max_bytes))
+    for i in range(0, len(texts), 256):  # batches: the fast tokenizer encodes them on every core
+        for doc in tokenizer(texts[i : i + 256], add_special_tokens=False)["input_ids"]:
+            ids += doc + [eot]
     return torch.tensor(ids, dtype=torch.int32)
 
 
@@ -211,11 +213,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output folder (small/, large/, tokenizer/, TRAINING.json)")
     p.add_argument("--shapes", choices=sorted(SHAPES), default="pair")
     p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=3000, help="optimizer steps per model")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--steps", type=int, default=5000, help="optimizer steps per model")
+    p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--max-train-bytes", type=int, default=None, help="read at most this much training text")
     p.add_argument("--eval-windows", type=int, default=512, help="held-out windows of --seq-len evaluated")
+    p.add_argument("--sources", type=pathlib.Path, default=None,
+                   help="a copy of a standard library to train on (default: this Python's; a GPU image's may be "
+                        "stripped). Name its Python version with --sources-python")
+    p.add_argument("--sources-python", default=sys.version.split()[0],
+                   help="the Python version --sources comes from (recorded in held_out.json)")
+    p.add_argument("--extra", type=pathlib.Path, action="append", default=[],
+                   help="a folder of more .py files to train on (never held out; repeatable), e.g. the sources "
+                        "of installed packages: the standard library alone is a few million tokens")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=100)
@@ -236,8 +246,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--out {out}: {e.strerror or e}")
 
     t0 = time.perf_counter()
-    train_files, held_files = split_files(stdlib_sources())
-    write_held_out(out, held_files)
+    root = stdlib_root() if args.sources is None else args.sources
+    if not root.is_dir():
+        p.error(f"--sources {root}: not a folder")
+    train_files, held_files = split_files(stdlib_sources(root))
+    write_held_out(out, held_files, root, args.sources_python)
+    for extra in args.extra:
+        if not extra.is_dir():
+            p.error(f"--extra {extra}: not a folder")
+        train_files += sorted(extra.rglob("*.py"))
     tokenizer = train_bpe_tokenizer(out / "tokenizer", args.vocab_size, TOKENIZER_CORPUS_BYTES, train_files)
     train_data = encode(tokenizer, train_files, args.max_train_bytes).to(device)
     held_data = encode(tokenizer, held_files, None)
@@ -247,8 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("not enough text for --seq-len")
 
     report: dict[str, Any] = {
-        "data": {"source": "the Python standard library's .py files on this machine",
-                 "held_out": f"every {HELD_OUT_EVERY}th file in path order", "train_tokens": len(train_data),
+        "data": {"source": f"the Python {args.sources_python} standard library's .py files",
+                 "held_out": f"every {HELD_OUT_EVERY}th file in path order",
+                 "extra": [f"{e.name}: {len(list(e.rglob('*.py')))} files" for e in args.extra],
+                 "train_tokens": len(train_data),
                  "held_out_tokens": len(held_data), "train_files": len(train_files), "held_out_files": len(held_files)},
         "tokenizer": {"vocab_size": len(tokenizer), "corpus_bytes": TOKENIZER_CORPUS_BYTES},
         "training": {k: getattr(args, k) for k in ("steps", "batch_size", "seq_len", "seed", "device")},

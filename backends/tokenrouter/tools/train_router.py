@@ -64,6 +64,19 @@ def greedy(model: Qwen3ForCausalLM, ids: list[int], n: int) -> list[int]:
 
 
 @torch.no_grad()
+def greedy_batch(model: Qwen3ForCausalLM, seqs: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy continuations of n tokens for sequences of different lengths (left-padded, masked)."""
+    if not seqs:
+        return []
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([[0] * (width - len(s)) + s for s in seqs], device=model.device)
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=model.device)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[:, width:].tolist()
+
+
+@torch.no_grad()
 def label_prompt(small: Qwen3ForCausalLM, large: Qwen3ForCausalLM, tokenizer: Any, prompt: list[int],
                  gen_len: int, lookahead: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """Features (hidden, top-k logits, token embedding) and labels of one prompt's small continuation."""
@@ -76,16 +89,17 @@ def label_prompt(small: Qwen3ForCausalLM, large: Qwen3ForCausalLM, tokenizer: An
     tokens = torch.tensor(cont, device=small.device)
     emb = small.get_input_embeddings()(tokens).float()
     large_choice = large(seq).logits[0, pos].argmax(-1).tolist()
-    labels = []
-    for t, (s_tok, l_tok) in enumerate(zip(cont, large_choice)):
-        if s_tok == l_tok:
-            labels.append(0)
-            continue
-        prefix = prompt + cont[:t]
-        a = tokenizer.decode([s_tok] + greedy(large, prefix + [s_tok], lookahead))
-        b = tokenizer.decode([l_tok] + greedy(large, prefix + [l_tok], lookahead))
+    differ = [t for t, (s_tok, l_tok) in enumerate(zip(cont, large_choice)) if s_tok != l_tok]
+    # Both variants of every differing position continue in one left-padded batch (one generate call per
+    # prompt, not two per position: generate's per-call cost dominates with models this small).
+    variants = [prompt + cont[:t] + [tok] for t in differ for tok in (cont[t], large_choice[t])]
+    conts = greedy_batch(large, variants, lookahead)
+    labels = [0] * len(cont)
+    for i, t in enumerate(differ):
+        a, b = conts[2 * i], conts[2 * i + 1]
+        a, b = tokenizer.decode([cont[t]] + a), tokenizer.decode([large_choice[t]] + b)
         n = min(len(a), len(b))
-        labels.append(int(a[:n] != b[:n]))
+        labels[t] = int(a[:n] != b[:n])
     return hidden.cpu(), top.cpu(), emb.cpu(), labels
 
 
