@@ -179,8 +179,8 @@ class NamespacedServer(TritonServer):
 
 @pytest.fixture
 def netns():
-    """A network namespace joined to this one by a veth pair: (name, address inside it); skipped where
-    namespaces cannot be made (no root, no `ip`)."""
+    """A network namespace joined to this one by a veth pair: (name, address inside it, this side's veth);
+    skipped where namespaces cannot be made (no root, no `ip`)."""
     name, n = f"trpeer{os.getpid() % 10000}", os.getpid() % 200 + 20
     host_if, peer_if = f"trh{n}", f"trp{n}"
     here, there = f"10.231.{n}.1", f"10.231.{n}.2"
@@ -202,14 +202,15 @@ def netns():
         detail = e.stderr.strip() if isinstance(e, subprocess.CalledProcessError) else str(e)
         pytest.skip(f"cannot make a network namespace here ({detail}): needs root and iproute2")
     try:
-        yield name, there
+        yield name, there, host_if
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)  # takes the veth pair with it
 
 
-def _cross_node(tiny_dir: Path, tmp_path: Path, peer_host: str, make_peer) -> None:
+def _cross_node(tiny_dir: Path, tmp_path: Path, peer_host: str, make_peer, partition: str | None = None) -> None:
     """The router's server holds `small`; `large` is on a peer server at `peer_host` (`url:`). Routed greedy
-    output equals the in-process engine's with both models local; the peer dying mid-request fails that
+    output equals the in-process engine's with both models local; the peer dying mid-request (or, with
+    `partition`, the network interface of that name going down: no reset, packets just vanish) fails that
     request with a clear error, the router keeps answering (refusing while the peer is away), and once the
     peer is back the router reconnects and serves routed requests again."""
     from triton_harness import generate_stream
@@ -246,19 +247,26 @@ def _cross_node(tiny_dir: Path, tmp_path: Path, peer_host: str, make_peer) -> No
 
         # The peer dies while a long request is routed across: that request fails with a clear error.
         long = dict(body, sampling_parameters=json.dumps({"max_tokens": 3000, "temperature": 0, "ignore_eos": True}))
-        killer = threading.Timer(2.0, peer.stop)
+        link = lambda state: subprocess.run(["ip", "link", "set", partition, state], check=True)  # noqa: E731
+        killer = threading.Timer(2.0, peer.stop if partition is None else lambda: link("down"))
         killer.start()
+        started = time.monotonic()
         status, events = generate_stream(router, long, timeout=120)
         killer.join()
         errors = [e["error"] for e in events if "error" in e]
         assert status >= 400 or errors, events
         assert "large" in " ".join(errors) + str(events)
+        # Found by a closed stream, or by keepalive (10 s + 5 s) after a silent partition: never a hang.
+        assert time.monotonic() - started < 2.0 + 30, time.monotonic() - started
         # The router keeps answering: it refuses while the peer is away, saying why.
         status, events = generate_stream(router, body)
         assert status >= 400 or any("error" in e for e in events)
         assert "peer server" in json.dumps(events)
 
-        peer = _start(make_peer(peer_repo, peer_ports, tmp_path / "peer2.log"))
+        if partition is None:
+            peer = _start(make_peer(peer_repo, peer_ports, tmp_path / "peer2.log"))
+        else:
+            link("up")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             status, events = generate_stream(router, body)
@@ -284,9 +292,20 @@ def test_two_servers_route_across_nodes_and_survive_the_peer_dying(tiny_dir: Pat
 def test_a_peer_in_its_own_network_namespace(tiny_dir: Path, tmp_path: Path, netns) -> None:
     """The same with the peer in a network namespace of its own, reached over a veth pair: nothing but
     Triton gRPC crosses between the servers (the abstract local sockets are per namespace)."""
-    name, address = netns
+    name, address, _ = netns
     _cross_node(tiny_dir, tmp_path, address,
                 lambda repo, ports, log: NamespacedServer(repo, *ports, log_file=log, netns=name, host=address))
+
+
+@pytest.mark.slow
+def test_a_silent_partition_between_the_nodes(tiny_dir: Path, tmp_path: Path, netns) -> None:
+    """The link to the peer's namespace goes down mid-request: no process dies and no connection is reset,
+    so only gRPC keepalive can tell; the request fails with a clear error, and routing resumes once the link
+    is back up."""
+    name, address, host_if = netns
+    _cross_node(tiny_dir, tmp_path, address,
+                lambda repo, ports, log: NamespacedServer(repo, *ports, log_file=log, netns=name, host=address),
+                partition=host_if)
 
 
 class _Error:

@@ -28,6 +28,7 @@ import yaml
 from tokenrouter.config import ConfigError, load_config
 from tokenrouter.serving import mps, stub_env, triton_install
 from tokenrouter.serving.repository import write_repository
+from tokenrouter.transport.grpc_link import keepalive_flags
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_CONFIG = REPO_ROOT / "config" / "r2r" / "pair-small_pair-large.yaml"
@@ -182,6 +183,8 @@ class TritonServer:
             f"--metrics-port={self.metrics_port}",
             f"--log-verbose={self.verbose}",
             "--exit-on-error=true",
+            # A peer's or router's keepalive pings are welcome (two nodes find a silent partition by them).
+            *keepalive_flags(),
             # Explicit model control (every model loaded at start): the router reloads a model whose process
             # died through Triton's load API; Triton 2.51's Python backend never restarts a dead stub itself.
             "--model-control-mode=explicit",

@@ -5,7 +5,10 @@ of the local `ipc.ModelLink`, so transport/sockets.py treats local and remote mo
 The stream's first request opens a connection (its id is random per link); the gateway streams the model's
 events back as responses to it. Each `send` is one more request carrying a batch of messages (the codec's
 JSON). A stream that fails (the peer server died, or the network between them) calls `on_lost` once;
-sends then fail fast with a clear error until `connect` succeeds again.
+sends then fail fast with a clear error until `connect` succeeds again. A silent partition (no reset, no
+close: a cable, a firewall dropping packets) is found by gRPC keepalive: a ping every KEEPALIVE_TIME_MS,
+the stream ends when one is not acknowledged within KEEPALIVE_TIMEOUT_MS. Both servers accept pings that
+often (serving/server.py passes `keepalive_flags()` to tritonserver: its default treats them as abuse).
 """
 
 from __future__ import annotations
@@ -33,6 +36,20 @@ BATCH_PREFIX = "batch "  # the gateway's error for a refused batch: "batch <its 
 # How the peer gateway's error for a connection's own request begins: the connection is over (a refused
 # message batch is an error of that request alone, without it).
 CONNECTION_CLOSED = "connection closed: "
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+
+
+def keepalive_flags() -> list[str]:
+    """tritonserver's gRPC settings that let the other node's keepalive pings in (and send its own, so a
+    peer also notices a router that vanished silently and releases what it held)."""
+    return [
+        f"--grpc-keepalive-time={KEEPALIVE_TIME_MS}",
+        f"--grpc-keepalive-timeout={KEEPALIVE_TIMEOUT_MS}",
+        "--grpc-keepalive-permit-without-calls=1",
+        "--grpc-http2-max-pings-without-data=0",
+        f"--grpc-http2-min-recv-ping-interval-without-data={KEEPALIVE_TIME_MS // 2}",
+    ]
 
 
 def peer_model_name(model: str) -> str:
@@ -62,7 +79,10 @@ class GrpcLink:
         """A stream with an open connection; ConnectionError when the peer or its model is not ready."""
         import tritonclient.grpc as grpcclient
 
-        client = grpcclient.InferenceServerClient(self.url)
+        keepalive = grpcclient.KeepAliveOptions(
+            keepalive_time_ms=KEEPALIVE_TIME_MS, keepalive_timeout_ms=KEEPALIVE_TIMEOUT_MS,
+            keepalive_permit_without_calls=True, http2_max_pings_without_data=0)
+        client = grpcclient.InferenceServerClient(self.url, keepalive_options=keepalive)
         deadline = time.monotonic() + timeout
         while True:
             try:
