@@ -73,3 +73,15 @@ def test_router_name_is_reserved(tmp_path: Path, tiny_dir: Path) -> None:
     path.write_text(yaml.safe_dump({"models": {"tokenrouter": {"path": str(tiny_dir / "small")}}}))
     with pytest.raises(ValueError, match="may not be named"):
         write_repository(path, tmp_path / "repo")
+
+
+def test_peer_gateway_names_are_reserved(tmp_path: Path, tiny_dir: Path) -> None:
+    """`large` with a url is served behind the gateway `peer_large`: a model of that name would take its place."""
+    models = {"small": {"path": str(tiny_dir / "small")},
+              "large": {"path": str(tiny_dir / "large"), "url": "127.0.0.1:9001"},
+              "peer_large": {"path": str(tiny_dir / "small")}}
+    path = tmp_path / "clash.yaml"
+    path.write_text(yaml.safe_dump({"models": models, "entry": "small"}, sort_keys=False))
+    for peer in (False, True):
+        with pytest.raises(ValueError, match=r"\['peer_large'\] are the peer gateways' names"):
+            write_repository(path, tmp_path / "repo", peer=peer)

@@ -53,6 +53,9 @@ def write_repository(
     cfg = load_config(config_path)
     if ROUTER in cfg.models:
         raise ValueError(f"a model may not be named {ROUTER!r}: that is the router's name")
+    gateways = {peer_model_name(n) for n, m in cfg.models.items() if m.url is not None}
+    if clash := sorted(gateways & set(cfg.models)):
+        raise ValueError(f"model name(s) {clash} are the peer gateways' names of the models with a url: rename them")
     served = [n for n, m in cfg.models.items() if (m.url is not None) == peer]
     if peer and not served:
         raise ValueError("no model names a url: a peer serves the deployment's models that do")
