@@ -38,13 +38,15 @@ from tokenrouter.tools.train_pair import pair_split
 
 # What tools/train_router.py and tools/train_collm.py write beside their checkpoints.
 R2R_REPORT = "r2r_router.safetensors.json"
+CITER_REPORT = "citer_router.safetensors.json"
 COLLM_REPORT = "collm_head.safetensors.json"
 
 
 def default_grid(pair: Path) -> list[dict[str, Any]]:
     """Each policy's settings, from routing least to most: the baselines, random, R-Stitch (no training),
-    and R2R / Co-LLM where the pair has their trained routers (PAIR/r2r_router.safetensors from
-    tools/train_router.py, PAIR/collm_head.safetensors from tools/train_collm.py).
+    and R2R / CITER / Co-LLM where the pair has their trained routers (PAIR/r2r_router.safetensors and
+    PAIR/citer_router.safetensors from tools/train_router.py, PAIR/collm_head.safetensors from
+    tools/train_collm.py).
     Untrained learned routers are left out: their decisions say nothing about the pair."""
     grid: list[dict[str, Any]] = [
         {"name": "always", "model": "small"},
@@ -54,6 +56,9 @@ def default_grid(pair: Path) -> list[dict[str, Any]]:
     if (pair / R2R_REPORT).is_file():
         trained = json.loads((pair / R2R_REPORT).read_text())["policy"]
         grid += [{**trained, "threshold": t} for t in (0.9, 0.8, 0.7, 0.5, 0.3)]
+    if (pair / CITER_REPORT).is_file():  # CITER routes when its score is *below* the threshold
+        trained = json.loads((pair / CITER_REPORT).read_text())["policy"]
+        grid += [{**trained, "threshold": t} for t in (0.1, 0.2, 0.3, 0.5, 0.7)]
     if (pair / COLLM_REPORT).is_file():
         report = json.loads((pair / COLLM_REPORT).read_text())
         thresholds = sorted({r["threshold"] for r in report["validation"]["routed"]}, reverse=True)

@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
@@ -19,18 +20,22 @@ from tokenrouter.tools.train_router import label_prompt, main
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_router_trains_on_divergence_labels_and_loads_in_the_policy(near_pair: Path, tmp_path: Path) -> None:
-    ckpt = tmp_path / "r2r.safetensors"
-    rc = main(["--pair", str(near_pair), "--out", str(ckpt), "--prompts", "12", "--prompt-len", "24",
-               "--gen-len", "16", "--lookahead", "4", "--hidden-dim", "32", "--epochs", "60"])
+@pytest.mark.parametrize("policy", ["r2r", "citer"])
+def test_router_trains_on_divergence_labels_and_loads_in_the_policy(near_pair: Path, tmp_path: Path,
+                                                                    policy: str) -> None:
+    ckpt = tmp_path / f"{policy}.safetensors"
+    rc = main(["--policy", policy, "--pair", str(near_pair), "--out", str(ckpt), "--prompts", "12",
+               "--prompt-len", "24", "--gen-len", "16", "--lookahead", "4", "--hidden-dim", "32", "--epochs", "60"])
     assert rc == 0
     report = json.loads(Path(str(ckpt) + ".json").read_text())
     assert 0 < report["divergent"] < report["tokens"], report
     assert report["train_loss_last_epoch"] < report["train_loss_first_epoch"]
+    assert report["policy"]["name"] == policy and report["policy"]["checkpoint"] == str(ckpt)
 
-    policy = {"name": "r2r", "checkpoint": str(ckpt), "hidden_dim": 32, "threshold": 0.5}
+    # The report's policy settings load the checkpoint as they are (a wrong network shape fails here).
+    settings = {**report["policy"], "threshold": 0.5}
     models = {m: {"path": str(near_pair / m), "dtype": "float32", "kv_cache_tokens": 2048} for m in ("small", "large")}
-    engine = Engine.from_config({"models": models, "entry": "small", "policy": policy})
+    engine = Engine.from_config({"models": models, "entry": "small", "policy": settings})
     try:
         greedy = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.0)
         out = engine.generate([5, 9, 17, 33, 65], greedy)[0]

@@ -1,7 +1,8 @@
-"""Train R2R's token router for a small/large pair from the pair's own divergence labels.
+"""Train R2R's (or CITER's) token router for a small/large pair from the pair's own divergence labels.
 
     python -m tokenrouter.tools.train_router --pair models/pair --out models/pair/r2r_router.safetensors
     # then: policy: {name: r2r, checkpoint: models/pair/r2r_router.safetensors, hidden_dim: 256, threshold: ...}
+    python -m tokenrouter.tools.train_router --policy citer --pair models/pair --out models/pair/citer.safetensors
 
 Labels (R2R routes the tokens where the small model would take the response somewhere the large one would
 not): the small model continues training-set prompts greedily; at every output position the large model's
@@ -14,6 +15,14 @@ divergence with a verifier model; continuing with the large model is this projec
 Features are exactly what the policy reads inside the step (routing/policies/r2r.py): the small model's
 final-norm hidden state of the position that predicted the token, its top-k logits sorted, and the token's
 input embedding. The network is R2RRouter; loss: binary cross-entropy weighted for the class balance.
+
+`--policy citer`: CITER's router (routing/policies/citer.py: an MLP on the hidden state alone, scoring
+whether the small model's token is good enough). CITER learns from token-level preferences decided by the
+outcome of routing each token either way (the small model's token is preferred where the response reaches
+the same result as with the large model's, and where both models choose the same token, with no rollout);
+with no task answers to check here, the outcome is the same continuation test as above, so its target is
+1 - the divergence label (stated stand-in; the preference loss on one binary preference is this
+cross-entropy).
 Prompts come from the training files of tools/train_pair.py (the held-out files stay unseen for
 perf/routing_quality.py). Writes the state dict (safetensors) and `<out>.json` with the label statistics,
 validation metrics and the policy settings that load it.
@@ -32,6 +41,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
+from tokenrouter.routing.policies.citer import CiterRouter
 from tokenrouter.routing.policies.r2r import R2RRouter
 from tokenrouter.tools.bpe import read_sources
 from tokenrouter.tools.train_pair import pair_split
@@ -115,13 +125,14 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--policy", choices=("r2r", "citer"), default="r2r", help="whose router network to train")
     p.add_argument("--pair", required=True, help="folder with small/ and large/ model directories")
     p.add_argument("--out", required=True, help="router checkpoint to write (.safetensors)")
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--lookahead", type=int, default=8)
-    p.add_argument("--hidden-dim", type=int, default=256, help="the router's width (the policy's hidden_dim)")
+    p.add_argument("--hidden-dim", type=int, default=256, help="R2R's router width (the policy's hidden_dim)")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -172,7 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     is_val = torch.tensor([o in val_prompts for o in owner])
     val, train = is_val.nonzero().flatten(), (~is_val).nonzero().flatten()
 
-    net = R2RRouter(small.config.hidden_size, k, args.hidden_dim)
+    if args.policy == "r2r":
+        net: torch.nn.Module = R2RRouter(small.config.hidden_size, k, args.hidden_dim)
+        inputs = lambda idx: (h[idx], top[idx], emb[idx])  # noqa: E731
+        policy = {"name": "r2r", "checkpoint": str(out), "hidden_dim": args.hidden_dim, "top_k_logits": TOP_K}
+    else:  # CITER's score means "the small model's token is fine": the opposite target, routed below threshold
+        net = CiterRouter(small.config.hidden_size)
+        inputs = lambda idx: (h[idx],)  # noqa: E731
+        policy = {"name": "citer", "checkpoint": str(out)}
+        y = 1.0 - y
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.01)
     positives = float(y[train].sum())
     pos_weight = torch.tensor((len(train) - positives) / max(1.0, positives))
@@ -184,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         total = 0.0
         for b in range(0, len(order), 256):
             idx = order[b : b + 256]
-            loss = loss_fn(net(h[idx], top[idx], emb[idx]), y[idx])
+            loss = loss_fn(net(*inputs(idx)), y[idx])
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -192,16 +211,17 @@ def main(argv: list[str] | None = None) -> int:
         history.append(total / len(train))
     net.eval()
     with torch.no_grad():
-        scores = torch.sigmoid(net(h[val], top[val], emb[val]))
+        scores = torch.sigmoid(net(*inputs(val)))
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file({name: t.contiguous() for name, t in net.state_dict().items()}, str(out))
     report = {
         "pair": str(pair), "prompts": args.prompts, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
-        "lookahead": args.lookahead, "tokens": n, "divergent": int(y.sum()),
-        "divergent_share": float(y.mean()), "train_loss_first_epoch": history[0], "train_loss_last_epoch": history[-1],
+        "lookahead": args.lookahead, "tokens": n, "divergent": sum(labels), "divergent_share": sum(labels) / n,
+        "target": "divergent" if args.policy == "r2r" else "small token fine (1 - divergent)",
+        "train_loss_first_epoch": history[0], "train_loss_last_epoch": history[-1],
         "validation": {"tokens": len(val), "auc": auc(scores, y[val]),
                        "accuracy_at_0.5": float(((scores >= 0.5).float() == y[val]).float().mean())},
-        "policy": {"name": "r2r", "checkpoint": str(out), "hidden_dim": args.hidden_dim, "top_k_logits": TOP_K},
+        "policy": policy,
     }
     Path(str(out) + ".json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report, indent=1))
