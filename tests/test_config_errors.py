@@ -126,7 +126,8 @@ POLICIES = [
         r"^policy 'r2r': argument 'checkpoint': router checkpoint '/no/such/router\.pt' does not exist$",
     ),
     # A relative checkpoint resolves like a model path (here a dict config: against the working directory).
-    ({"name": "citer", "checkpoint": "no-such-router.pt"}, r"^policy 'citer': .* '/.*/no-such-router\.pt' does not exist$"),
+    ({"name": "citer", "checkpoint": "no-such-router.pt"},
+     r"^policy 'citer': .* '/.*/no-such-router\.pt' does not exist$"),
     ({"name": "collm", "checkpoint": 5}, r"^policy 'collm': argument 'checkpoint' must be a file path or null, got 5$"),
     ({"name": "always", "model": "huge"}, r"policy 'always': argument 'model' must be one of \['small', 'large'\]"),
     ({"name": "rstitch", "tau": 1}, r"policy 'rstitch': unknown argument\(s\) \['tau'\]"),
