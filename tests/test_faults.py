@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from triton_harness import generate_stream, metrics, running_server
+from triton_harness import generate_stream, metrics, running_server, stubs_of
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "perf"))
@@ -36,15 +36,6 @@ def _config(tmp: Path, tiny_dir: Path, kv_cache_tokens: int = 4096, p: float = 0
     path = tmp / "faults.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
-
-
-def _stubs_of(repo: Path, model: str = "") -> list[int]:
-    """Python-backend stub processes of the repository at `repo` (their command line names the model.py
-    they serve), of one model if given."""
-    out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
-    where = f"{repo}/{model}/" if model else f"{repo}/"
-    lines = [line for line in out.splitlines() if "triton_python_backend_stub" in line and where in line]
-    return [int(line.split()[0]) for line in lines]
 
 
 def _body(prompt: str, params: dict) -> dict:
@@ -71,7 +62,7 @@ def test_killed_subserver_fails_its_requests_and_is_reloaded(tiny_dir: Path, tmp
         for t in streams:
             t.start()
         time.sleep(1.0)  # mid-request: 3,000 tokens take far longer than this
-        (large,) = _stubs_of(tmp_path / "model_repository", "large")
+        (large,) = stubs_of(tmp_path / "model_repository", "large")
         os.kill(large, signal.SIGKILL)
         for t in streams:
             t.join(timeout=60)
@@ -158,10 +149,10 @@ def test_stubs_exit_when_tritonserver_dies(tiny_dir: Path, tmp_path: Path) -> No
     must not leave model processes behind holding memory and sockets."""
     with running_server(_config(tmp_path, tiny_dir), tmp_path) as server:
         repo = tmp_path / "model_repository"
-        assert len(_stubs_of(repo)) == 3
+        assert len(stubs_of(repo)) == 3
         server.proc.send_signal(signal.SIGSEGV)
         server.proc.wait(timeout=30)
         deadline = time.monotonic() + 15
-        while _stubs_of(repo) and time.monotonic() < deadline:
+        while stubs_of(repo) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert _stubs_of(repo) == []
+        assert stubs_of(repo) == []

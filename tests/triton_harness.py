@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -59,3 +60,12 @@ def _events(body: str) -> list[dict]:
 def metrics(server: TritonServer) -> dict[str, float]:
     """Prometheus text -> {'name{labels}': value} for our metrics."""
     return scrape(server.metrics_url)
+
+
+def stubs_of(repo: Path, model: str = "") -> list[int]:
+    """Python-backend stub processes of the repository at `repo` (their command line names the model.py
+    they serve), of one model if given."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
+    where = f"{repo}/{model}/" if model else f"{repo}/"
+    lines = [line for line in out.splitlines() if "triton_python_backend_stub" in line and where in line]
+    return [int(line.split()[0]) for line in lines]

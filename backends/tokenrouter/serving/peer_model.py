@@ -7,7 +7,10 @@ and streams every batch of the subserver's events back as responses to that requ
 connection lives. Each later request carries a batch of messages (`tokenrouter_messages`, transport/codec.py
 JSON) for a connection and is answered at once with an empty final response (or an error for that request
 alone). When the router's stream goes away (Triton cancels the request), the gateway closes the socket and
-the subserver releases every request that connection brought, as for a local router that died.
+the subserver releases every request that connection brought, as for a local router that died. When the
+subserver's process dies, every connection ends with an error and the gateway reloads the model through
+this server's model control (serving/model_control.py), as a router does for its local models; the
+routers reconnect on their own.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from tokenrouter.serving.model_control import REVIVE_BACKOFF_MAX_S, REVIVE_BACKOFF_S, cannot_reload, reload_model
 from tokenrouter.transport import codec, ipc
 from tokenrouter.transport.grpc_link import BATCH_PREFIX, CONNECTION_CLOSED
 
@@ -42,6 +46,7 @@ class PeerModel:
         self._recent: collections.deque[Any] = collections.deque(maxlen=4096)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._reviving = False
         threading.Thread(target=self._watch_cancellations, name=f"tr-peer-{self.model}", daemon=True).start()
 
     # -- Triton entry points ------------------------------------------------------------------------------
@@ -116,11 +121,50 @@ class PeerModel:
             log.warning("peer %s: could not send events on connection %s", self.model, conn)
 
     def _lost(self, conn: str) -> None:
-        """The local subserver's socket closed (its process died): the connection ends with an error."""
+        """The local subserver's socket closed (its process died): the connection ends with an error, and
+        the model is reloaded (once, whatever the number of connections that saw it go)."""
         with self._lock:
             c = self._conns.pop(conn, None)
+            # Only a live connection that broke: the gateway's own closes (a router gone, shutdown) land here too.
+            revive = c is not None and not self._reviving and not self._stop.is_set()
+            self._reviving = self._reviving or revive
         if c is not None:
             self._end(c.sender, f"model {self.model!r} went away on the peer server")
+        if revive:
+            threading.Thread(target=self._revive, name=f"tr-peer-revive-{self.model}", daemon=True).start()
+
+    def _alive(self) -> bool:
+        """Whether the subserver still answers on its socket (it may have closed one connection only)."""
+        probe = ipc.ModelLink(self.model, lambda items: None, lambda: None)
+        try:
+            probe.connect(timeout=0.5)
+        except ConnectionError:
+            return False
+        probe.close()
+        return True
+
+    def _revive(self) -> None:
+        delay = REVIVE_BACKOFF_S
+        try:
+            if self._alive():
+                return
+            while not self._stop.is_set():
+                try:
+                    log.warning("peer %s: the model's process exited; reloading it", self.model)
+                    reload_model(self.model, self.pb)
+                    log.warning("peer %s: model reloaded", self.model)
+                    return
+                except Exception as e:  # the server's answer, or pb_utils.TritonModelException
+                    if cannot_reload(e):
+                        log.error("peer %s: the model stays down: this server cannot reload it (%s); restart "
+                                  "tritonserver, or run it with --model-control-mode=explicit", self.model, e)
+                        return
+                    log.exception("peer %s: reload failed; retrying", self.model)
+                self._stop.wait(delay)
+                delay = min(2 * delay, REVIVE_BACKOFF_MAX_S)
+        finally:
+            with self._lock:
+                self._reviving = False
 
     def _end(self, sender: Any, error: str) -> None:
         try:

@@ -14,11 +14,8 @@ import asyncio
 import collections
 import json
 import logging
-import os
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +30,7 @@ from tokenrouter.engine.step_stats import StepStats
 from tokenrouter.routing.policy import make_policy
 from tokenrouter.runner.arch import declared_context_limit, shared_vocab_size
 from tokenrouter.serving.metrics import RouterMetrics
-from tokenrouter.serving.server import ADMIN_HEADER, ADMIN_KEY_ENV, CONTROL_URL_ENV
+from tokenrouter.serving.model_control import REVIVE_BACKOFF_MAX_S, REVIVE_BACKOFF_S, cannot_reload, reload_model
 from tokenrouter.serving.tensors import GenerateRequest, parse_request
 from tokenrouter.tokenizer import load_tokenizer
 from tokenrouter.transport.messages import StepStatsReport
@@ -46,10 +43,8 @@ CANCEL_POLL_S = 0.05
 # How long Python keeps every request, response sender and response it handed to Triton after the last use
 # (see `_Graveyard`).
 KEEP_TRITON_OBJECTS_S = 10.0
-# Reviving a model whose process died: first wait between reload attempts (doubling up to 5 s), and how
-# long its socket may take to answer once Triton says it is loaded again.
-REVIVE_BACKOFF_S = 0.2
-RELOAD_TIMEOUT_S = 1800.0  # a large model's weights take minutes to load
+# Reviving a model whose process died: how long its socket may take to answer once Triton says it is
+# loaded again.
 REVIVE_CONNECT_S = 10.0
 
 
@@ -297,13 +292,13 @@ class RouterModel:
             try:
                 if not remote:
                     log.warning("model %r: reloading it", model)
-                    self._reload(model)
+                    reload_model(model, self.pb)
                 link.connect(timeout=REVIVE_CONNECT_S)
                 break
             except ConnectionError as e:
                 log.warning("model %r reloaded, but its socket does not answer (%s); retrying", model, e)
             except Exception as e:  # pb_utils.TritonModelException and anything else the reload raises
-                if "not allowed" in str(e) or "explicit" in str(e).lower():
+                if cannot_reload(e):
                     reason = (
                         f"model {model!r} is unavailable: its process exited, and this server cannot reload it "
                         f"({e}); restart tritonserver, or run it with --model-control-mode=explicit "
@@ -314,33 +309,11 @@ class RouterModel:
                     return
                 log.exception("model %r: reload failed; retrying", model)
             time.sleep(delay)
-            delay = min(2 * delay, 5.0)
+            delay = min(2 * delay, REVIVE_BACKOFF_MAX_S)
         else:
             return
         self.metrics.model_up(model, True)
         self.loop.call_soon_threadsafe(self.coordinator.model_back, model)
-
-    def _reload(self, model: str) -> None:
-        """Unload and load `model` (a load of a model Triton still counts as loaded does nothing). Through
-        the server's HTTP model-control API when `tokenrouter serve` said where it is: pb_utils.load_model
-        holds this process's GIL for the whole reload, which stalls every request for as long as the
-        model takes to load."""
-        url = os.environ.get(CONTROL_URL_ENV)
-        if url is None:
-            self.pb.unload_model(model_name=model)
-            self.pb.load_model(model_name=model)
-            return
-        key = os.environ.get(ADMIN_KEY_ENV)
-        headers = {"Content-Type": "application/json", **({ADMIN_HEADER: key} if key else {})}
-        for action in ("unload", "load"):
-            request = urllib.request.Request(
-                f"{url}/v2/repository/models/{model}/{action}", data=b"{}", headers=headers, method="POST"
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=RELOAD_TIMEOUT_S) as r:
-                    r.read()
-            except urllib.error.HTTPError as e:
-                raise RuntimeError(f"{action} of {model!r} refused: {e.read().decode(errors='replace')}") from None
 
     async def _sweep_forever(self) -> None:
         while True:

@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from transformers import AutoTokenizer, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from tokenrouter.routing.policies.collm import DeferralHead
-from tokenrouter.tools.train_router import training_prompts
+from tokenrouter.tools.train_router import checked_paths, load_pair, training_prompts
 
 
 @torch.no_grad()
@@ -73,25 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the pair runs (the head trains on the CPU)")
     args = p.parse_args(argv)
-    pair, out = Path(args.pair), Path(args.out)
-    for m in ("small", "large"):
-        if not (pair / m / "config.json").is_file():
-            p.error(f"--pair {pair}: no {m}/config.json (a folder with small/ and large/ model directories)")
-    if out.suffix != ".safetensors":
-        p.error("--out must end in .safetensors")
+    pair, out = checked_paths(p, args.pair, args.out)
     for name in ("windows", "window_len", "epochs"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0.0 < args.target_share < 1.0:
         p.error("--target-share must be in (0, 1)")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        p.error(f"--out {out}: {e.strerror or e}")
     torch.manual_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(pair / "small")
-    small = Qwen3ForCausalLM.from_pretrained(pair / "small", dtype=torch.float32).to(args.device).eval()
-    large = Qwen3ForCausalLM.from_pretrained(pair / "large", dtype=torch.float32).to(args.device).eval()
+    tokenizer, small, large = load_pair(pair, args.device)
     windows = training_prompts(tokenizer, pair, args.windows, args.window_len + 1, args.seed)
     n_val = max(1, len(windows) // 10)  # whole windows validate: neighbouring tokens never train
     val = teacher_forced(small, large, windows[:n_val], 16)

@@ -49,6 +49,32 @@ from tokenrouter.tools.train_pair import pair_split
 TOP_K = 100  # R2R's top-k logits (the policy's default `top_k_logits`), clamped to the vocabulary
 
 
+def checked_paths(p: argparse.ArgumentParser, pair: str, out: str) -> tuple[Path, Path]:
+    """--pair (a folder with small/ and large/) and --out (a .safetensors file in a writable place), checked
+    before minutes of work; `p.error` otherwise."""
+    pair_dir, out_file = Path(pair), Path(out)
+    for m in ("small", "large"):
+        if not (pair_dir / m / "config.json").is_file():
+            p.error(f"--pair {pair}: no {m}/config.json (a folder with small/ and large/ model directories)")
+    if out_file.suffix != ".safetensors":
+        p.error("--out must end in .safetensors")
+    try:
+        out_file.parent.mkdir(parents=True, exist_ok=True)
+        out_file.with_suffix(".write-test").write_text("")
+        out_file.with_suffix(".write-test").unlink()
+    except OSError as e:
+        p.error(f"--out {out}: {e.strerror or e}")
+    return pair_dir, out_file
+
+
+def load_pair(pair: Path, device: str) -> tuple[Any, Qwen3ForCausalLM, Qwen3ForCausalLM]:
+    """The pair's tokenizer and both models in float32 on `device`, for inference."""
+    tokenizer = AutoTokenizer.from_pretrained(pair / "small")
+    small = Qwen3ForCausalLM.from_pretrained(pair / "small", dtype=torch.float32).to(device).eval()
+    large = Qwen3ForCausalLM.from_pretrained(pair / "large", dtype=torch.float32).to(device).eval()
+    return tokenizer, small, large
+
+
 def training_prompts(tokenizer: Any, pair: Path, n: int, length: int, seed: int) -> list[list[int]]:
     train, _, _ = pair_split(pair)
     tokenizer.model_max_length = sys.maxsize  # whole files are tokenized, then cut into windows
@@ -139,25 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the pair runs to label (the router trains on the CPU)")
     args = p.parse_args(argv)
-    pair, out = Path(args.pair), Path(args.out)
-    for m in ("small", "large"):
-        if not (pair / m / "config.json").is_file():
-            p.error(f"--pair {pair}: no {m}/config.json (a folder with small/ and large/ model directories)")
-    if out.suffix != ".safetensors":
-        p.error("--out must end in .safetensors")
-    try:  # before minutes of labelling: a place that cannot be written fails now
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".write-test").write_text("")
-        out.with_suffix(".write-test").unlink()
-    except OSError as e:
-        p.error(f"--out {out}: {e.strerror or e}")
+    pair, out = checked_paths(p, args.pair, args.out)
     for name in ("prompts", "prompt_len", "gen_len", "lookahead", "hidden_dim", "epochs"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     torch.manual_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(pair / "small")
-    small = Qwen3ForCausalLM.from_pretrained(pair / "small", dtype=torch.float32).to(args.device).eval()
-    large = Qwen3ForCausalLM.from_pretrained(pair / "large", dtype=torch.float32).to(args.device).eval()
+    tokenizer, small, large = load_pair(pair, args.device)
     k = min(TOP_K, small.config.vocab_size)
 
     feats: list[tuple[torch.Tensor, ...]] = []

@@ -1,0 +1,46 @@
+"""Reloading a model of this Triton server whose Python-backend process died (Triton 2.51's Python backend
+never restarts a dead stub itself): the router does it for its local models (router_model.py), a peer's
+gateway for the model it offers to routers on other servers (peer_model.py)."""
+
+from __future__ import annotations
+
+import os
+import urllib.error
+import urllib.request
+from typing import Any
+
+from tokenrouter.serving.server import ADMIN_HEADER, ADMIN_KEY_ENV, CONTROL_URL_ENV
+
+RELOAD_TIMEOUT_S = 1800.0  # a large model's weights take minutes to load
+# Between reload attempts: the first wait, doubling up to the last.
+REVIVE_BACKOFF_S = 0.2
+REVIVE_BACKOFF_MAX_S = 5.0
+
+
+def reload_model(model: str, pb_utils: Any) -> None:
+    """Unload and load `model` (a load of a model Triton still counts as loaded does nothing). Through the
+    server's HTTP model-control API when `tokenrouter serve` said where it is: pb_utils.load_model holds the
+    calling process's GIL for the whole reload, which stalls every request for as long as the model takes
+    to load. Raises what the server answers (e.g. a server without explicit model control refuses)."""
+    url = os.environ.get(CONTROL_URL_ENV)
+    if url is None:
+        pb_utils.unload_model(model_name=model)
+        pb_utils.load_model(model_name=model)
+        return
+    key = os.environ.get(ADMIN_KEY_ENV)
+    headers = {"Content-Type": "application/json", **({ADMIN_HEADER: key} if key else {})}
+    for action in ("unload", "load"):
+        request = urllib.request.Request(
+            f"{url}/v2/repository/models/{model}/{action}", data=b"{}", headers=headers, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=RELOAD_TIMEOUT_S) as r:
+                r.read()
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"{action} of {model!r} refused: {e.read().decode(errors='replace')}") from None
+
+
+def cannot_reload(error: Exception) -> bool:
+    """Whether a reload failed because this server does not allow one (no explicit model control): retrying
+    cannot help."""
+    return "not allowed" in str(error) or "explicit" in str(error).lower()
