@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from tokenrouter.tools.bpe import read_sources, stdlib_root, stdlib_sources, train_bpe_tokenizer
+from tokenrouter.tools.bpe import SPECIAL_TOKENS, read_sources, stdlib_root, stdlib_sources, train_bpe_tokenizer
 from tokenrouter.tools.chatml import ENDOFTEXT, IM_END
 
 HELD_OUT_EVERY = 50  # every 50th stdlib file is held out (about 2 % of the corpus)
@@ -230,9 +230,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=100)
     args = p.parse_args(argv)
-    for name in ("vocab_size", "steps", "batch_size", "seq_len", "eval_windows"):
+    for name in ("steps", "batch_size", "seq_len", "eval_windows"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    min_vocab = 256 + len(SPECIAL_TOKENS)  # byte-level BPE: every byte is an id before any merge
+    if args.vocab_size < min_vocab:
+        p.error(f"--vocab-size must be >= {min_vocab} (256 bytes and the special tokens)")
+    if args.log_every < 0:
+        p.error("--log-every must be >= 0 (0: no progress lines)")
+    if args.max_train_bytes is not None and args.max_train_bytes < 1:
+        p.error("--max-train-bytes must be >= 1")
+    # Every folder is checked before anything is written to --out.
+    root = stdlib_root() if args.sources is None else args.sources
+    if not root.is_dir():
+        p.error(f"--sources {root}: not a folder")
+    for extra in args.extra:
+        if not extra.is_dir():
+            p.error(f"--extra {extra}: not a folder")
     out = pathlib.Path(args.out)
     try:
         device = torch.device(args.device)
@@ -246,14 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--out {out}: {e.strerror or e}")
 
     t0 = time.perf_counter()
-    root = stdlib_root() if args.sources is None else args.sources
-    if not root.is_dir():
-        p.error(f"--sources {root}: not a folder")
     train_files, held_files = split_files(stdlib_sources(root))
     write_held_out(out, held_files, root, args.sources_python)
     for extra in args.extra:
-        if not extra.is_dir():
-            p.error(f"--extra {extra}: not a folder")
         train_files += sorted(extra.rglob("*.py"))
     tokenizer = train_bpe_tokenizer(out / "tokenizer", args.vocab_size, TOKENIZER_CORPUS_BYTES, train_files)
     train_data = encode(tokenizer, train_files, args.max_train_bytes).to(device)
