@@ -3,8 +3,9 @@
 Never touches a tensor. Every scheduled sequence runs a chunk `token_ids[num_computed : num_computed + n]`:
 a whole prompt (prefill), its next piece (chunked prefill), a suffix appended from elsewhere (extend) or
 the last sampled token (decode). Running sequences go first, in arrival order; then waiting ones are
-admitted while the token budget, the sequence cap and the KV pool allow. When the pool runs dry the most
-recently admitted sequence is preempted (its blocks freed, recomputed later).
+admitted while the token budget, the sequence cap and the KV pool allow. When the pool runs dry a running
+sequence first takes the blocks of the longest-parked request (in flight on another model; it re-prefills
+on return), then the most recently admitted sequence is preempted (its blocks freed, recomputed later).
 """
 
 from __future__ import annotations
@@ -71,9 +72,14 @@ class Scheduler:
             prefix = self.bm.match_prefix(seq.token_ids) if not seq.block_table else []
             cached = len(prefix) * self.bm.block_size
             n = min(seq.num_tokens - cached, budget)
-            # Blocks for the prefix we take over plus the new chunk must be available now.
+            # Blocks for the prefix we take over plus the new chunk must be available now. Parked requests are
+            # in flight on another model and come back: evicting one for a newcomer makes it re-prefill on
+            # return, and with a pool smaller than the working set every return then evicts another (thrash:
+            # a whole prompt per handoff). So a newcomer waits for running requests to free blocks, and
+            # reclaims parked blocks only when nothing runs here (no progress otherwise; and requests parked
+            # on each model while waiting for the other could wait for ever).
             while self._admission_cost(prefix, cached + n) > self.bm.num_free_blocks:
-                if not self._reclaim_parked():
+                if self.running or not self._reclaim_parked():
                     break
             if self._admission_cost(prefix, cached + n) > self.bm.num_free_blocks:
                 break
