@@ -48,3 +48,13 @@ def test_default_deployment_loads_from_any_directory(tmp_path: Path, monkeypatch
     checkpoint = Path(cfg.policy["checkpoint"])
     assert checkpoint.is_absolute() and checkpoint == PAIR / "r2r_router.safetensors"
     assert [Path(m.path) for m in cfg.models.values()] == [PAIR / "small", PAIR / "large"]
+
+
+def test_policy_file_arguments_resolve_against_the_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GlimpRouter's `tokenizer` follows the same rule as a router `checkpoint` (one place: POLICY_PATH_ARGS)."""
+    cfg = {"models": {"small": {"path": str(PAIR / "small")}, "large": {"path": str(PAIR / "large")}},
+           "entry": "small", "policy": {"name": "glimprouter", "tokenizer": "pair/tokenizer"}}
+    (tmp_path / "deploy.yaml").write_text(json.dumps(cfg))  # JSON is YAML
+    (tmp_path / "pair").symlink_to(PAIR)
+    monkeypatch.chdir(REPO)
+    assert load_config(tmp_path / "deploy.yaml").policy["tokenizer"] == str(PAIR / "tokenizer")

@@ -6,8 +6,8 @@ Example::
       small: {path: models/tiny/small, dtype: float32, device: cpu}
     entry: small
 
-Relative model paths, the tokenizer's and a policy's router `checkpoint` resolve against the YAML file's
-folder (or the working directory for a dict); `$VARS` and `~` expand.
+Relative model paths, the tokenizer's and a policy's file arguments (a router `checkpoint`, GlimpRouter's
+`tokenizer`) resolve against the YAML file's folder (or the working directory for a dict); `$VARS` and `~` expand.
 """
 
 from __future__ import annotations
@@ -298,6 +298,10 @@ def _check_fields(obj: Any, prefix: str) -> None:
                 raise ConfigError(f"{prefix}{f.name} must be {meta.get('accepts') or rng}, got {v!r}")
 
 
+# Policy arguments that name files or folders (learned routers' `checkpoint`, GlimpRouter's `tokenizer`).
+POLICY_PATH_ARGS = ("checkpoint", "tokenizer")
+
+
 def resolve_path(value: str, base: Path) -> str:
     """A config path as the config means it: `$VARS` and `~` expanded, relative ones against `base`."""
     expanded = os.path.expanduser(os.path.expandvars(str(value)))
@@ -377,9 +381,11 @@ def load_config(source: str | os.PathLike | dict[str, Any] | EngineConfig) -> En
     if isinstance(data.get("policy"), str):
         data["policy"] = {"name": data["policy"]}
     policy = data.get("policy")
-    if isinstance(policy, dict) and isinstance(policy.get("checkpoint"), str) and policy["checkpoint"]:
-        # Like model paths: a deployment's router travels with it (a server's working directory is not the YAML's).
-        data["policy"] = {**policy, "checkpoint": resolve_path(policy["checkpoint"], base)}
+    if isinstance(policy, dict):
+        # Like model paths: a deployment's router files travel with it (a server's working directory is not
+        # the YAML's).
+        data["policy"] = {k: resolve_path(v, base) if k in POLICY_PATH_ARGS and isinstance(v, str) and v else v
+                          for k, v in policy.items()}
     if isinstance(data.get("tokenizer"), str):
         data["tokenizer"] = resolve_path(data["tokenizer"], base)
     cfg = _build(EngineConfig, data, "config", models=models)
