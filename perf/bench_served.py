@@ -170,8 +170,9 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["| C | requests | errors | output tok/s | per-user tok/s | TTFT mean / p50 / p99 ms | "
                   "E2E mean / p99 ms | large share | handoffs/req |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in report["results"]:
+            point = f"{r['concurrency']} (run {r['run']})" if r.get("run") else str(r["concurrency"])
             lines.append(
-                f"| {r['concurrency']} | {r['requests']} | {r['errors']} | {_fmt(r.get('output_tok_s'))} | "
+                f"| {point} | {r['requests']} | {r['errors']} | {_fmt(r.get('output_tok_s'))} | "
                 f"{_fmt(r.get('per_user_tok_s'))} | {_fmt(r.get('ttft_ms_mean'))} / {_fmt(r.get('ttft_ms_p50'))} / "
                 f"{_fmt(r.get('ttft_ms_p99'))} | {_fmt(r.get('e2e_ms_mean'))} / {_fmt(r.get('e2e_ms_p99'))} | "
                 f"{_fmt(r.get('large_share'), 3)} | {_fmt(r.get('handoffs_per_request'))} |")
@@ -205,11 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=100)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1,
+                   help="unmeasured rounds of C short requests per point (0: measure a fresh server's first requests)")
+    p.add_argument("--repeat", type=int, default=1, help="measured runs per point (the same prompts each time)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for any one response")
     p.add_argument("--out", help="results name (a bare name goes to perf/results/)")
     p.add_argument("--write-prompts", metavar="FILE",
                    help="only write --num-requests prompts (JSON list) for other tools, e.g. perf/perf_analyzer.py")
     args = p.parse_args(argv)
+    if args.warmup < 0 or args.repeat < 1:
+        p.error("--warmup must be >= 0 and --repeat >= 1")
     if args.write_prompts:
         if not args.config:
             p.error("--write-prompts needs --config")
@@ -238,15 +244,23 @@ def main(argv: list[str] | None = None) -> int:
                   "workload": {"prompt_len": args.prompt_len, "output_len": args.output_len,
                                "num_requests": args.num_requests or "max(16, 4 x C)", "seed": args.seed},
                   "results": []}
+        report["workload"].update(warmup_rounds=args.warmup, repeat=args.repeat)
         for c in parse_concurrency(p, args.concurrency):
             n = args.num_requests or max(16, 4 * c)
             prompts = make_prompts(args.config, n + c, args.prompt_len, args.seed + c)
-            run_point(args.url, prompts[:c], c, 8, args.timeout)  # warm-up round, not measured
-            row = summarize(c, run_point(args.url, prompts[c:], c, args.output_len, args.timeout))
-            report["results"].append(row)
-            write(report)  # after every point: a run cut short keeps what it measured
-            print(f"C={c}: {_fmt(row.get('output_tok_s'))} tok/s, TTFT p50 {_fmt(row.get('ttft_ms_p50'))} ms, "
-                  f"{row['errors']} errors", flush=True)
+            for _ in range(args.warmup):  # not measured
+                run_point(args.url, prompts[:c], c, 8, args.timeout)
+            for run in range(args.repeat):
+                # The monotonic window lets `perf/timeline.py served --since/--until` cut this run's steps
+                # out of a served timeline (CLOCK_MONOTONIC: one clock for the machine's processes).
+                since = time.monotonic()
+                row = summarize(c, run_point(args.url, prompts[c:], c, args.output_len, args.timeout))
+                row.update(run=run, monotonic_since=since, monotonic_until=time.monotonic())
+                report["results"].append(row)
+                write(report)  # after every run: a run cut short keeps what it measured
+                print(f"C={c} run {run}: {_fmt(row.get('output_tok_s'))} tok/s, TTFT p50 / p99 "
+                      f"{_fmt(row.get('ttft_ms_p50'))} / {_fmt(row.get('ttft_ms_p99'))} ms, {row['errors']} errors",
+                      flush=True)
     print(markdown(report))
     failed = any(r.get("errors") for r in report.get("results", [])) or any(
         r["served_errors"] for r in report.get("comparison", []))

@@ -23,6 +23,15 @@ python3 -m tokenrouter.cli make-bench-tokenizer || exit 1
 envflag=()
 if [ "$(python3 -c 'import numpy; print(numpy.__version__.split(".")[0])')" -ge 2 ]; then
   step "stub environment with numpy<2 (Triton 2.51's Python backend corrupts string tensors with numpy 2)"
-  python3 -m tokenrouter.cli stub-env --out $work/stub-env --find-links "$bundle" || exit 1
+  wheels=$work/wheels  # wheels the bundle carries unpacked (perf/make_gpu_bundle.sh), zipped back
+  mkdir -p $wheels
+  for packed in "$bundle"/*.whl.txz; do
+    [ -e "$packed" ] || continue
+    rm -rf $wheels/unpacked && mkdir $wheels/unpacked && tar -C $wheels/unpacked -xJf "$packed" || exit 1
+    (cd $wheels/unpacked && python3 -m zipfile -c "$wheels/$(basename "${packed%.txz}")" *) || exit 1
+  done
+  rm -rf $wheels/unpacked
+  cp "$bundle"/numpy-*.whl $wheels/ 2> /dev/null  # a bundle made before the wheels were packed
+  python3 -m tokenrouter.cli stub-env --out $work/stub-env --find-links $wheels || exit 1
   envflag=(--execution-env $work/stub-env)
 fi

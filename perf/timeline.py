@@ -4,7 +4,7 @@
     python perf/timeline.py record --config config/r2r/tiny-small_tiny-large.yaml \\
         --concurrency 8 --num-requests 32 --prompt-len 64 --output-len 64 --out /tmp/timeline
     # served: start the server with TOKENROUTER_TIMELINE_DIR=DIR (every subserver appends its events there),
-    # run any load (perf_analyzer, genai-perf, bench_served.py), then
+    # run any load (perf_analyzer, genai-perf, bench_served.py), then (--since/--until: one run's window)
     python perf/timeline.py served DIR --out /tmp/timeline-served
 
 Each writes OUT/trace.json (open it in https://ui.perfetto.dev or chrome://tracing: one track per model,
@@ -28,7 +28,7 @@ from timeline_analysis import chrome_trace, markdown, summarize
 
 from tokenrouter import Engine, SamplingParams
 from tokenrouter.config import ConfigError, load_config
-from tokenrouter.engine.timeline import read_events
+from tokenrouter.engine.timeline import event_time, read_events
 
 
 def write(out: Path, events: list[dict[str, Any]], title: str, extra: dict[str, Any]) -> dict[str, Any]:
@@ -61,12 +61,17 @@ def record(args: argparse.Namespace) -> int:
         res = closed_loop(engine, prompts, args.concurrency, params, args.timeout)
         events = engine.timeline_events()
         engine.record_timeline(False)
+        runs = [res]
+        # --repeat: the same closed loop again, unrecorded, on the same engine (is the figure stable?)
+        runs += [closed_loop(engine, prompts, args.concurrency, params, args.timeout) for _ in range(args.repeat - 1)]
     finally:
         engine.shutdown()
-    tokens = sum(t.tokens for t in res.tracks)
+    tok_s = [round(sum(t.tokens for t in r.tracks) / max(r.end - r.start, 1e-9), 1) for r in runs]
     extra = {"config": args.config, "policy": json.dumps(cfg.policy), "concurrency": args.concurrency,
              "requests": args.num_requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
-             "output_tok_s": round(tokens / max(res.end - res.start, 1e-9), 1)}
+             "output_tok_s": tok_s[0]}
+    if len(tok_s) > 1:
+        extra["output_tok_s of every run (the first recorded)"] = tok_s
     summary = write(Path(args.out), events, f"Timeline: {Path(args.config).name} at C={args.concurrency}", extra)
     print((Path(args.out) / "summary.md").read_text())
     return 0 if summary["models"] else 1
@@ -86,7 +91,13 @@ def served(args: argparse.Namespace) -> int:
             print(f"warning: {len(names)} files for model {model!r} ({', '.join(names)}): events of several "
                   "processes are merged; use a fresh folder per run", file=sys.stderr)
     events = read_events(folder)
-    write(Path(args.out), events, f"Timeline: served deployment ({folder})", {"source": str(folder)})
+    extra: dict[str, Any] = {"source": str(folder)}
+    if args.since is not None or args.until is not None:
+        since = float("-inf") if args.since is None else args.since
+        until = float("inf") if args.until is None else args.until
+        events = [e for e in events if since <= event_time(e) <= until]
+        extra["window"] = f"monotonic {args.since} .. {args.until}"
+    write(Path(args.out), events, f"Timeline: served deployment ({folder})", extra)
     print((Path(args.out) / "summary.md").read_text())
     return 0
 
@@ -104,13 +115,17 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--timeout", type=float, default=600.0, help="seconds without any request finishing: abort")
+    r.add_argument("--repeat", type=int, default=1, help="closed loops in all; only the first is recorded")
     r.add_argument("--out", required=True, help="output folder")
     s = sub.add_parser("served", help="merge the files a server wrote with TOKENROUTER_TIMELINE_DIR")
     s.add_argument("folder")
     s.add_argument("--out", required=True, help="output folder")
+    s.add_argument("--since", type=float, help="only events at or after this time.monotonic() second "
+                   "(perf/bench_served.py writes each run's monotonic_since / monotonic_until)")
+    s.add_argument("--until", type=float, help="only events at or before this time.monotonic() second")
     args = p.parse_args(argv)
     if args.cmd == "record":
-        for name in ("concurrency", "num_requests", "prompt_len", "output_len"):
+        for name in ("concurrency", "num_requests", "prompt_len", "output_len", "repeat"):
             if getattr(args, name) < 1:
                 p.error(f"--{name.replace('_', '-')} must be >= 1")
         try:

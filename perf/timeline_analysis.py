@@ -4,6 +4,10 @@
 Summary, per model, over the window from the first step's start to the last step's end (all models):
 - busy fraction: time inside its steps / window; of a step, `forward` is the forward pass up to its tokens
   (and the policy's values) on the host, `route+commit` the routing, commit and handoffs after it;
+- the step's phases, mean ms per step: `schedule` (choosing the batch), `prepare+launch` (the host builds the
+  inputs and launches the kernels or the graph), `GPU wait` (from the launch until tokens and values are on
+  the host: the GPU's work not hidden behind the host's, and the other model's kernels when they share the
+  GPU), `route+commit`; the host's share of a step is everything but `GPU wait`;
 - batch histogram, mean batch, tokens per step, steps with an extend or prefill, step time by batch size;
 - idle gaps between its consecutive steps, split by cause: `no request ready` (until the first of the next
   step's rows became ready); `waiting below threshold` (delayed batching, threshold > 1: from then until the
@@ -68,6 +72,19 @@ def _gaps(steps: list[Event]) -> dict[str, float]:
     return causes
 
 
+PHASES = (("schedule", "schedule_start", "start"), ("prepare+launch", "start", "launched"),
+          ("GPU wait", "launched", "forward_end"), ("route+commit", "forward_end", "end"))
+
+
+def _phases(steps: list[Event]) -> dict[str, float] | None:
+    """Mean milliseconds per step in each phase (see the module docstring); None for events recorded before
+    the phases were (no `launched` time)."""
+    timed = [e for e in steps if e.get("launched") and e.get("schedule_start") and e.get("forward_end")]
+    if not timed:
+        return None
+    return {name: 1000 * statistics.fmean(e[b] - e[a] for e in timed) for name, a, b in PHASES}
+
+
 def _overlap(intervals_by_model: dict[str, list[tuple[float, float]]]) -> float:
     """Seconds during which at least two models were inside a step."""
     points = sorted((t, d) for ivs in intervals_by_model.values() for a, b in ivs for t, d in ((a, 1), (b, -1)))
@@ -108,6 +125,7 @@ def summarize(events: list[Event]) -> dict[str, Any]:
         steps = sorted(steps_by_model.get(model, []), key=lambda e: e["start"])
         busy = sum(e["end"] - e["start"] for e in steps)
         forward = sum(e["forward_end"] - e["start"] for e in steps if e.get("forward_end"))
+        phases = _phases(steps)
         by_batch: dict[int, list[float]] = defaultdict(list)
         for e in steps:
             by_batch[e["batch"]].append(e["end"] - e["start"])
@@ -120,6 +138,7 @@ def summarize(events: list[Event]) -> dict[str, Any]:
             "steps_with_extend": sum(1 for e in steps if e.get("extends")),
             "batch_histogram": dict(sorted(Counter(e["batch"] for e in steps).items())),
             "step_ms_by_batch": {b: 1000 * statistics.fmean(v) for b, v in sorted(by_batch.items())},
+            "phase_ms": phases,
             "idle_s": _gaps(steps),
             # Per step, the longest a row waited since it became ready; the median over steps.
             "longest_wait_ms_p50": _ms(_pct([e["queue_wait_max"] for e in steps], 0.5)),
@@ -144,7 +163,8 @@ def _ms(seconds: float | None) -> float | None:
 
 def chrome_trace(events: list[Event]) -> dict[str, Any]:
     """The Trace Event Format (JSON) that Perfetto and chrome://tracing open: one track per model, each step a
-    slice with `forward` and `route+commit` inside it, each handoff a flow arrow to the model that takes it."""
+    slice with `forward` (`prepare+launch` in it) and `route+commit` inside it, `schedule` before it, each
+    handoff a flow arrow to the model that takes it."""
     span = window(events)
     t0 = span[0] if span else min((e.get("t", 0.0) for e in events), default=0.0)
     tids = {m: i + 1 for i, m in enumerate(models_of(events))}
@@ -168,6 +188,12 @@ def chrome_trace(events: list[Event]) -> dict[str, Any]:
                             "ts": us(e["start"]), "dur": us(e["forward_end"]) - us(e["start"])})
                 out.append({"ph": "X", "pid": 1, "tid": tid, "name": "route+commit", "cat": "step",
                             "ts": us(e["forward_end"]), "dur": us(e["end"]) - us(e["forward_end"])})
+                if e.get("launched"):  # inside `forward`: the host's part before the GPU's work is waited on
+                    out.append({"ph": "X", "pid": 1, "tid": tid, "name": "prepare+launch", "cat": "step",
+                                "ts": us(e["start"]), "dur": us(e["launched"]) - us(e["start"])})
+            if e.get("schedule_start"):
+                out.append({"ph": "X", "pid": 1, "tid": tid, "name": "schedule", "cat": "host",
+                            "ts": us(e["schedule_start"]), "dur": us(e["start"]) - us(e["schedule_start"])})
         elif e["kind"] == "handoff":
             flow += 1
             pending[(e["request_id"], e["target"])] = flow
@@ -205,6 +231,15 @@ def markdown(summary: dict[str, Any], title: str) -> str:
             f"{share['no request ready']:.1f} % | {share['waiting below threshold']:.1f} % | "
             f"{share['host work']:.1f} % | {f(s['longest_wait_ms_p50'], '.2f')} |"
         )
+    phased = {m: s["phase_ms"] for m, s in summary["models"].items() if s.get("phase_ms")}
+    if phased:
+        names = [name for name, _, _ in PHASES]
+        lines += ["", "Phases of a step, mean ms (host: all but `GPU wait`):", "",
+                  "| model | " + " | ".join(names) + " | host share |", "|---|" + "---:|" * (len(names) + 1)]
+        for m, ph in phased.items():
+            total = sum(ph.values())
+            host = (total - ph["GPU wait"]) / total if total else 0.0
+            lines.append(f"| {m} | " + " | ".join(f"{ph[n]:.3f}" for n in names) + f" | {100 * host:.1f} % |")
     lines += ["", "Batch sizes (steps per batch size) and mean step time by batch size:", ""]
     for m, s in summary["models"].items():
         hist = ", ".join(f"{b}: {n}" for b, n in s["batch_histogram"].items())

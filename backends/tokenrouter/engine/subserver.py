@@ -222,15 +222,17 @@ class Subserver:
     def step(self) -> int:
         """One forward pass over what is scheduled: schedule -> forward -> sample -> route -> commit.
         Returns the number of sequences it ran."""
+        timeline = self.timeline  # read once: it may be switched on or off from another thread
+        scheduled = time.monotonic() if timeline is not None else 0.0
         chunks = self.scheduler.schedule()
         if not chunks:
             return 0
-        timeline = self.timeline  # read once: it may be switched on or off from another thread
         t0, start = time.perf_counter(), time.monotonic()
         first_ready, last_ready, wait_max = self._begin_step(chunks, start)
         sampling = [c.seq for c in chunks if c.samples]
         with self.runner.stream_context():
             out = self.runner.forward(chunks)
+            launched = time.monotonic() if timeline is not None else 0.0
             tokens_dev, tokens, values = self._sample(out, sampling)
         forward_end = time.monotonic() if timeline is not None else 0.0
         for c in chunks:
@@ -245,6 +247,7 @@ class Subserver:
             timeline.step(
                 start, forward_end, time.monotonic(), len(chunks), sum(c.num_new_tokens for c in chunks),
                 sum(c.num_new_tokens > 1 for c in chunks), self.threshold, first_ready, last_ready, wait_max,
+                schedule_start=scheduled, launched=launched,
             )
         return len(chunks)
 

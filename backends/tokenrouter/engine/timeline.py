@@ -10,7 +10,9 @@ Times are `time.monotonic()` seconds: CLOCK_MONOTONIC is one clock for every pro
 files of a served deployment's subservers merge into one trace.
 
 Events (plain dicts, JSON-safe):
-- step: model, start, forward_end (tokens and the policy's values on the host), end (routed and committed),
+- step: model, schedule_start (the scheduler starts choosing the batch), start (batch chosen), launched (the
+  forward pass's inputs prepared and its kernels or graph launched: the host's part of the step so far),
+  forward_end (tokens and the policy's values on the host), end (routed and committed),
   batch, tokens (new tokens computed), extends (rows computing more than one token: prefills and extends),
   threshold (the delayed-batching threshold at the time), first_ready / last_ready (when the first and the
   last of its rows became ready to step), queue_wait_max.
@@ -73,9 +75,11 @@ class Timeline:
         self.flush()
 
     def step(self, start: float, forward_end: float, end: float, batch: int, tokens: int, extends: int,
-             threshold: int, first_ready: float | None, last_ready: float | None, queue_wait_max: float) -> None:
+             threshold: int, first_ready: float | None, last_ready: float | None, queue_wait_max: float,
+             schedule_start: float | None = None, launched: float | None = None) -> None:
         self.record({
-            "kind": "step", "model": self.model, "start": start, "forward_end": forward_end, "end": end,
+            "kind": "step", "model": self.model, "schedule_start": schedule_start, "start": start,
+            "launched": launched, "forward_end": forward_end, "end": end,
             "batch": batch, "tokens": tokens, "extends": extends, "threshold": threshold,
             "first_ready": first_ready, "last_ready": last_ready, "queue_wait_max": queue_wait_max,
         })
