@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# Where the time goes on a GPU machine as it is (issue 11): the served deployment first, as the first process
-# of a fresh machine (its first requests measured without a warm-up: does any request pay for a compile or
-# a capture?), then five measured runs at C=8 (are the figures stable?) and C=1 / C=16, recorded with the
-# subservers' timeline; then the in-process engine on the same workload, recorded, five runs.
+# Where the time goes on a GPU machine as it is (issue 11), in one device call:
+#   1. the in-process engine, recorded (perf/timeline.py record), C=8, three runs;
+#   2. the served deployment (tokenrouter serve, timeline on), its first requests measured without a
+#      warm-up round (does any request pay for a kernel compile? the Triton kernel cache is listed for
+#      kernels compiled after ready), then five runs at C=8, then C=1 and C=16;
+#   3. each SPLIT (models.large.gpu_sm_percent under MPS) served again: three runs at C=8, one at C=16.
 #
 # Usage (repository root, on the GPU machine):
-#   bash perf/gpu_timeline.sh OUT_DIR CONFIG NAME [BUNDLE_DIR]
-# Results: OUT_DIR/results_NAME.tgz: served_first.*, served_c8.* (5 runs), served_c1_c16.*, timeline_served_c8/
-# (the C=8 runs' window of the served timeline), timeline_engine_c8/ (trace.json, summary.md), the logs.
+#   SPLITS="80 60" bash perf/gpu_timeline.sh OUT_DIR CONFIG NAME [BUNDLE_DIR]
+# Results: OUT_DIR/results_NAME.tgz: timeline_engine_c8/, served_*.{json,md}, timeline_served_c8/ (the five C=8
+# runs' window of the served timeline), timeline_raw.tgz (every served subserver's events), the logs.
 set -uo pipefail
 out=${1:?output directory}
 cfg=${2:?deployment YAML}
 name=${3:?results name}
 bundle=${4:-.gpu}
+splits=${SPLITS:-}
 work=$(mktemp -d /tmp/timeline-XXXX)
 res=$work/results
 mkdir -p "$out" "$res"
@@ -23,45 +26,75 @@ source perf/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 load=(--config "$cfg" --prompt-len 100 --output-len 256)
 
-step "serve $cfg (timeline on)"
-t0=$(date +%s)
-TOKENROUTER_TIMELINE_DIR=$work/tl python3 -m tokenrouter.cli serve --config "$cfg" --model-repository $work/repo \
-  "${envflag[@]}" > $res/serve.log 2>&1 &
-serve_pid=$!
-ready=0
-for _ in $(seq 1 300); do
-  if curl -sf localhost:8000/v2/health/ready > /dev/null; then ready=1; break; fi
-  kill -0 $serve_pid 2> /dev/null || break
-  sleep 1
-done
-if [ $ready = 1 ]; then
-  step "ready after $(( $(date +%s) - t0 )) s"
-  timeout 120 python3 perf/bench_served.py --url 127.0.0.1:8001 "${load[@]}" --concurrency 8 --warmup 0 \
-    --out $res/served_first 2>&1 | grep "^C="
-  step "first requests measured"
-  timeout 200 python3 perf/bench_served.py --url 127.0.0.1:8001 "${load[@]}" --concurrency 8 --repeat 5 \
-    --out $res/served_c8 2>&1 | grep "^C="
-  step "C=8 x 5"
-  timeout 120 python3 perf/bench_served.py --url 127.0.0.1:8001 "${load[@]}" --concurrency 1,16 \
-    --out $res/served_c1_c16 2>&1 | grep "^C="
-  step "C=1, C=16"
-  curl -s localhost:8002/metrics | grep -E "^tokenrouter_(tuned|predicted|batching|kv_blocks_used|requests_held)" \
-    > $res/metrics_after.txt
-else
-  step "server not ready"; tail -40 $res/serve.log
-fi
-kill -INT $serve_pid 2> /dev/null
-wait $serve_pid
-step "server stopped ($?)"
-window=$(python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; \
-print(min(x['monotonic_since'] for x in r), max(x['monotonic_until'] for x in r))" $res/served_c8.json 2> /dev/null)
-if [ -n "$window" ]; then
-  set -- $window
-  python3 perf/timeline.py served $work/tl --since $1 --until $2 --out $res/timeline_served_c8 2>&1 | head -30
-fi
-step "served timeline"
+step "in-process engine, recorded (before any server: no MPS)"
+timeout 200 python3 perf/timeline.py record --config "$cfg" --concurrency 8 --num-requests 32 --prompt-len 100 \
+  --output-len 256 --repeat 3 --out $res/timeline_engine_c8 > $res/timeline_engine.log 2>&1
+echo "exit $?"; grep -E "output_tok_s|^\| (small|large) " $res/timeline_engine_c8/summary.md 2> /dev/null \
+  || tail -20 $res/timeline_engine.log
 
-timeout 240 python3 perf/timeline.py record --config "$cfg" --concurrency 8 --num-requests 32 --prompt-len 100 \
-  --output-len 256 --repeat 5 --out $res/timeline_engine_c8 > $res/timeline_engine.log 2>&1
-echo "exit $?"; head -30 $res/timeline_engine_c8/summary.md 2> /dev/null || tail -20 $res/timeline_engine.log
+# serve TAG CONFIG: start the server (timeline into $work/tl_TAG, a fresh Triton kernel cache), wait for ready.
+serve() {
+  local tag=$1 config=$2 t0
+  t0=$(date +%s)
+  TRITON_CACHE_DIR=$work/triton-cache-$tag TOKENROUTER_TIMELINE_DIR=$work/tl_$tag python3 -m tokenrouter.cli serve \
+    --config "$config" --model-repository $work/repo_$tag "${envflag[@]}" > $res/serve_$tag.log 2>&1 &
+  serve_pid=$!
+  for _ in $(seq 1 300); do
+    if curl -sf localhost:8000/v2/health/ready > /dev/null; then
+      touch $work/ready_$tag; step "$tag ready after $(( $(date +%s) - t0 )) s"
+      grep -o "model '[a-z]*' on .*" $res/serve_$tag.log
+      return 0
+    fi
+    kill -0 $serve_pid 2> /dev/null || break
+    sleep 1
+  done
+  step "$tag: server not ready"; tail -30 $res/serve_$tag.log; return 1
+}
+stop_server() {
+  kill -INT $serve_pid 2> /dev/null; wait $serve_pid
+  echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
+  for _ in $(seq 1 30); do pgrep -f nvidia-cuda-mps > /dev/null || break; sleep 1; done
+}
+bench() {  # bench OUTNAME ARGS...: the served benchmark, its per-run lines
+  local o=$1; shift
+  timeout 200 python3 perf/bench_served.py --url 127.0.0.1:8001 "${load[@]}" --out $res/$o "$@" 2>&1 | grep "^C="
+}
+
+if serve base "$cfg"; then
+  bench served_first --concurrency 8 --warmup 0
+  echo "Triton kernels compiled after ready: $(find $work/triton-cache-base -name '*.json' -newer $work/ready_base \
+    2> /dev/null | wc -l) (before: $(find $work/triton-cache-base -name '*.json' ! -newer $work/ready_base | wc -l))"
+  step "first requests measured"
+  bench served_c8 --concurrency 8 --repeat 5; step "C=8 x 5"
+  bench served_c1_c16 --concurrency 1,16; step "C=1, C=16"
+  curl -s localhost:8002/metrics | grep -E "^tokenrouter_(tuned|predicted|batching|kv_blocks_used|requests_held)" \
+    > $res/metrics_base.txt
+  stop_server
+  window=$(python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; \
+print(min(x['monotonic_since'] for x in r), max(x['monotonic_until'] for x in r))" $res/served_c8.json 2> /dev/null)
+  if [ -n "$window" ]; then
+    set -- $window
+    python3 perf/timeline.py served $work/tl_base --since $1 --until $2 --out $res/timeline_served_c8 2>&1 \
+      | grep -E "^\| (small|large) "
+  fi
+  tar -C $work -czf $res/timeline_raw.tgz tl_base
+  step "served timeline"
+fi
+
+for split in $splits; do
+  split_cfg=$(dirname "$cfg")/.split-$split.yaml  # beside the config: its relative paths stay right
+  python3 -c "import sys, yaml; d = yaml.safe_load(open(sys.argv[1])); d['models']['large']['gpu_sm_percent'] = \
+int(sys.argv[2]); yaml.safe_dump(d, open(sys.argv[3], 'w'), sort_keys=False)" "$cfg" $split "$split_cfg"
+  if serve split$split "$split_cfg"; then
+    bench served_split${split}_c8 --concurrency 8 --repeat 3
+    bench served_split${split}_c16 --concurrency 16
+    stop_server
+    window=$(python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; \
+print(min(x['monotonic_since'] for x in r), max(x['monotonic_until'] for x in r))" $res/served_split${split}_c8.json)
+    set -- $window
+    python3 perf/timeline.py served $work/tl_split$split --since $1 --until $2 \
+      --out $res/timeline_served_split${split}_c8 2>&1 | grep -E "^\| (small|large) "
+  fi
+  step "split $split done"
+done
 step "done: $out/results_$name.tgz"

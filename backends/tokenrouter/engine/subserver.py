@@ -25,6 +25,7 @@ from tokenrouter.engine.sequence import SeqStatus, Sequence
 from tokenrouter.engine.step_stats import StepStats
 from tokenrouter.engine.stop import StopChecker
 from tokenrouter.engine.timeline import Timeline
+from tokenrouter.engine.warmup import warm_up
 from tokenrouter.routing.policy import Policy, RouteRequest, StepResult, make_policy, resolve, step_hook
 from tokenrouter.runner.arch import ArchConfig, declared_context_limit
 from tokenrouter.runner.forward_batch import ScheduledChunk
@@ -89,6 +90,7 @@ class Subserver:
         # What the loop does and when (engine/timeline.py); None: not recording.
         self.timeline: Timeline | None = None
         self._in_step: list[str] = []  # request ids of the step in flight, for failing just those
+        self.warmup_s: float | None = None  # how long the warm-up before serving took (None: none ran)
 
     @classmethod
     def from_config(
@@ -109,6 +111,11 @@ class Subserver:
             max_wait_s=config.batching.max_wait_ms / 1000.0,
         )
         sub.stop.max_model_len = min(sub.stop.max_model_len, sub.runner.max_model_len)
+        if config.models[name].warmup and sub.runner.device.type == "cuda":
+            try:  # before anything is served: no request pays for a kernel compile
+                sub.warmup_s = warm_up(sub)
+            except Exception:  # the first requests will pay for it, but the model serves
+                log.exception("%s: warm-up failed; serving without it", name)
         return sub
 
     # -- messages in ------------------------------------------------------------------------------------
