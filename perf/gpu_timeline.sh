@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # Where the time goes on a GPU machine as it is (issue 11), in one device call:
-#   1. the in-process engine, recorded (perf/timeline.py record), C=8, three runs;
+#   1. the in-process engine, recorded (perf/timeline.py record), C=8, five runs;
 #   2. the served deployment (tokenrouter serve, timeline on), its first requests measured without a
 #      warm-up round (does any request pay for a kernel compile? the Triton kernel cache is listed for
 #      kernels compiled after ready), then five runs at C=8, then C=1 and C=16;
-#   3. each SPLIT (models.large.gpu_sm_percent under MPS) served again: three runs at C=8, one at C=16.
 #
 # Usage (repository root, on the GPU machine):
-#   SPLITS="80 60" bash perf/gpu_timeline.sh OUT_DIR CONFIG NAME [BUNDLE_DIR]
+#   bash perf/gpu_timeline.sh OUT_DIR CONFIG NAME [BUNDLE_DIR]
 # Results: OUT_DIR/results_NAME.tgz: timeline_engine_c8/, served_*.{json,md}, timeline_served_c8/ (the five C=8
 # runs' window of the served timeline), timeline_raw.tgz (every served subserver's events), the logs.
 set -uo pipefail
@@ -15,7 +14,6 @@ out=${1:?output directory}
 cfg=${2:?deployment YAML}
 name=${3:?results name}
 bundle=${4:-.gpu}
-splits=${SPLITS:-}
 work=$(mktemp -d /tmp/timeline-XXXX)
 res=$work/results
 mkdir -p "$out" "$res"
@@ -28,7 +26,7 @@ load=(--config "$cfg" --prompt-len 100 --output-len 256)
 
 step "in-process engine, recorded (before any server: no MPS)"
 timeout 200 python3 perf/timeline.py record --config "$cfg" --concurrency 8 --num-requests 32 --prompt-len 100 \
-  --output-len 256 --repeat 3 --out $res/timeline_engine_c8 > $res/timeline_engine.log 2>&1
+  --output-len 256 --repeat 5 --out $res/timeline_engine_c8 > $res/timeline_engine.log 2>&1
 echo "exit $?"; grep -E "output_tok_s|^\| (small|large) " $res/timeline_engine_c8/summary.md 2> /dev/null \
   || tail -20 $res/timeline_engine.log
 
@@ -66,7 +64,8 @@ if serve base "$cfg"; then
     2> /dev/null | wc -l) (before: $(find $work/triton-cache-base -name '*.json' ! -newer $work/ready_base | wc -l))"
   step "first requests measured"
   bench served_c8 --concurrency 8 --repeat 5; step "C=8 x 5"
-  bench served_c1_c16 --concurrency 1,16; step "C=1, C=16"
+  bench served_c1 --concurrency 1; step "C=1"
+  bench served_c16 --concurrency 16 --repeat 3; step "C=16 x 3"
   curl -s localhost:8002/metrics | grep -E "^tokenrouter_(tuned|predicted|batching|kv_blocks_used|requests_held)" \
     > $res/metrics_base.txt
   stop_server
@@ -81,20 +80,4 @@ print(min(x['monotonic_since'] for x in r), max(x['monotonic_until'] for x in r)
   step "served timeline"
 fi
 
-for split in $splits; do
-  split_cfg=$(dirname "$cfg")/.split-$split.yaml  # beside the config: its relative paths stay right
-  python3 -c "import sys, yaml; d = yaml.safe_load(open(sys.argv[1])); d['models']['large']['gpu_sm_percent'] = \
-int(sys.argv[2]); yaml.safe_dump(d, open(sys.argv[3], 'w'), sort_keys=False)" "$cfg" $split "$split_cfg"
-  if serve split$split "$split_cfg"; then
-    bench served_split${split}_c8 --concurrency 8 --repeat 3
-    bench served_split${split}_c16 --concurrency 16
-    stop_server
-    window=$(python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; \
-print(min(x['monotonic_since'] for x in r), max(x['monotonic_until'] for x in r))" $res/served_split${split}_c8.json)
-    set -- $window
-    python3 perf/timeline.py served $work/tl_split$split --since $1 --until $2 \
-      --out $res/timeline_served_split${split}_c8 2>&1 | grep -E "^\| (small|large) "
-  fi
-  step "split $split done"
-done
 step "done: $out/results_$name.tgz"

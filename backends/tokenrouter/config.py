@@ -91,11 +91,6 @@ class ModelConfig:
     # Before the model reports ready, run throwaway batches through it (prefills, extends, mixed and sampled
     # batches, a chunked prompt) so that no request pays for a kernel compile (engine/warmup.py). GPU only.
     warmup: bool = True
-    # Under CUDA MPS (served deployments whose models share a GPU): the percentage of the GPU's SMs this
-    # model's process may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE). A cap, so that a small model's short
-    # kernels find SMs free while the large model's matmuls run; None: no cap. Ignored in process (one
-    # process, one CUDA context) and without MPS.
-    gpu_sm_percent: int | None = _spec(None, ge=1, le=100)
     max_num_seqs: int = _spec(256, ge=1)
     # Token budget of one forward pass; longer prompts are prefilled in chunks.
     max_num_batched_tokens: int = _spec(2048, ge=1)

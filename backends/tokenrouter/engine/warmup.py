@@ -56,10 +56,14 @@ def warm_up(sub: Subserver, max_seqs: int = 16) -> float:
         sub.scheduler.add(seq)
         return seq
 
+    compiled = False
+
     def run(steps: int) -> None:
+        nonlocal compiled
         for _ in range(steps):
-            if not _step(sub):
+            if not _step(sub, precompile=not compiled):
                 return
+            compiled = True
 
     try:
         # Prefills of mixed lengths in one batch (1, multiples of 16 and not), then decoding them.
@@ -92,12 +96,15 @@ def warm_up(sub: Subserver, max_seqs: int = 16) -> float:
     return seconds
 
 
-def _step(sub: Subserver) -> bool:
+def _step(sub: Subserver, precompile: bool = False) -> bool:
     """One forward pass over what the scheduler picks, its tokens appended (greedy or sampled as each row
-    asks), nothing routed or committed. False when nothing was scheduled."""
+    asks), nothing routed or committed. False when nothing was scheduled. `precompile`: first compile every
+    attention kernel variant (the batches below cannot meet each of them)."""
     chunks = sub.scheduler.schedule()
     if not chunks:
         return False
+    if precompile and sub.runner.device.type == "cuda":  # nothing compiles on the CPU (the interpreter runs)
+        log.info("%s: %d attention kernel variants compiled", sub.name, sub.runner.precompile(chunks))
     sampling = [c.seq for c in chunks if c.samples]
     with sub.runner.stream_context():
         out = sub.runner.forward(chunks)

@@ -22,6 +22,12 @@ class AttentionBackend(ABC):
     def prepare(self, batch: ForwardBatch) -> None:
         """Precompute per-batch state once, before the layers run (layers share it)."""
 
+    def precompile(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+                   scale: float) -> int:
+        """Compile, without running, every kernel variant a forward pass over batches like `batch` can launch
+        (a backend whose kernels compile on first use); returns how many it compiled or found compiled."""
+        return 0
+
     def graph_state(self, num_seqs: int, num_tokens: int, has_extend: bool, max_kv_len: int) -> Any:
         """Launch state for every batch that a CUDA graph of this shape will replay (lengths unknown on the
         host: only bounds). Set as `batch.attn_state` instead of calling `prepare`."""

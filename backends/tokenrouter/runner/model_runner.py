@@ -129,22 +129,33 @@ class ModelRunner:
         max_blocks = max(len(c.seq.block_table) for c in chunks)
         tables = [b for c in chunks for b in c.seq.block_table + [0] * (max_blocks - len(c.seq.block_table))]
         # Two host-to-device copies (one per dtype) instead of seven; views split them on the device.
-        T, B, S = len(h.input_ids), len(chunks), len(h.logits_indices)
-        i64 = torch.tensor(h.input_ids + h.positions + h.slot_mapping + h.logits_indices, dtype=torch.int64)
-        i32 = torch.tensor(h.cu_seqlens_q + h.kv_lens + tables, dtype=torch.int32)
-        i64, i32 = i64.to(self.device, non_blocking=True), i32.to(self.device, non_blocking=True)
+        B = len(chunks)
+        # Every view starts on a 16-byte boundary: Triton compiles a kernel variant per pointer alignment, so
+        # views at batch-dependent offsets would compile new variants on requests (seconds each).
+        i64, (ids, pos, slots, logits) = _packed([h.input_ids, h.positions, h.slot_mapping, h.logits_indices],
+                                                 torch.int64, self.device)
+        i32, (cu, kv, tab) = _packed([h.cu_seqlens_q, h.kv_lens, tables], torch.int32, self.device)
         return ForwardBatch(
-            input_ids=i64[:T],
-            positions=i64[T : 2 * T],
-            slot_mapping=i64[2 * T : 3 * T],
-            logits_indices=i64[3 * T : 3 * T + S],
-            cu_seqlens_q=i32[: B + 1],
-            kv_lens=i32[B + 1 : 2 * B + 1],
-            block_tables=i32[2 * B + 1 :].view(B, max_blocks),
+            input_ids=i64[ids],
+            positions=i64[pos],
+            slot_mapping=i64[slots],
+            logits_indices=i64[logits],
+            cu_seqlens_q=i32[cu],
+            kv_lens=i32[kv],
+            block_tables=i32[tab].view(B, max_blocks),
             q_lens_cpu=[b - a for a, b in zip(h.cu_seqlens_q, h.cu_seqlens_q[1:])],
             kv_lens_cpu=h.kv_lens,
             block_size=bs,
         )
+
+    def precompile(self, chunks: list[ScheduledChunk]) -> int:
+        """Compile every attention kernel variant a step can launch, for batches laid out like `chunks`'s,
+        without running anything (engine/warmup.py calls it before serving); returns the variants' count."""
+        batch = self.prepare(chunks)
+        a = self.arch
+        q = torch.empty(batch.input_ids.shape[0], a.num_heads, a.head_dim, dtype=self.dtype,
+                        device=self.device)
+        return self.attn_backend.precompile(q, self.kv_cache[0, 0], self.kv_cache[0, 1], batch, a.head_dim**-0.5)
 
     @property
     def cuda_graphs_possible(self) -> bool:
@@ -198,3 +209,15 @@ class ModelRunner:
         if self.step_hook is not None and len(last):
             values = self.step_hook(logits, last, greedy)
         return ForwardOutput(logits, last, greedy, values)
+
+
+def _packed(segments: list[list[int]], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, list[slice]]:
+    """The segments in one host-to-device copy, each starting on a 16-byte boundary; their slices."""
+    per = 16 // torch.empty((), dtype=dtype).element_size()
+    flat: list[int] = []
+    where = []
+    for seg in segments:
+        where.append(slice(len(flat), len(flat) + len(seg)))
+        flat += seg
+        flat += [0] * (-len(flat) % per)
+    return torch.tensor(flat, dtype=dtype).to(device, non_blocking=True), where

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import triton
@@ -95,7 +96,9 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+# Runtime ints that change with the batch are not specialized on (Triton compiles a variant per value class:
+# 1, a multiple of 16, other), so a new batch never compiles a kernel on a request.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_split_kernel(
     q_ptr,  # [T, Hq, D]
     k_ptr,  # [num_slots, Hkv, D]
@@ -176,7 +179,7 @@ def _decode_split_kernel(
         tl.store(mid_lse_ptr + row, m_i + tl.log2(l_i), mask=g_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     mid_o_ptr,  # [B, Hq, num_splits, HEAD_DIM] float32
     mid_lse_ptr,  # [B, Hq, num_splits] float32
@@ -217,7 +220,7 @@ def _decode_reduce_kernel(
     tl.store(o_ptr + tok * stride_ot + head * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _extend_kernel(
     q_ptr,  # [T, Hq, D]
     k_ptr,  # [num_slots, Hkv, D]
@@ -342,7 +345,7 @@ def _extend_kernel(
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _extend_reduce_kernel(
     mid_o_ptr,  # [T, Hq, num_splits, HEAD_DIM] float32
     mid_lse_ptr,  # [T, Hq, num_splits] float32
@@ -460,6 +463,7 @@ class TritonAttention(AttentionBackend):
         self.extend_block_n = extend_block_n
         self.num_kv_splits = num_kv_splits
         self._num_sms: dict[torch.device, int] = {}
+        self._compile_only = False  # `precompile` is running: `_launch` compiles, launches nothing
 
     def prepare(self, batch: ForwardBatch) -> None:
         dec_kv = [kv for q, kv in zip(batch.q_lens_cpu, batch.kv_lens_cpu) if q == 1]
@@ -513,6 +517,40 @@ class TritonAttention(AttentionBackend):
         if state.num_extend:
             self._extend(q, k_cache, v_cache, out, batch, state, scale)
         return out
+
+    def precompile(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+                   scale: float) -> int:
+        """Every variant a step can launch, compiled before serving: decode with one split (direct output)
+        and with each power-of-two split count (the reduce's SPLITS_PAD), extend with and without decode rows
+        beside it (SKIP_DECODE) and with and without splits. `batch` gives the tensors' types and layouts (the
+        eager path's, which graphs share); nothing is launched."""
+        seqs, tokens = batch.num_seqs, q.shape[0]
+        counts = sorted({1} | {1 << i for i in range(1, _MAX_KV_SPLITS.bit_length())})
+        forced, self.num_kv_splits = self.num_kv_splits, None
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        compiled = 0
+        self._compile_only = True
+        try:
+            for splits in counts:
+                self.num_kv_splits = splits
+                for num_decode, num_extend in ((seqs, 0), (0, seqs), (seqs, seqs)):
+                    state = _TritonState(num_decode=num_decode, num_extend=num_extend, max_decode_kv_len=1 << 20,
+                                         max_extend_q_len=tokens, max_extend_kv_len=1 << 20)
+                    if num_decode:
+                        self._decode(q, k_cache, v_cache, out, batch, state, scale)
+                    if num_extend:
+                        self._extend(q, k_cache, v_cache, out, batch, state, scale)
+                    compiled += (num_decode > 0) + (num_extend > 0)
+        finally:
+            self._compile_only, self.num_kv_splits = False, forced
+        return compiled
+
+    def _launch(self, kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+        """Run `kernel`, or only compile it for these arguments while `precompile` runs."""
+        if self._compile_only:
+            kernel.warmup(*args, grid=grid, **kwargs)
+        else:
+            kernel[grid](*args, **kwargs)
 
     def _sm_count(self, device: torch.device) -> int:
         if device not in self._num_sms:
@@ -575,7 +613,7 @@ class TritonAttention(AttentionBackend):
         if splits > 1:
             mid_o, mid_lse = _split_scratch(state, "decode", B, num_heads, splits, head_dim, q.device)
         # Grid over all B sequences: in a mixed batch the extend rows' programs return at once.
-        _decode_split_kernel[(B, num_kv_heads, splits)](
+        self._launch(_decode_split_kernel, (B, num_kv_heads, splits),
             q, k_cache, v_cache, out, mid_o, mid_lse, batch.block_tables, batch.cu_seqlens_q, batch.kv_lens,
             scale * _LOG2E, splits,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -584,7 +622,7 @@ class TritonAttention(AttentionBackend):
             GROUP_PAD=max(16, _next_pow2(group)), PAGE=batch.block_size, DIRECT_OUT=splits == 1, **cfg,
         )  # fmt: skip
         if splits > 1:
-            _decode_reduce_kernel[(B, num_heads)](
+            self._launch(_decode_reduce_kernel, (B, num_heads),
                 mid_o, mid_lse, out, batch.cu_seqlens_q, batch.kv_lens, splits, out.stride(0), out.stride(1),
                 NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_N=cfg["BLOCK_N"],
                 SPLITS_PAD=_next_pow2(splits),
@@ -619,7 +657,7 @@ class TritonAttention(AttentionBackend):
         mid_o = mid_lse = out  # never read without SPLIT
         if splits > 1:
             mid_o, mid_lse = _split_scratch(state, "extend", q.shape[0], num_heads, splits, head_dim, q.device)
-        _extend_kernel[(batch.num_seqs, num_kv_heads, num_m * splits)](
+        self._launch(_extend_kernel, (batch.num_seqs, num_kv_heads, num_m * splits),
             q, k_cache, v_cache, out, mid_o, mid_lse, batch.block_tables, batch.cu_seqlens_q, batch.kv_lens,
             scale * _LOG2E, splits,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -628,7 +666,7 @@ class TritonAttention(AttentionBackend):
             Q_PER_PROG=q_per_prog, SKIP_DECODE=skip_decode, SPLIT=splits > 1, **cfg,
         )  # fmt: skip
         if splits > 1:
-            _extend_reduce_kernel[(batch.num_seqs, num_kv_heads, num_m)](
+            self._launch(_extend_reduce_kernel, (batch.num_seqs, num_kv_heads, num_m),
                 mid_o, mid_lse, out, batch.cu_seqlens_q, splits, out.stride(0), out.stride(1),
                 HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, BLOCK_M=cfg["BLOCK_M"], Q_PER_PROG=q_per_prog,
                 SKIP_DECODE=skip_decode, num_warps=4, num_stages=1,

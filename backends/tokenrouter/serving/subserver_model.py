@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -57,19 +56,10 @@ class SubserverModel:
         mcfg = config.models[name]
         if args.get("model_instance_kind") == "GPU":
             mcfg.device = f"cuda:{args['model_instance_device_id']}"
-        if mcfg.gpu_sm_percent is not None:
-            # Read by CUDA when this process creates its context (below, in the runner): under MPS, a cap on
-            # the SMs this model's kernels may occupy.
-            os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(mcfg.gpu_sm_percent)
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self.sub = Subserver.from_config(config, name, self._events.put, load_tokenizer(config.tokenizer_path))
-        if self.sub.runner.device.type == "cuda":
-            import torch
-
-            sms = torch.cuda.get_device_properties(self.sub.runner.device).multi_processor_count
-            warm = "none" if self.sub.warmup_s is None else f"{self.sub.warmup_s:.1f} s"
-            pb_utils.Logger.log_info(f"model {name!r} on {mcfg.device}: {sms} SMs visible "
-                                     f"(gpu_sm_percent {mcfg.gpu_sm_percent}), warm-up {warm}")
+        if self.sub.warmup_s is not None:
+            pb_utils.Logger.log_info(f"model {name!r} on {mcfg.device}: warm-up {self.sub.warmup_s:.1f} s")
         self.sub.timeline = Timeline.from_env(name)  # TOKENROUTER_TIMELINE_DIR: record for perf/timeline.py
         # Which router connection each request came from: its events go back there.
         self._lock = threading.Lock()
