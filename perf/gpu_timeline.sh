@@ -60,8 +60,11 @@ bench() {  # bench OUTNAME ARGS...: the served benchmark, its per-run lines
 
 if serve base "$cfg"; then
   bench served_first --concurrency 8 --warmup 0
-  echo "Triton kernels compiled after ready: $(find $work/triton-cache-base -name '*.json' -newer $work/ready_base \
-    2> /dev/null | wc -l) (before: $(find $work/triton-cache-base -name '*.json' ! -newer $work/ready_base | wc -l))"
+  # Kernels compiled on requests (there should be none): their metadata (name, specialization) is kept.
+  mkdir -p $res/compiled_after_ready
+  find $work/triton-cache-base -name '*.json' -newer $work/ready_base -exec cp {} $res/compiled_after_ready/ \;
+  echo "Triton kernels compiled after ready: $(ls $res/compiled_after_ready | wc -l) ($(ls $res/compiled_after_ready \
+    | tr '\n' ' ')); before: $(find $work/triton-cache-base -name '*.json' ! -newer $work/ready_base | wc -l)"
   step "first requests measured"
   bench served_c8 --concurrency 8 --repeat 5; step "C=8 x 5"
   bench served_c1 --concurrency 1; step "C=1"
