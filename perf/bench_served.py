@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1,
                    help="unmeasured rounds of C short requests per point (0: measure a fresh server's first requests)")
-    p.add_argument("--repeat", type=int, default=1, help="measured runs per point (the same prompts each time)")
+    p.add_argument("--repeat", type=int, default=1, help="measured runs per point (fresh prompts each run)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for any one response")
     p.add_argument("--out", help="results name (a bare name goes to perf/results/)")
     p.add_argument("--write-prompts", metavar="FILE",
@@ -251,10 +251,13 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.warmup):  # not measured
                 run_point(args.url, prompts[:c], c, 8, args.timeout)
             for run in range(args.repeat):
+                # Fresh prompts per run: the same ones would hit the prefix cache the previous run filled.
+                todo = prompts[c:] if run == 0 else make_prompts(args.config, n, args.prompt_len,
+                                                                 args.seed + c + 7919 * run)
                 # The monotonic window lets `perf/timeline.py served --since/--until` cut this run's steps
                 # out of a served timeline (CLOCK_MONOTONIC: one clock for the machine's processes).
                 since = time.monotonic()
-                row = summarize(c, run_point(args.url, prompts[c:], c, args.output_len, args.timeout))
+                row = summarize(c, run_point(args.url, todo, c, args.output_len, args.timeout))
                 row.update(run=run, monotonic_since=since, monotonic_until=time.monotonic())
                 report["results"].append(row)
                 write(report)  # after every run: a run cut short keeps what it measured

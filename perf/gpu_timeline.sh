@@ -61,10 +61,14 @@ bench() {  # bench OUTNAME ARGS...: the served benchmark, its per-run lines
 if serve base "$cfg"; then
   bench served_first --concurrency 8 --warmup 0
   # Kernels compiled on requests (there should be none): their metadata (name, specialization) is kept.
+  # (one cache folder per compiled variant, its __grp__*.json written last)
   mkdir -p $res/compiled_after_ready
-  find $work/triton-cache-base -name '*.json' -newer $work/ready_base -exec cp {} $res/compiled_after_ready/ \;
-  echo "Triton kernels compiled after ready: $(ls $res/compiled_after_ready | wc -l) ($(ls $res/compiled_after_ready \
-    | tr '\n' ' ')); before: $(find $work/triton-cache-base -name '*.json' ! -newer $work/ready_base | wc -l)"
+  for f in $(find $work/triton-cache-base -name '__grp__*.json' -newer $work/ready_base); do
+    cp -r "$(dirname $f)" $res/compiled_after_ready/
+  done
+  echo "Triton kernels compiled after ready: $(ls $res/compiled_after_ready | wc -l) ($(find \
+    $res/compiled_after_ready -name '__grp__*.json' -exec basename {} .json \; | tr '\n' ' ')); before: $(find \
+    $work/triton-cache-base -name '__grp__*.json' ! -newer $work/ready_base | wc -l)"
   step "first requests measured"
   bench served_c8 --concurrency 8 --repeat 5; step "C=8 x 5"
   bench served_c1 --concurrency 1; step "C=1"

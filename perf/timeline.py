@@ -63,7 +63,10 @@ def record(args: argparse.Namespace) -> int:
         engine.record_timeline(False)
         runs = [res]
         # --repeat: the same closed loop again, unrecorded, on the same engine (is the figure stable?)
-        runs += [closed_loop(engine, prompts, args.concurrency, params, args.timeout) for _ in range(args.repeat - 1)]
+        # (fresh prompts each: repeated ones would hit the prefix cache the first run filled)
+        runs += [closed_loop(engine, make_prompts(args.num_requests, args.prompt_len, engine.vocab_size, set(),
+                                                  args.seed + r), args.concurrency, params, args.timeout)
+                 for r in range(1, args.repeat)]
     finally:
         engine.shutdown()
     tok_s = [round(sum(t.tokens for t in r.tracks) / max(r.end - r.start, 1e-9), 1) for r in runs]
@@ -115,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--timeout", type=float, default=600.0, help="seconds without any request finishing: abort")
-    r.add_argument("--repeat", type=int, default=1, help="closed loops in all; only the first is recorded")
+    r.add_argument("--repeat", type=int, default=1,
+                   help="closed loops in all, fresh prompts each; only the first is recorded")
     r.add_argument("--out", required=True, help="output folder")
     s = sub.add_parser("served", help="merge the files a server wrote with TOKENROUTER_TIMELINE_DIR")
     s.add_argument("folder")

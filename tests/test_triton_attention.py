@@ -195,26 +195,31 @@ def test_non_contiguous_q() -> None:
     assert rel_err(run_triton(backend, q_view, k, v, batch), reference(q, k, v, batch)) <= RTOL
 
 
-def test_precompile_covers_every_variant_a_step_can_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("rows, heads, head_dim", [(8, 4, 16), (2048, 64, 128)])
+def test_precompile_covers_every_variant_a_step_can_launch(
+    monkeypatch: pytest.MonkeyPatch, rows: int, heads: int, head_dim: int
+) -> None:
     """`precompile` (run before serving) reaches every constexpr combination a batch can need: decode with
     one split (direct output) and each power-of-two split count of the reduce, extend with and without decode
-    rows beside it and with and without splits; it launches nothing (compile only) and restores the backend."""
-    q, k_cache, v_cache, batch = make_case([(1, 40), (7, 30)], 16, 4, 2, 16)
+    rows beside it and with and without splits; it launches nothing (compile only) and restores the backend.
+    The wide case is Qwen3-32B's attention (64 heads of 128) under a batch of 2,048 tokens: its extend scratch
+    cap must not hold the precompile at one split."""
+    _, k_cache, v_cache, batch = make_case([(1, 40), (7, 30)], 16, 4, 2, 16)
+    q = torch.empty(rows, heads, head_dim)  # nothing runs: only its shape, dtype and layout matter
     backend = TritonAttention(num_kv_splits=None)
     seen: dict[str, set] = {}
+    real_launch = backend._launch
 
     def record(kernel, grid, *args, **kwargs):
-        assert backend._compile_only  # only ever compiled, never run, while precompiling
+        assert backend._compile_only is not None  # only ever compiled, never run, while precompiling
+        backend._compile_only.add((kernel, tuple(sorted(kwargs.items()))))
         keys = {k: v for k, v in kwargs.items() if k in ("DIRECT_OUT", "SPLITS_PAD", "SKIP_DECODE", "SPLIT")}
-        seen.setdefault(kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), set()).add(
-            tuple(sorted(keys.items())))
+        seen.setdefault(kernel.fn.__name__, set()).add(tuple(sorted(keys.items())))
 
     monkeypatch.setattr(backend, "_launch", record)
-    assert backend.precompile(q, k_cache, v_cache, batch, 0.25) > 0
-    assert not backend._compile_only and backend.num_kv_splits is None
-    by_name = {name.rsplit(".", 1)[-1]: combos for name, combos in seen.items()}
-    assert {c for c in by_name["_decode_split_kernel"]} == {(("DIRECT_OUT", True),), (("DIRECT_OUT", False),)}
-    assert {dict(c)["SPLITS_PAD"] for c in by_name["_decode_reduce_kernel"]} == {2, 4, 8, 16, 32, 64}
-    assert by_name["_extend_kernel"] == {(("SKIP_DECODE", d), ("SPLIT", s)) for d in (False, True)
-                                         for s in (False, True)}
-    assert {dict(c)["SKIP_DECODE"] for c in by_name["_extend_reduce_kernel"]} == {False, True}
+    assert backend.precompile(q, k_cache, v_cache, batch, 0.25) == sum(len(c) for c in seen.values())
+    assert backend._compile_only is None and backend.num_kv_splits is None and real_launch
+    assert seen["_decode_split_kernel"] == {(("DIRECT_OUT", True),), (("DIRECT_OUT", False),)}
+    assert {dict(c)["SPLITS_PAD"] for c in seen["_decode_reduce_kernel"]} == {2, 4, 8, 16, 32, 64}
+    assert seen["_extend_kernel"] == {(("SKIP_DECODE", d), ("SPLIT", s)) for d in (False, True) for s in (False, True)}
+    assert {dict(c)["SKIP_DECODE"] for c in seen["_extend_reduce_kernel"]} == {False, True}

@@ -50,3 +50,25 @@ def test_warm_up_leaves_nothing_behind_and_output_unchanged(tiny_dir: Path) -> N
     assert got == expected
     assert_all_free(warm)
     warm.shutdown()
+
+
+def test_warm_up_stays_inside_small_limits(tiny_dir: Path) -> None:
+    """A short context, a small step budget, one sequence at a time and a small pool: the warm-up never runs a
+    position past the context (no stop rule applies to its rows), and still leaves nothing behind, nothing
+    cached for prefix matching either."""
+    from conftest import make_engine as single_engine
+
+    for overrides in ({"max_model_len": 64, "max_num_batched_tokens": 32},
+                      {"max_num_seqs": 1, "kv_cache_tokens": 256, "max_num_batched_tokens": 16}):
+        engine = single_engine(tiny_dir, "small", **overrides)
+        sub = engine.entry
+        positions: list[int] = []
+        orig = sub.runner.forward
+        sub.runner.forward = lambda chunks, orig=orig, positions=positions: positions.extend(
+            c.seq.num_computed_tokens + c.num_new_tokens for c in chunks) or orig(chunks)
+        warm_up(sub)
+        assert positions and max(positions) <= sub.runner.max_model_len, overrides
+        assert sub.block_manager.num_free_blocks == sub.block_manager.num_blocks
+        assert not sub.block_manager.hash_to_block and not sub.scheduler.has_work()
+        assert sub.scheduler.num_preemptions == 0
+        engine.shutdown()

@@ -8,10 +8,12 @@ multiple of 16), which costs seconds. Measured on one H200 (perf/results/timelin
 8 requests of a fresh server had a TTFT p99 of 3.2 s against 16 ms at p50.
 
 So a subserver runs throwaway sequences through its real runner, scheduler and sampler before it serves:
-prefills of mixed lengths, one batch as large as the graphs go, extends over cached context as a returning
-request brings them, a prefill arriving while others decode, a prompt chunked over several steps (long
-context: split attention), and sampled rows. Nothing is routed or committed and no event leaves; afterwards
-every block is free again and the step statistics (which the threshold tuner reads) start from zero.
+prefills of mixed lengths (up to 16 rows), extends over cached context as a returning request brings them,
+a prefill arriving while others decode, a prompt chunked over several steps (long context: split
+attention), and a seeded sampled row; and before its first step it compiles every attention kernel variant
+(runner.precompile), since these batches cannot meet each split count. Nothing is routed or committed, no
+event leaves and no block is registered for prefix caching; afterwards every block is free again and the
+counters (step statistics, which the threshold tuner reads; forwarded tokens; graph replays) start from zero.
 """
 
 from __future__ import annotations
@@ -36,14 +38,17 @@ SAMPLED = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True, temperature=0.
 
 def warm_up(sub: Subserver, max_seqs: int = 16) -> float:
     """Run the shapes `sub` meets when serving through its forward pass and sampler; returns the seconds it
-    took. Leaves no sequence, no held block and no step statistics behind."""
+    took. Leaves no sequence, no held or cached KV block and no counters behind."""
     t0 = time.perf_counter()
     rng = random.Random(0)
     vocab = sub.runner.arch.vocab_size
     bm = sub.block_manager
-    free_tokens = bm.num_free_blocks * bm.block_size
-    limit = min(sub.runner.max_model_len - 1, free_tokens // 4)
+    budget = sub.scheduler.max_num_batched_tokens
+    # Room for a few decode steps after the longest prompt (no stop rule runs here), and a pool that keeps
+    # three quarters free for the other sequences.
+    limit = max(1, min(sub.runner.max_model_len - 8, bm.num_free_blocks * bm.block_size // 4))
     seqs: list[Sequence] = []
+    compiled = False
 
     def add(length: int, params: SamplingParams = GREEDY) -> Sequence:
         length = max(1, min(length, limit))
@@ -55,8 +60,6 @@ def warm_up(sub: Subserver, max_seqs: int = 16) -> float:
         seqs.append(seq)
         sub.scheduler.add(seq)
         return seq
-
-    compiled = False
 
     def run(steps: int) -> None:
         nonlocal compiled
@@ -74,7 +77,8 @@ def warm_up(sub: Subserver, max_seqs: int = 16) -> float:
         run(4)
         # A request returning from another model: an extend over its cached context, next to decoding rows.
         for seq in batch[: max(1, n // 2)]:
-            seq.token_ids.extend(rng.randrange(vocab) for _ in range(9))
+            if not seq.is_finished and seq.num_tokens + 9 < sub.runner.max_model_len - 1:
+                seq.token_ids.extend(rng.randrange(vocab) for _ in range(9))
         run(2)
         # A new prompt while the others decode (a mixed batch), and a lone prefill.
         add(77)
@@ -82,15 +86,19 @@ def warm_up(sub: Subserver, max_seqs: int = 16) -> float:
         _finish(sub, seqs)
         add(45)
         run(2)
+        _finish(sub, seqs)
         # A prompt longer than one step's token budget: chunked prefill over cached context, then decoding
         # with a long context (split attention).
-        add(min(2 * sub.scheduler.max_num_batched_tokens + 7, limit))
-        run(2 + 2 * limit // max(1, sub.scheduler.max_num_batched_tokens))
+        long = add(2 * budget + 7)
+        run(-(-long.num_prompt_tokens // budget) + 2)
     finally:
         _finish(sub, seqs)
         sub.stats = StepStats()
         sub.num_steps = 0
+        sub.scheduler.num_preemptions = 0
         sub.runner.num_forwarded_tokens = 0
+        if sub.runner.graphs is not None:
+            sub.runner.graphs.num_replays = 0
     seconds = time.perf_counter() - t0
     log.info("%s: warm-up in %.1f s", sub.name, seconds)
     return seconds
@@ -109,12 +117,13 @@ def _step(sub: Subserver, precompile: bool = False) -> bool:
     with sub.runner.stream_context():
         out = sub.runner.forward(chunks)
         _, tokens, _ = sub._sample(out, sampling)
-    for c in chunks:
+    for c in chunks:  # (blocks are not registered for prefix caching: no later request should match them)
         c.seq.num_computed_tokens += c.num_new_tokens
-        sub.block_manager.register_full_blocks(c.seq)
     if sampling:
         for seq, tok in zip(sampling, tokens.tolist()):
             seq.token_ids.append(tok)
+            if seq.num_tokens >= sub.runner.max_model_len - 1:  # no room for another position
+                sub.scheduler.finish(seq)
     return True
 
 

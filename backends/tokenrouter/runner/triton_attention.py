@@ -463,7 +463,8 @@ class TritonAttention(AttentionBackend):
         self.extend_block_n = extend_block_n
         self.num_kv_splits = num_kv_splits
         self._num_sms: dict[torch.device, int] = {}
-        self._compile_only = False  # `precompile` is running: `_launch` compiles, launches nothing
+        # While `precompile` runs: the variants compiled so far (`_launch` compiles, launches nothing); else None.
+        self._compile_only: set[tuple] | None = None
 
     def prepare(self, batch: ForwardBatch) -> None:
         dec_kv = [kv for q, kv in zip(batch.q_lens_cpu, batch.kv_lens_cpu) if q == 1]
@@ -524,12 +525,15 @@ class TritonAttention(AttentionBackend):
         and with each power-of-two split count (the reduce's SPLITS_PAD), extend with and without decode rows
         beside it (SKIP_DECODE) and with and without splits. `batch` gives the tensors' types and layouts (the
         eager path's, which graphs share); nothing is launched."""
+        # A few rows are enough (a variant does not depend on the row count) and keep the extend's split scratch
+        # under its byte cap, which would otherwise hold a large batch of a wide model at one split and leave
+        # the split variants uncompiled.
+        q = q[:16]
         seqs, tokens = batch.num_seqs, q.shape[0]
         counts = sorted({1} | {1 << i for i in range(1, _MAX_KV_SPLITS.bit_length())})
         forced, self.num_kv_splits = self.num_kv_splits, None
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        compiled = 0
-        self._compile_only = True
+        self._compile_only = set()
         try:
             for splits in counts:
                 self.num_kv_splits = splits
@@ -540,17 +544,17 @@ class TritonAttention(AttentionBackend):
                         self._decode(q, k_cache, v_cache, out, batch, state, scale)
                     if num_extend:
                         self._extend(q, k_cache, v_cache, out, batch, state, scale)
-                    compiled += (num_decode > 0) + (num_extend > 0)
+            return len(self._compile_only)
         finally:
-            self._compile_only, self.num_kv_splits = False, forced
-        return compiled
+            self._compile_only, self.num_kv_splits = None, forced
 
     def _launch(self, kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-        """Run `kernel`, or only compile it for these arguments while `precompile` runs."""
-        if self._compile_only:
-            kernel.warmup(*args, grid=grid, **kwargs)
-        else:
+        """Run `kernel`, or only compile it for these arguments while `precompile` runs (counting variants)."""
+        if self._compile_only is None:
             kernel[grid](*args, **kwargs)
+            return
+        kernel.warmup(*args, grid=grid, **kwargs)
+        self._compile_only.add((getattr(kernel, "__name__", repr(kernel)), tuple(sorted(kwargs.items()))))
 
     def _sm_count(self, device: torch.device) -> int:
         if device not in self._num_sms:
