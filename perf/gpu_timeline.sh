@@ -7,6 +7,7 @@
 #
 # Usage (repository root, on the GPU machine):
 #   bash perf/gpu_timeline.sh OUT_DIR CONFIG NAME [BUNDLE_DIR]
+#   FIRST_ONLY=1 bash perf/gpu_timeline.sh ...   # only a fresh server's first requests at C=8, then C=16
 # Results: OUT_DIR/results_NAME.tgz: timeline_engine_c8/, served_*.{json,md}, timeline_served_c8/ (the five C=8
 # runs' window of the served timeline), timeline_raw.tgz (every served subserver's events), the logs.
 set -uo pipefail
@@ -24,11 +25,13 @@ source perf/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 load=(--config "$cfg" --prompt-len 100 --output-len 256)
 
+if [ -z "${FIRST_ONLY:-}" ]; then
 step "in-process engine, recorded (before any server: no MPS)"
 timeout 200 python3 perf/timeline.py record --config "$cfg" --concurrency 8 --num-requests 32 --prompt-len 100 \
   --output-len 256 --repeat 5 --out $res/timeline_engine_c8 > $res/timeline_engine.log 2>&1
 echo "exit $?"; grep -E "output_tok_s|^\| (small|large) " $res/timeline_engine_c8/summary.md 2> /dev/null \
   || tail -20 $res/timeline_engine.log
+fi
 
 # serve TAG CONFIG: start the server (timeline into $work/tl_TAG, a fresh Triton kernel cache), wait for ready.
 serve() {
@@ -70,6 +73,14 @@ if serve base "$cfg"; then
     $res/compiled_after_ready -name '__grp__*.json' -exec basename {} .json \; | tr '\n' ' ')); before: $(find \
     $work/triton-cache-base -name '__grp__*.json' ! -newer $work/ready_base | wc -l)"
   step "first requests measured"
+  if [ -n "${FIRST_ONLY:-}" ]; then  # only a fresh server's first requests, at C=8 and then at C=16
+    bench served_first_c16 --concurrency 16 --warmup 0
+    echo "after C=16: $(find $work/triton-cache-base -name '__grp__*.json' -newer $work/ready_base | wc -l) compiled"
+    for f in $(find $work/triton-cache-base -name '__grp__*.json' -newer $work/ready_base); do
+      cp -r "$(dirname $f)" $res/compiled_after_ready/
+    done
+    step "done: $out/results_$name.tgz"; kill -INT $serve_pid; exit 0  # (the machine is given back anyway)
+  fi
   bench served_c8 --concurrency 8 --repeat 5; step "C=8 x 5"
   bench served_c1 --concurrency 1; step "C=1"
   bench served_c16 --concurrency 16 --repeat 3; step "C=16 x 3"
