@@ -79,6 +79,7 @@ if serve base "$cfg"; then
     for f in $(find $work/triton-cache-base -name '__grp__*.json' -newer $work/ready_base); do
       cp -r "$(dirname $f)" $res/compiled_after_ready/
     done
+    tar -C $work -czf $res/timeline_raw.tgz tl_base  # every step of those requests, for perf/timeline.py served
     step "done: $out/results_$name.tgz"; kill -INT $serve_pid; exit 0  # (the machine is given back anyway)
   fi
   bench served_c8 --concurrency 8 --repeat 5; step "C=8 x 5"

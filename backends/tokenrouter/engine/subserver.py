@@ -114,8 +114,10 @@ class Subserver:
         if config.models[name].warmup and sub.runner.device.type == "cuda":
             try:  # before anything is served: no request pays for a kernel compile
                 sub.warmup_s = warm_up(sub)
-            except Exception:  # the first requests will pay for it, but the model serves
-                log.exception("%s: warm-up failed; serving without it", name)
+            except Exception as e:
+                if "CUDA error" in str(e):  # the device context is lost: serving on would fail every request
+                    raise RuntimeError(f"model {name!r}: the GPU failed during the warm-up, before serving: {e}") from e
+                log.exception("%s: warm-up failed; serving without it (first requests may compile kernels)", name)
         return sub
 
     # -- messages in ------------------------------------------------------------------------------------
