@@ -159,6 +159,10 @@ class EngineConfig:
     # its own decoding-loop thread; false steps the models in turn on one thread, so one model's step waits for
     # the other's (an ablation switch).
     independent_loops: bool = True
+    # Served deployments: a request still unfinished this many seconds after it arrived is aborted on every
+    # model (its KV freed) and answered with an error. Bounds the work of clients that went away unnoticed
+    # (Triton 2.51 reports no disconnect of a non-streaming HTTP request). None: no limit.
+    request_timeout_s: float | None = _spec(None, gt=0.0)
     source: str | None = field(default=None, repr=False)
 
     def validate(self) -> None:

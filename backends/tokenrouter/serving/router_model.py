@@ -154,6 +154,8 @@ class _Client:
         self.start = time.monotonic()
         self.last_token: float | None = None
         self.done = False
+        self.deadline: float | None = None  # request_timeout_s: when it is aborted and answered with an error
+        self.timed_out = False
 
 
 class RouterModel:
@@ -221,6 +223,8 @@ class RouterModel:
     def _admit(self, client: _Client) -> None:
         rid = f"tr-{uuid.uuid4().hex[:16]}"
         client.request_id = rid
+        if self.config.request_timeout_s is not None:
+            client.deadline = client.start + self.config.request_timeout_s
         self.clients[rid] = client
         try:
             self.coordinator.add_request(client.gen.prompt, client.gen.params, rid, lambda o: self._respond(client, o))
@@ -243,6 +247,11 @@ class RouterModel:
             client.done = True
             self.clients.pop(out.request_id, None)
             self.graveyard.keep(client.request, client.sender)
+            if client.timed_out:  # aborted at its deadline: the client learns why, not just "abort"
+                self.metrics.finished("timeout")
+                self._send_error(client.sender, f"request unfinished after request_timeout_s "
+                                                f"({self.config.request_timeout_s:g} s): aborted")
+                return
             self.metrics.finished(out.finish_reason or "unknown")
             if out.finish_reason == "error":
                 self._send_error(client.sender, out.error or "request failed")
@@ -321,11 +330,18 @@ class RouterModel:
             self.graveyard.sweep()
 
     async def _watch_cancellations(self) -> None:
-        """Client cancelled the stream (or disconnected): abort on every model, which frees its KV."""
+        """Client cancelled the stream (or disconnected), or the request outlived request_timeout_s: abort on
+        every model, which frees its KV."""
         while True:
             await asyncio.sleep(CANCEL_POLL_S)
+            now = time.monotonic()
             for rid, client in list(self.clients.items()):
-                if not client.done and client.sender.is_cancelled():
+                if client.done or client.timed_out:
+                    continue
+                if client.deadline is not None and now >= client.deadline:
+                    client.timed_out = True
+                    self.coordinator.abort(rid)
+                elif client.sender.is_cancelled():
                     self.coordinator.abort(rid)
 
     async def _tune_forever(self) -> None:
