@@ -339,8 +339,9 @@ class RouterModel:
                 if client.done or client.timed_out:
                     continue
                 if client.deadline is not None and now >= client.deadline:
-                    client.timed_out = True
-                    self.coordinator.abort(rid)
+                    client.timed_out = True  # before the abort, which may deliver the final output itself
+                    if self.coordinator.abort(rid) is None:  # it had finished: its own final answer stands
+                        client.timed_out = False
                 elif client.sender.is_cancelled():
                     self.coordinator.abort(rid)
 
