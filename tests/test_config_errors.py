@@ -75,6 +75,11 @@ TOP_VALUES = [
     ({"batching": {"thresholds": 0}}, r"^batching\.thresholds must be >= 1, got 0$"),
     ({"batching": {"thresholds": {"tiny": 2}}}, r"batching\.thresholds names unknown model\(s\) \['tiny'\]"),
     ({"batching": 4}, r"^batching must be a mapping, got int$"),
+    ({"request_timeout_s": 0}, r"^request_timeout_s must be > 0, got 0$"),
+    ({"request_timeout_s": "2s"}, r"^request_timeout_s must be a number > 0 or null, got '2s'$"),
+    ({"request_timeout_s": True}, r"^request_timeout_s must be a number > 0 or null, got True$"),
+    # An integer beyond any float (YAML reads 1 and 400 zeros as one): refused, not an OverflowError.
+    ({"request_timeout_s": 10**400}, r"^request_timeout_s must be a number > 0 or null, got 1000"),
 ]
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from triton_harness import generate_stream, metrics, running_server, stubs_of
+from triton_harness import generate_stream, metrics, running_server, stubs_of, wait_metric
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "perf"))
@@ -40,15 +40,6 @@ def _config(tmp: Path, tiny_dir: Path, kv_cache_tokens: int = 4096, p: float = 0
 
 def _body(prompt: str, params: dict) -> dict:
     return {"text_input": prompt, "sampling_parameters": json.dumps(params), "stream": True}
-
-
-def _wait_metric(server, key: str, want: float, timeout: float) -> float:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = metrics(server).get(key)
-        if value == want or time.monotonic() > deadline:
-            return value
-        time.sleep(0.3)
 
 
 @pytest.mark.slow
@@ -80,7 +71,7 @@ def test_killed_subserver_fails_its_requests_and_is_reloaded(tiny_dir: Path, tmp
         assert time.monotonic() - start < 5.0, "the router stalled while the model was reloaded"
         if "error" in events[-1]:
             assert "'large' is unavailable" in events[-1]["error"] and "restarted" in events[-1]["error"]
-        assert _wait_metric(server, 'tokenrouter_model_up{model="large"}', 1.0, 180) == 1.0
+        assert wait_metric(server, 'tokenrouter_model_up{model="large"}', 1.0, 180) == 1.0
         result = run_soak(server.grpc_url, requests=40, concurrency=4, cancel_fraction=0.0, max_tokens=24,
                           metrics_url=server.metrics_url, seed=3)
         assert result.problems() == [], result
@@ -138,7 +129,7 @@ def test_clients_that_disconnect_mid_stream_have_their_kv_freed(tiny_dir: Path, 
             assert b"data:" in s.recv(4096)
         # Both are cancelled (not run to their 3,000 tokens): the router counts them as aborted, and every
         # model frees what they held.
-        assert _wait_metric(server, abort, before + 2, 60) == before + 2
+        assert wait_metric(server, abort, before + 2, 60) == before + 2
         held = wait_idle(server.metrics_url, timeout=30)
         assert not any(held.values()), held
 

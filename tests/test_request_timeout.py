@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from triton_harness import generate_stream, metrics, running_server
+from triton_harness import generate_stream, running_server, wait_metric
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 1.5
@@ -41,15 +41,6 @@ def _generate(server, body: dict, timeout: float = 120) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}")
 
 
-def _wait_metric(server, key: str, want: float, timeout: float = 30.0) -> float | None:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = metrics(server).get(key)
-        if value == want or time.monotonic() > deadline:
-            return value
-        time.sleep(0.3)
-
-
 def test_request_timeout_aborts_and_answers_with_an_error(tiny_dir: Path, tmp_path: Path) -> None:
     long = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0.0}
     with running_server(_config(tmp_path, tiny_dir), tmp_path) as server:
@@ -67,7 +58,7 @@ def test_request_timeout_aborts_and_answers_with_an_error(tiny_dir: Path, tmp_pa
         status, answer = _generate(server, {"text_input": "def main():", "sampling_parameters": json.dumps(short)})
         assert status == 200 and answer["text_output"], answer
         timeouts = 'tokenrouter_requests_finished_total{finish_reason="timeout",model="tokenrouter"}'
-        assert _wait_metric(server, timeouts, 2.0) == 2.0
+        assert wait_metric(server, timeouts, 2.0) == 2.0
         for model in ("small", "large"):
-            assert _wait_metric(server, f'tokenrouter_kv_blocks_used{{model="{model}"}}', 0.0) == 0.0
-            assert _wait_metric(server, f'tokenrouter_requests_held{{model="{model}"}}', 0.0) == 0.0
+            assert wait_metric(server, f'tokenrouter_kv_blocks_used{{model="{model}"}}', 0.0) == 0.0
+            assert wait_metric(server, f'tokenrouter_requests_held{{model="{model}"}}', 0.0) == 0.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
@@ -60,6 +61,16 @@ def _events(body: str) -> list[dict]:
 def metrics(server: TritonServer) -> dict[str, float]:
     """Prometheus text -> {'name{labels}': value} for our metrics."""
     return scrape(server.metrics_url)
+
+
+def wait_metric(server: TritonServer, key: str, want: float, timeout: float = 30.0) -> float | None:
+    """Poll metric `key` until it equals `want` or `timeout` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = metrics(server).get(key)
+        if value == want or time.monotonic() > deadline:
+            return value
+        time.sleep(0.3)
 
 
 def stubs_of(repo: Path, model: str = "") -> list[int]:

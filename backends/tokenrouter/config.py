@@ -252,8 +252,15 @@ def _matches(tp: Any, v: object) -> bool:
     if tp is int:
         return isinstance(v, int) and not isinstance(v, bool)
     if tp is float:
-        return _is_number(v) and math.isfinite(v)
+        return _is_number(v) and _finite(v)
     return isinstance(v, tp)  # bool, str, None, a nested config
+
+
+def _finite(v: float) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an integer beyond any float (YAML reads 1 followed by 400 zeros as one)
+        return False
 
 
 def _describe(tp: Any, rng: str) -> str:
