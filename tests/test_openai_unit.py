@@ -416,6 +416,7 @@ def test_sse_and_error_bodies() -> None:
         ("text_input must be a non-empty string", None, 400),
         ("missing required input 'text_input'", None, 400),
         ("anything", "StatusCode.INVALID_ARGUMENT", 400),
+        ("request unfinished after request_timeout_s (2 s): aborted", None, 504),
         ("CUDA out of memory", None, 500),
         ("failed to connect to all addresses", "StatusCode.UNAVAILABLE", 500),
         ("Request for unknown model: 'tokenrouter' is not found", None, 500),

@@ -31,7 +31,7 @@ from tokenrouter.routing.policy import make_policy
 from tokenrouter.runner.arch import declared_context_limit, shared_vocab_size
 from tokenrouter.serving.metrics import RouterMetrics
 from tokenrouter.serving.model_control import REVIVE_BACKOFF_MAX_S, REVIVE_BACKOFF_S, cannot_reload, reload_model
-from tokenrouter.serving.tensors import GenerateRequest, parse_request
+from tokenrouter.serving.tensors import TIMEOUT_ERROR, GenerateRequest, parse_request
 from tokenrouter.tokenizer import load_tokenizer
 from tokenrouter.transport.messages import StepStatsReport
 from tokenrouter.transport.sockets import SocketTransport
@@ -249,8 +249,7 @@ class RouterModel:
             self.graveyard.keep(client.request, client.sender)
             if client.timed_out:  # aborted at its deadline: the client learns why, not just "abort"
                 self.metrics.finished("timeout")
-                self._send_error(client.sender, f"request unfinished after request_timeout_s "
-                                                f"({self.config.request_timeout_s:g} s): aborted")
+                self._send_error(client.sender, f"{TIMEOUT_ERROR} ({self.config.request_timeout_s:g} s): aborted")
                 return
             self.metrics.finished(out.finish_reason or "unknown")
             if out.finish_reason == "error":

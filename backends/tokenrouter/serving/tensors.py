@@ -38,6 +38,8 @@ PEER_INPUTS: list[dict[str, Any]] = [
     {"name": "tokenrouter_messages", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
 ]
 PEER_OUTPUTS: list[dict[str, Any]] = [{"name": "tokenrouter_events", "data_type": "TYPE_STRING", "dims": [1]}]
+# How the router's error for a request aborted at request_timeout_s begins (frontends map it to a timeout).
+TIMEOUT_ERROR = "request unfinished after request_timeout_s"
 # config.pbtxt parameter that tells `auto_complete` which interface a model gets (written by repository.py).
 ROLE_PARAMETER = "tokenrouter_role"
 

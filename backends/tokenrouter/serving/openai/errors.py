@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenrouter.serving.tensors import TIMEOUT_ERROR
+
 # Triton's gRPC stream drops the status code of an error response and keeps only its message, so
 # bad input has to be recognised by wording. These cover the model's request parsing
 # (serving/tensors.py), the engine's ValueError messages (tests/test_bad_input.py) and Triton core's
@@ -37,6 +39,7 @@ _ERROR_TYPES = {
     413: "invalid_request_error",
     500: "server_error",
     503: "server_error",
+    504: "server_error",
 }
 
 
@@ -75,9 +78,12 @@ def error_body(
 
 
 def triton_error_status(message: str, status: str | None = None) -> int:
-    """HTTP status for a Triton error: 400 when it reports bad input, else 500."""
+    """HTTP status for a Triton error: 400 when it reports bad input, 504 when the deployment's
+    request_timeout_s cut the request off, else 500."""
     if status in _BAD_INPUT_STATUSES:
         return 400
+    if TIMEOUT_ERROR in message:
+        return 504
     lowered = message.lower()
     return 400 if any(marker in lowered for marker in BAD_INPUT_MARKERS) else 500
 
