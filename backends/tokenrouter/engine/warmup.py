@@ -23,6 +23,8 @@ import random
 import time
 from typing import TYPE_CHECKING
 
+import torch
+
 from tokenrouter.engine.sequence import Sequence
 from tokenrouter.engine.step_stats import StepStats
 from tokenrouter.sampling_params import SamplingParams
@@ -54,8 +56,6 @@ def warm_up(sub: Subserver, max_seqs: int = 16) -> float:
         length = max(1, min(length, limit))
         seq = Sequence(f"warm-up-{len(seqs)}", [rng.randrange(vocab) for _ in range(length)], length, params)
         if params.seed is not None:
-            import torch
-
             seq.generator = torch.Generator(device=sub.runner.device).manual_seed(params.seed)
         seqs.append(seq)
         sub.scheduler.add(seq)

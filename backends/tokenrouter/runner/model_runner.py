@@ -213,7 +213,7 @@ class ModelRunner:
 
 def _packed(segments: list[list[int]], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, list[slice]]:
     """The segments in one host-to-device copy, each starting on a 16-byte boundary; their slices."""
-    per = 16 // torch.empty((), dtype=dtype).element_size()
+    per = 16 // dtype.itemsize
     flat: list[int] = []
     where = []
     for seg in segments:
