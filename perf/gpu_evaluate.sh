@@ -14,13 +14,8 @@ section=${2:?section: main, ablation or sweep}
 shift 2
 bundle=${BUNDLE:-.gpu}
 limit=${LIMIT:-520}
-work=$(mktemp -d /tmp/evaluate-XXXX)
-res=$work/results
-mkdir -p "$out" "$res"
-# The archive is rewritten after every step: a run cut short still brings back what it measured.
-step() { tar -C $work -czf "$out/results_$section.tgz" results 2> /dev/null; echo "== $(date -u +%T) $*"; }
-
-source perf/gpu_env.sh
+archive=results_$section.tgz
+source perf/gpu_env.sh  # (also: work, res, step)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 
 step "evaluate $section (limit ${limit} s)"

@@ -19,13 +19,8 @@ out=${1:?output directory}
 cfg=${2:?deployment YAML}
 name=${3:?results name}
 bundle=${4:-.gpu}
-work=$(mktemp -d /tmp/served-XXXX)
-res=$work/results
-mkdir -p "$out" "$res"
-# The archive is rewritten after every step: a run cut short still brings back what it measured.
-step() { tar -C $work -czf "$out/results_$name.tgz" results 2> /dev/null; echo "== $(date -u +%T) $*"; }
-
-source perf/gpu_env.sh
+archive=results_$name.tgz
+source perf/gpu_env.sh  # (also: work, res, step)
 
 step "in-process engine, same workload"
 timeout 200 python3 perf/bench_engine.py --config "$cfg" --variants routed --concurrency 1,8,16 \

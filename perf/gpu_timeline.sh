@@ -15,13 +15,8 @@ out=${1:?output directory}
 cfg=${2:?deployment YAML}
 name=${3:?results name}
 bundle=${4:-.gpu}
-work=$(mktemp -d /tmp/timeline-XXXX)
-res=$work/results
-mkdir -p "$out" "$res"
-# The archive is rewritten after every step: a run cut short still brings back what it measured.
-step() { tar -C $work -czf "$out/results_$name.tgz" results 2> /dev/null; echo "== $(date -u +%T) $*"; }
-
-source perf/gpu_env.sh
+archive=results_$name.tgz
+source perf/gpu_env.sh  # (also: work, res, step)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 load=(--config "$cfg" --prompt-len 100 --output-len 256)
 
@@ -56,6 +51,14 @@ stop_server() {
   echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
   for _ in $(seq 1 30); do pgrep -f nvidia-cuda-mps > /dev/null || break; sleep 1; done
 }
+# Kernels compiled on requests (there should be none): the cache folder of each variant compiled after
+# ready (its __grp__*.json written last) is kept, with its metadata (name, specialization).
+keep_compiled() {
+  mkdir -p $res/compiled_after_ready
+  for f in $(find $work/triton-cache-base -name '__grp__*.json' -newer $work/ready_base); do
+    cp -r "$(dirname $f)" $res/compiled_after_ready/
+  done
+}
 bench() {  # bench OUTNAME ARGS...: the served benchmark, its per-run lines
   local o=$1; shift
   timeout 200 python3 perf/bench_served.py --url 127.0.0.1:8001 "${load[@]}" --out $res/$o "$@" 2>&1 | grep "^C="
@@ -63,22 +66,15 @@ bench() {  # bench OUTNAME ARGS...: the served benchmark, its per-run lines
 
 if serve base "$cfg"; then
   bench served_first --concurrency 8 --warmup 0
-  # Kernels compiled on requests (there should be none): their metadata (name, specialization) is kept.
-  # (one cache folder per compiled variant, its __grp__*.json written last)
-  mkdir -p $res/compiled_after_ready
-  for f in $(find $work/triton-cache-base -name '__grp__*.json' -newer $work/ready_base); do
-    cp -r "$(dirname $f)" $res/compiled_after_ready/
-  done
+  keep_compiled
   echo "Triton kernels compiled after ready: $(ls $res/compiled_after_ready | wc -l) ($(find \
     $res/compiled_after_ready -name '__grp__*.json' -exec basename {} .json \; | tr '\n' ' ')); before: $(find \
     $work/triton-cache-base -name '__grp__*.json' ! -newer $work/ready_base | wc -l)"
   step "first requests measured"
   if [ -n "${FIRST_ONLY:-}" ]; then  # only a fresh server's first requests, at C=8 and then at C=16
     bench served_first_c16 --concurrency 16 --warmup 0
-    echo "after C=16: $(find $work/triton-cache-base -name '__grp__*.json' -newer $work/ready_base | wc -l) compiled"
-    for f in $(find $work/triton-cache-base -name '__grp__*.json' -newer $work/ready_base); do
-      cp -r "$(dirname $f)" $res/compiled_after_ready/
-    done
+    keep_compiled
+    echo "after C=16: $(ls $res/compiled_after_ready | wc -l) compiled"
     tar -C $work -czf $res/timeline_raw.tgz tl_base  # every step of those requests, for perf/timeline.py served
     step "done: $out/results_$name.tgz"; kill -INT $serve_pid; exit 0  # (the machine is given back anyway)
   fi
