@@ -16,7 +16,9 @@ import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
-KERNEL_MODULES = ("tokenrouter.runner.fused_ops", "tokenrouter.runner.triton_attention")
+KERNEL_MODULES = (
+    "tokenrouter.runner.fused_ops", "tokenrouter.runner.triton_attention", "tokenrouter.runner.skinny_gemm"
+)
 
 
 def _drop_module(name: str) -> None:

@@ -88,6 +88,10 @@ class ModelConfig:
     # its values reach the host in the step's one synchronization. false: after the step, as separate kernels
     # with a synchronization of their own (how a router outside the serving loop runs; an ablation switch).
     route_in_step: bool = True
+    # Batches of up to 64 tokens run each layer's four matmuls as Triton skinny GEMMs with the norms, SwiGLU's
+    # activation and the residual adds fused in (runner/skinny_gemm.py): six kernels a layer instead of about
+    # ten. Needs the triton attention backend (it is part of that fused path); false keeps cuBLAS everywhere.
+    skinny_gemm: bool = True
     # Before the model reports ready, run throwaway batches through it (prefills, extends, mixed and sampled
     # batches, a chunked prompt) so that no request pays for a kernel compile (engine/warmup.py). GPU only.
     warmup: bool = True

@@ -8,6 +8,8 @@ takes a decode step from ~60 kernels per layer to ~9, which matters even inside 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -15,6 +17,9 @@ from tokenrouter.runner.arch import ArchConfig
 from tokenrouter.runner.attention import AttentionBackend
 from tokenrouter.runner.forward_batch import ForwardBatch
 from tokenrouter.runner.layers import RMSNorm, RotaryEmbedding, SwiGLU
+
+if TYPE_CHECKING:
+    from tokenrouter.runner.skinny_gemm import SplitKWorkspace
 
 
 class Attention(nn.Module):
@@ -45,17 +50,7 @@ class Attention(nn.Module):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.fused:
-            from tokenrouter.runner import fused_ops
-
-            q = fused_ops.qk_norm_rope_store(
-                qkv, batch.positions, rope.cos, rope.sin,
-                self.q_norm.weight if hasattr(self, "q_norm") else None,
-                self.k_norm.weight if hasattr(self, "k_norm") else None,
-                self.eps, self.k_cache, self.v_cache, batch.slot_mapping,
-                self.num_heads, self.num_kv_heads, self.head_dim,
-            )  # fmt: skip
-            o = backend.forward(q, self.k_cache, self.v_cache, batch, self.scale)
-            return self.o_proj(o.reshape(T, self.q_size))
+            return self.o_proj(self.attend(qkv, batch, rope, backend))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -66,6 +61,23 @@ class Attention(nn.Module):
         backend.store_kv(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
         o = backend.forward(q, self.k_cache, self.v_cache, batch, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.q_size))
+
+    def attend(
+        self, qkv: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding, backend: AttentionBackend
+    ) -> torch.Tensor:  # [T, Hq * D], the input of o_proj
+        """The fused path between qkv_proj and o_proj: q/k norm, RoPE and the KV write in one kernel, then
+        attention."""
+        from tokenrouter.runner import fused_ops
+
+        q = fused_ops.qk_norm_rope_store(
+            qkv, batch.positions, rope.cos, rope.sin,
+            self.q_norm.weight if hasattr(self, "q_norm") else None,
+            self.k_norm.weight if hasattr(self, "k_norm") else None,
+            self.eps, self.k_cache, self.v_cache, batch.slot_mapping,
+            self.num_heads, self.num_kv_heads, self.head_dim,
+        )  # fmt: skip
+        o = backend.forward(q, self.k_cache, self.v_cache, batch, self.scale)
+        return o.reshape(qkv.shape[0], self.q_size)
 
 
 class DecoderLayer(nn.Module):
@@ -86,6 +98,29 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
+    def forward_stream(
+        self,
+        stream: torch.Tensor,  # [T, hidden] residual stream: the previous layer's output plus its residual
+        batch: ForwardBatch,
+        rope: RotaryEmbedding,
+        backend: AttentionBackend,
+        workspace: SplitKWorkspace,
+    ) -> torch.Tensor:  # the next residual stream
+        """The layer for a few tokens: four skinny matmuls with the norms, SwiGLU's activation and the residual
+        adds fused into them, so the layer is six kernels (attention's split and reduce included). Same
+        roundings as `forward`: the stream is what `forward`'s norms compute as x + residual."""
+        from tokenrouter.runner.skinny_gemm import skinny_linear
+
+        attn, mlp = self.self_attn, self.mlp
+        qkv = skinny_linear(stream, attn.qkv_proj.weight, workspace, prologue="rms_norm",
+                            norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps)
+        o = attn.attend(qkv, batch, rope, backend)
+        stream = skinny_linear(o, attn.o_proj.weight, workspace, residual=stream)
+        gate_up = skinny_linear(stream, mlp.gate_up_proj.weight, workspace, prologue="rms_norm",
+                                norm_weight=self.post_attention_layernorm.weight,
+                                eps=self.post_attention_layernorm.eps)
+        return skinny_linear(gate_up, mlp.down_proj.weight, workspace, prologue="silu_mul", residual=stream)
+
 
 class DecoderModel(nn.Module):
     def __init__(self, arch: ArchConfig, max_positions: int, fused: bool = False) -> None:
@@ -102,14 +137,43 @@ class CausalLM(nn.Module):
     def __init__(self, arch: ArchConfig, max_positions: int, fused: bool = False) -> None:
         super().__init__()
         self.arch = arch
+        self.fused = fused
         self.model = DecoderModel(arch, max_positions, fused)
         if arch.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
 
+        # Split-K scratch of the skinny matmuls; set by `use_skinny_gemm`, None keeps every batch on cuBLAS.
+        self.workspace: SplitKWorkspace | None = None
+        self.skinny_max_m = 0
+
+    def skinny_shapes(self) -> list[tuple[int, int]]:
+        """(N, K) of each matmul in a layer: qkv, o, gate_up, down."""
+        a = self.arch
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        return [(q + 2 * kv, a.hidden_size), (a.hidden_size, q), (2 * a.intermediate_size, a.hidden_size),
+                (a.hidden_size, a.intermediate_size)]
+
+    def use_skinny_gemm(self, device: torch.device) -> bool:
+        """Route batches of up to skinny_gemm.MAX_M tokens through `DecoderLayer.forward_stream` (fused path only;
+        the skinny kernel has no bias). Returns whether it did."""
+        if not self.fused or self.arch.qkv_bias:
+            return False
+        from tokenrouter.runner import skinny_gemm
+
+        needs = [skinny_gemm.workspace_need(n, k, m, device) for n, k in self.skinny_shapes()
+                 for m in skinny_gemm.BLOCK_M_SIZES]
+        self.workspace = skinny_gemm.SplitKWorkspace(device, max(p for p, _ in needs), max(t for _, t in needs))
+        self.skinny_max_m = skinny_gemm.MAX_M
+        return True
+
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:  # [T, hidden]
         h = self.model.embed_tokens(batch.input_ids)
+        if self.workspace is not None and h.shape[0] <= self.skinny_max_m:
+            for layer in self.model.layers:
+                h = layer.forward_stream(h, batch, self.model.rotary_emb, backend, self.workspace)
+            return self.model.norm(h)
         residual = None
         for layer in self.model.layers:
             h, residual = layer(h, residual, batch, self.model.rotary_emb, backend)

@@ -1,0 +1,264 @@
+"""Small-M matmuls (decode and short extends) as one Triton kernel each, with their neighbours fused in.
+
+`skinny_linear` computes y = f(x) @ W^T for a few rows x (M <= MAX_M) and a large weight W [N, K]. At such M a
+matmul only streams W from memory, so what matters is keeping enough bytes in flight on every SM and launching as
+few kernels as possible. The kernel therefore
+
+* tiles W by BLOCK_N output columns and, when N alone gives too few programs, splits K over SPLIT_K programs whose
+  float32 partials are reduced by the last of them to finish (a counter per column tile), not by a second kernel;
+* computes the tile transposed (W_tile @ x^T), so the large N side fills the MMA's M dimension and x's few rows its
+  N dimension of 16;
+* fuses the element-wise op in front of it (`prologue`): RMSNorm of x (statistics over the whole row, then the
+  normalised value times the norm weight, rounded where `RMSNorm` rounds) or SwiGLU's silu(gate) * up (x holds
+  [gate | up], rounded where `fused_ops.silu_mul` rounds);
+* and the residual add behind it: y = round(round(x @ W^T) + residual), as torch's `h + residual` is computed after
+  the rounded matmul. A decoder layer then hands one residual stream from matmul to matmul (model.py).
+
+Shapes are runtime arguments, so the shapes of one model share compiled variants (one per prologue, tile and
+split choice). Tile sizes and split counts come per (N, K, M) from a table measured on the target GPU by
+perf/bench_gemm.py and persisted beside this module (`skinny_gemm_tuned.json`); shapes it lacks get a heuristic.
+Nothing is tuned at start.
+The split-K reduction sums partials in a fixed order, so results do not depend on which program finishes last.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_M = 64  # rows the kernel takes; larger batches go to cuBLAS (they are no longer weight-read bound)
+BLOCK_M_SIZES = (16, 32, 64)  # the row tiles up to MAX_M, each a tuned table column
+PROLOGUES = ("none", "rms_norm", "silu_mul")
+TUNED_PATH = Path(__file__).with_name("skinny_gemm_tuned.json")
+
+
+# M (the batch's rows) must not pick a variant: Triton would compile one for M == 1 and for multiples of 16.
+@triton.jit(do_not_specialize=["M"])
+def _skinny_gemm_kernel(
+    x_ptr,  # [M, K] (prologue silu_mul: [M, 2K], gate then up), row stride stride_x
+    w_ptr,  # [N, K], row stride stride_w
+    out_ptr,  # [M, N] contiguous
+    norm_w_ptr,  # [K], read when PROLOGUE == 1
+    res_ptr,  # [M, N] residual, row stride stride_res, read when HAS_RESIDUAL
+    part_ptr,  # [SPLIT_K, M, N] float32 partials, used when SPLIT_K > 1
+    count_ptr,  # [cdiv(N, BLOCK_N)] int32 zeros, used when SPLIT_K > 1 (left zero again)
+    M,
+    N,
+    K,
+    k_per_split,  # a multiple of BLOCK_K
+    eps,
+    stride_x,
+    stride_w,
+    stride_res,
+    PROLOGUE: tl.constexpr,  # 0 none, 1 rms_norm, 2 silu_mul
+    HAS_RESIDUAL: tl.constexpr,
+    IEEE: tl.constexpr,  # float32 inputs: full-precision dot rather than TF32
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_N), SPLIT_K): program (n, s) owns columns n*BLOCK_N.. over the s-th K range."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    dtype = out_ptr.dtype.element_ty
+    rm = tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
+
+    if PROLOGUE == 1:
+        # RMSNorm needs the whole row's statistics before any K slice: every program reads x's few rows once more
+        # (M x K, from L2) rather than a separate norm kernel writing and re-reading them.
+        sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + rk) < K
+            xs = tl.load(x_rows + k0 + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            sq += tl.sum(xs * xs, 1)
+        rstd = 1.0 / tl.sqrt(sq / K + eps)
+
+    k_begin = pid_k * k_per_split
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
+        k_ok = (k0 + rk) < K
+        x_mask = m_ok[:, None] & k_ok[None, :]
+        if PROLOGUE == 2:
+            gate = tl.load(x_rows + k0 + rk[None, :], mask=x_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_rows + K + k0 + rk[None, :], mask=x_mask, other=0.0).to(tl.float32)
+            # As fused_ops.silu_mul: silu rounded to the dtype, then the product rounded.
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            x = (act * up).to(dtype)
+        else:
+            x = tl.load(x_rows + k0 + rk[None, :], mask=x_mask, other=0.0)
+            if PROLOGUE == 1:
+                nw = tl.load(norm_w_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+                # As RMSNorm: the normalised value rounded to the dtype, then the weight product rounded.
+                y = (x.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
+                x = (y * nw[None, :]).to(dtype)
+        w = tl.load(w_rows + k0 + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+        else:
+            acc += tl.dot(w, tl.trans(x))
+
+    out_offs = rm[None, :] * N + rn[:, None]  # [BLOCK_N, BLOCK_M] view of out[M, N]
+    out_mask = n_ok[:, None] & m_ok[None, :]
+    if SPLIT_K > 1:
+        tl.store(part_ptr + pid_k * M * N + out_offs, acc, mask=out_mask)
+        # acq_rel: this program's partial is visible before its count, and the last one sees every partial.
+        done = tl.atomic_add(count_ptr + pid_n, 1)
+        if done == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(SPLIT_K):  # a fixed order: the sum does not depend on which program finished last
+                acc += tl.load(part_ptr + s * M * N + out_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + pid_n, 0)  # zero again for the next launch (also inside a CUDA graph)
+            _store_out(acc, out_ptr, out_offs, out_mask, res_ptr, rm, rn, stride_res, HAS_RESIDUAL)
+    else:
+        _store_out(acc, out_ptr, out_offs, out_mask, res_ptr, rm, rn, stride_res, HAS_RESIDUAL)
+
+
+@triton.jit
+def _store_out(acc, out_ptr, out_offs, out_mask, res_ptr, rm, rn, stride_res, HAS_RESIDUAL: tl.constexpr):
+    dtype = out_ptr.dtype.element_ty
+    y = acc.to(dtype)  # the matmul's own rounding, as cuBLAS writes its output
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + rm.to(tl.int64)[None, :] * stride_res + rn[:, None], mask=out_mask, other=0.0)
+        y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
+    tl.store(out_ptr + out_offs, y, mask=out_mask)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Launch parameters of one (N, K, M) shape."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def block_m(m: int) -> int:
+    """The kernel's row tile: tl.dot needs at least 16."""
+    return max(16, triton.next_power_of_2(m))
+
+
+def heuristic_config(n: int, k: int, m: int, num_sms: int = 132) -> GemmConfig:
+    """A config for shapes the tuned table lacks: 64-column tiles, K split until there are ~2 programs per SM."""
+    block_n = 64 if n >= 64 * num_sms // 2 else 32
+    block_k = 128 if block_m(m) <= 32 else 64
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while tiles * split < 2 * num_sms and k // (split * 2) >= 2 * block_k and split < 16:
+        split *= 2
+    return GemmConfig(block_n, block_k, split)
+
+
+@cache
+def _tuned_table(device_name: str) -> dict[tuple[int, int, int], GemmConfig]:
+    """The persisted table for this GPU model: (N, K, block_m) -> config. Empty when the GPU was never tuned."""
+    if not TUNED_PATH.exists():
+        return {}
+    entries = json.loads(TUNED_PATH.read_text()).get(device_name, {})
+    table = {}
+    for key, cfg in entries.items():
+        n, k, bm = (int(v) for v in key.split("x"))
+        table[(n, k, bm)] = GemmConfig(**cfg)
+    return table
+
+
+def config_for(n: int, k: int, m: int, device: torch.device) -> GemmConfig:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        cfg = _tuned_table(name).get((n, k, block_m(m)))
+        if cfg is not None:
+            return cfg
+        return heuristic_config(n, k, m, torch.cuda.get_device_properties(device).multi_processor_count)
+    return heuristic_config(n, k, m)
+
+
+class SplitKWorkspace:
+    """Float32 partials and per-tile counters of split-K launches, one per model (one CUDA stream): launches on
+    one stream run one after another, and each leaves its counters zero for the next."""
+
+    def __init__(self, device: torch.device, partial_elems: int, tiles: int) -> None:
+        self.partials = torch.empty(max(partial_elems, 1), dtype=torch.float32, device=device)
+        self.counts = torch.zeros(max(tiles, 1), dtype=torch.int32, device=device)
+
+    def fits(self, partial_elems: int, tiles: int) -> bool:
+        return partial_elems <= self.partials.numel() and tiles <= self.counts.numel()
+
+
+def workspace_need(n: int, k: int, m: int, device: torch.device) -> tuple[int, int]:
+    """(float32 partial elements, counters) one launch of this shape uses."""
+    cfg = config_for(n, k, m, device)
+    if cfg.split_k == 1:
+        return 0, 0
+    return cfg.split_k * m * n, triton.cdiv(n, cfg.block_n)
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    workspace: SplitKWorkspace | None = None,
+    *,
+    prologue: str = "none",
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """prologue(x) @ weight^T (+ residual) -> new contiguous [M, N] in x's dtype.
+
+    prologue: "none"; "rms_norm" (RMSNorm of x with `norm_weight` and `eps` first); "silu_mul" (x is [M, 2K] =
+    [gate | up], the input is silu(gate) * up). `residual` [M, N] is added to the rounded product. A split-K
+    config needs `workspace` (SplitKWorkspace). Never synchronises, so it can be captured in a CUDA graph.
+    """
+    if prologue not in PROLOGUES:
+        raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
+    if x.dim() != 2 or weight.dim() != 2 or x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be 2-D, last dim contiguous")
+    M = x.shape[0]
+    N, K = weight.shape
+    if M > MAX_M:
+        raise ValueError(f"skinny_linear takes at most {MAX_M} rows, got {M}")
+    if x.shape[1] != (2 * K if prologue == "silu_mul" else K) or x.dtype != weight.dtype:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} {weight.dtype} "
+                         f"with prologue {prologue!r}")
+    if prologue == "rms_norm" and (norm_weight is None or norm_weight.shape != (K,)):
+        raise ValueError(f"prologue 'rms_norm' needs norm_weight of shape ({K},)")
+    if residual is not None and (residual.shape != (M, N) or residual.stride(-1) != 1):
+        raise ValueError(f"residual must be [{M}, {N}] with a contiguous last dim, got {tuple(residual.shape)}")
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    cfg = config or config_for(N, K, M, x.device)
+    if cfg.split_k > 1:
+        need = (cfg.split_k * M * N, triton.cdiv(N, cfg.block_n))
+        if workspace is None or not workspace.fits(*need):
+            raise ValueError(f"split-K x{cfg.split_k} for [{M}, {N}, {K}] needs a workspace of {need} (partials, "
+                             f"counters)")
+        part, counts = workspace.partials, workspace.counts
+    else:
+        part, counts = out, out  # never read: SPLIT_K == 1 compiles the branch away
+    grid = (triton.cdiv(N, cfg.block_n), cfg.split_k)
+    _skinny_gemm_kernel[grid](
+        x, weight, out,
+        norm_weight if norm_weight is not None else out,
+        residual if residual is not None else out,
+        part, counts, M, N, K, triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k,
+        eps, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
+        PROLOGUE=PROLOGUES.index(prologue), HAS_RESIDUAL=residual is not None,
+        IEEE=x.dtype == torch.float32, BLOCK_M=block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT_K=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out

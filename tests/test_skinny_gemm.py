@@ -1,0 +1,136 @@
+"""The skinny matmul kernel (runner/skinny_gemm.py) against torch, and the model's skinny path against its cuBLAS
+path, via Triton's interpreter (TRITON_INTERPRET=0 on a GPU runs the same checks compiled).
+
+The kernel cases cover each prologue (none, RMSNorm, silu * up) with and without the residual add, split-K with a
+ragged last split, N and K that are not multiples of the tiles, and strided rows; the counters of split-K must be
+zero again after every launch (a CUDA graph replays the same launch).
+"""
+
+from __future__ import annotations
+
+# isort: off
+from triton_interpreter import INTERPRET  # first: before anything here imports triton
+# isort: on
+
+import dataclasses  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed; the skinny matmul cannot be tested")
+
+from test_cuda_graph_runner import _Driver, _runner  # noqa: E402
+
+from tokenrouter.runner import skinny_gemm as sg  # noqa: E402
+from tokenrouter.runner.layers import RMSNorm  # noqa: E402
+from tokenrouter.runner.model_runner import ModelRunner  # noqa: E402
+
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET=0 needs a CUDA GPU", allow_module_level=True)
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+EPS = 1e-6
+# float32: the dot runs in full precision (IEEE), only the summation order differs from torch. float16: the
+# prologues round where torch does, then an ulp or two from float32 summation order.
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float16: {"rtol": 2e-3, "atol": 2e-3}}
+
+
+def _randn(*shape: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+
+def _workspace() -> sg.SplitKWorkspace:
+    return sg.SplitKWorkspace(DEVICE, 8 * sg.MAX_M * 256, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("prologue", sg.PROLOGUES)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize(("M", "N", "K", "cfg"), [
+    (1, 96, 80, sg.GemmConfig(32, 32, 1)),  # N and K ragged against the tiles
+    (3, 64, 256, sg.GemmConfig(32, 64, 2)),
+    (16, 100, 200, sg.GemmConfig(64, 32, 3)),  # 200 = 3 splits of 96, 96, 8: a short last split
+    (20, 48, 64, sg.GemmConfig(32, 32, 4)),  # more splits than K blocks: the last split has nothing to add
+])  # fmt: skip
+def test_matches_torch(dtype, prologue, residual, M, N, K, cfg) -> None:
+    gen = torch.Generator().manual_seed(M * 1000 + N + K)
+    weight = _randn(N, K, dtype=dtype, gen=gen)
+    # x as a column slice of a wider tensor: a row stride larger than its width.
+    width = 2 * K if prologue == "silu_mul" else K
+    x = _randn(M, width + 5, dtype=dtype, gen=gen)[:, :width]
+    norm_w = _randn(K, dtype=dtype, gen=gen)
+    res = _randn(M, N, dtype=dtype, gen=gen) if residual else None
+    ws = _workspace()
+    out = sg.skinny_linear(x, weight, ws, prologue=prologue, norm_weight=norm_w if prologue == "rms_norm" else None,
+                           eps=EPS, residual=res, config=cfg)
+    if prologue == "rms_norm":
+        norm = RMSNorm(K, EPS).to(DEVICE, dtype)
+        norm.weight.data.copy_(norm_w)
+        inp = norm(x)
+    elif prologue == "silu_mul":
+        gate, up = x.chunk(2, dim=-1)
+        inp = F.silu(gate) * up
+    else:
+        inp = x
+    ref = F.linear(inp.float(), weight.float()).to(dtype)  # one rounding of the float32 product, as the kernel
+    if residual:
+        ref = ref + res
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    assert out.is_contiguous() and out.shape == (M, N)
+    assert int(ws.counts.count_nonzero()) == 0  # ready for the next launch
+
+
+def test_split_k_is_deterministic() -> None:
+    """The partials are summed in split order, not arrival order: the same input gives the same bits."""
+    gen = torch.Generator().manual_seed(1)
+    x, w = _randn(8, 512, dtype=torch.float32, gen=gen), _randn(64, 512, dtype=torch.float32, gen=gen)
+    ws, cfg = _workspace(), sg.GemmConfig(32, 32, 8)
+    first = sg.skinny_linear(x, w, ws, config=cfg)
+    assert all(torch.equal(first, sg.skinny_linear(x, w, ws, config=cfg)) for _ in range(3))
+
+
+def test_rejects_bad_calls() -> None:
+    x, w = torch.zeros(4, 32, device=DEVICE), torch.zeros(16, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="prologue"):
+        sg.skinny_linear(x, w, prologue="gelu")
+    with pytest.raises(ValueError, match="at most"):
+        sg.skinny_linear(torch.zeros(sg.MAX_M + 1, 32, device=DEVICE), w)
+    with pytest.raises(ValueError, match="does not fit"):
+        sg.skinny_linear(x, w, prologue="silu_mul")
+    with pytest.raises(ValueError, match="norm_weight"):
+        sg.skinny_linear(x, w, prologue="rms_norm")
+    with pytest.raises(ValueError, match="workspace"):
+        sg.skinny_linear(x, w, config=sg.GemmConfig(16, 16, 2))
+    assert sg.skinny_linear(x[:0], w).shape == (0, 16)
+
+
+def test_heuristic_config_spreads_over_the_sms() -> None:
+    # A wide matrix needs no split; a narrow, deep one (down_proj) is split until there are programs enough.
+    wide = sg.heuristic_config(51200, 5120, 8, num_sms=132)
+    assert wide.split_k == 1 and 51200 // wide.block_n >= 2 * 132
+    deep = sg.heuristic_config(1024, 3072, 8, num_sms=132)
+    assert deep.split_k > 1 and (1024 // deep.block_n) * deep.split_k >= 132
+
+
+def test_model_skinny_path_matches_cublas_path(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill (over MAX_M tokens: the cuBLAS path on both), decodes and an extend (the skinny path) give the
+    same logits and hidden states, and the same KV in the pool, as the model without skinny matmuls."""
+    # Two splits for every shape of the tiny model, so the split-K reduction runs inside the model too.
+    monkeypatch.setattr(sg, "config_for", lambda n, k, m, device: sg.GemmConfig(16, 16, 2))
+    skinny = _runner(tiny_dir)  # skinny_gemm is on by default
+    plain = ModelRunner(dataclasses.replace(skinny.cfg, skinny_gemm=False), default_kv_tokens=1024)
+    assert skinny.skinny_gemm and not plain.skinny_gemm and skinny.model.workspace is not None
+    gen = torch.Generator().manual_seed(0)
+    vocab = skinny.arch.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (40, 33)]
+    a, b = _Driver(skinny, prompts), _Driver(plain, prompts)
+    for toks in ([[], []], [[5], [6]], [[8, 9, 10], [11]], [[12], []]):
+        ours, ref = a.step(toks), b.step(toks)
+        torch.testing.assert_close(ours[0], ref[0], rtol=1e-5, atol=1e-5)  # logits
+        torch.testing.assert_close(ours[1], ref[1], rtol=1e-5, atol=1e-5)  # hidden
+        assert torch.equal(ours[2], ref[2])  # greedy tokens
+    torch.testing.assert_close(skinny.kv_cache, plain.kv_cache, rtol=1e-5, atol=1e-5)
+    assert int(skinny.model.workspace.counts.count_nonzero()) == 0
+    a.release()
+    b.release()
