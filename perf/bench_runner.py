@@ -121,11 +121,12 @@ def r2r_hook(runner: ModelRunner):
     return step_hook(policy, runner.model.model.embed_tokens)
 
 
-def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_router: bool) -> dict:
+def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_router: bool,
+                skinny: bool = True) -> dict:
     path = ROOT / "perf" / "models" / name
     kv_tokens = {"qwen3-0.6b": 600_000, "qwen3-8b": 300_000, "qwen3-32b": 160_000}[name]
     cfg = ModelConfig(name=name, path=str(path), dtype="bfloat16", device="cuda:0", load_format="dummy",
-                      kv_cache_tokens=kv_tokens, max_model_len=16384, attention=attention)
+                      kv_cache_tokens=kv_tokens, max_model_len=16384, attention=attention, skinny_gemm=skinny)
     t0 = time.perf_counter()
     runner = ModelRunner(cfg, default_kv_tokens=kv_tokens)
     load_s = time.perf_counter() - t0
@@ -133,7 +134,8 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
     runner.setup_step(None)
     capture_s = time.perf_counter() - t0
     num_graphs = len(runner.graphs.graphs) if runner.graphs is not None else 0
-    print(f"{name}: loaded in {load_s:.1f} s, {num_graphs} CUDA graphs captured in {capture_s:.1f} s", flush=True)
+    print(f"{name}: loaded in {load_s:.1f} s, {num_graphs} CUDA graphs captured in {capture_s:.1f} s, skinny matmuls "
+          f"{'up to ' + str(runner.model.skinny_max_m) + ' rows' if runner.skinny_gemm else 'off'}", flush=True)
     bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
     arch = runner.arch
     # A decode step reads every weight once except the input embedding (only B rows of it); a tied
@@ -142,6 +144,7 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
     floor = floor_bytes / bandwidth
     iters = 5 if quick else 20
     out: dict = {"model": name, "attention": runner.attn_backend.name, "weight_read_floor_ms": floor * 1e3,
+                 "skinny_gemm": runner.skinny_gemm, "skinny_max_m": runner.model.skinny_max_m,
                  "load_s": load_s, "num_graphs": num_graphs, "capture_s": capture_s,
                  "graph_pool_mib": torch.cuda.memory_reserved() / 2**20,
                  "decode": [], "extend": [], "prefill": [], "router": []}
@@ -243,7 +246,8 @@ def markdown(results: dict) -> str:
              "'replay alone' times the graph with its inputs already on the device. The (weights + KV) floor adds "
              "the KV bytes a decode step reads.", ""]
     for m in results["models"]:
-        lines += [f"## {m['model']} (attention: {m['attention']}, weight-read floor "
+        matmuls = f"skinny matmuls up to {m['skinny_max_m']} rows" if m.get("skinny_gemm") else "cuBLAS matmuls"
+        lines += [f"## {m['model']}, {matmuls} (attention: {m['attention']}, weight-read floor "
                   f"{m['weight_read_floor_ms']:.2f} ms, {m['num_graphs']} graphs captured in {m['capture_s']:.1f} s)",
                   "",
                   "| decode batch | context | graph ms | x floor | replay alone ms | x (weights + KV) floor | eager ms "
@@ -286,6 +290,8 @@ def main() -> int:
     ap.add_argument("--no-router", action="store_true", help="skip the decode + R2R router case on qwen3-0.6b")
     ap.add_argument("--colocate", default="qwen3-0.6b:0.06,qwen3-8b:0.16,qwen3-32b:0.72",
                     help="model:fraction list loaded together at the end ('' to skip)")
+    ap.add_argument("--skinny-gemm", default="on", choices=["on", "off", "both"],
+                    help="the models' skinny_gemm setting; both: each model twice, side by side")
     ap.add_argument("--out", default=str(ROOT / "perf" / "results" / "runner.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -296,10 +302,12 @@ def main() -> int:
     results = {"device": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
                "command": "python " + " ".join(sys.argv), "torch": torch.__version__,
                "copy_bandwidth_tb_s": bw / 1e12, "models": []}
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.skinny_gemm]
     for name in args.models.split(","):
         with_router = name == "qwen3-0.6b" and not args.no_router
-        results["models"].append(bench_model(name, bw, args.attention, args.quick, with_router))
-        Path(args.out).write_text(json.dumps(results, indent=2))
+        for skinny in modes:
+            results["models"].append(bench_model(name, bw, args.attention, args.quick, with_router, skinny))
+            Path(args.out).write_text(json.dumps(results, indent=2))
     if args.colocate:
         pairs = [(p.split(":")[0], float(p.split(":")[1])) for p in args.colocate.split(",")]
         results["colocate"] = colocate(pairs)

@@ -3,13 +3,9 @@
 # benchmark tokenizer, and, when the image has numpy 2, a stub environment with numpy<2 for the Triton stubs
 # (Triton 2.51's Python backend corrupts string tensors with numpy 2). Sets: tr (the unpacked bundle),
 # TRITONSERVER_ROOT, and envflag (the --execution-env arguments for the stubs, empty when not needed).
-# Needs: out (the results folder), archive (the results archive's file name there) and bundle. Sets up, for
-# the caller too: work (a scratch folder), res (its results folder) and `step`, which logs a step and first
-# rewrites OUT/ARCHIVE from res: a run cut short still brings back what it measured.
-work=$(mktemp -d /tmp/gpu-XXXX)
-res=$work/results
-mkdir -p "$out" "$res"
-step() { tar -C $work -czf "$out/$archive" results 2> /dev/null; echo "== $(date -u +%T) $*"; }
+# Needs: out (the results folder), archive (the results archive's file name there) and bundle; sets up work,
+# res and step for the caller too (perf/gpu_results.sh).
+source perf/gpu_results.sh
 
 step "install the carried Triton server and client"
 tr=/tmp/triton-bundle

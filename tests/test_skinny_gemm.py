@@ -21,8 +21,8 @@ import torch.nn.functional as F  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed; the skinny matmul cannot be tested")
 
+from test_cuda_graph_runner import TOL as MODEL_TOL  # noqa: E402
 from test_cuda_graph_runner import _Driver, _runner  # noqa: E402
-
 from tokenrouter.runner import skinny_gemm as sg  # noqa: E402
 from tokenrouter.runner.layers import RMSNorm  # noqa: E402
 from tokenrouter.runner.model_runner import ModelRunner  # noqa: E402
@@ -127,10 +127,10 @@ def test_model_skinny_path_matches_cublas_path(tiny_dir: Path, monkeypatch: pyte
     a, b = _Driver(skinny, prompts), _Driver(plain, prompts)
     for toks in ([[], []], [[5], [6]], [[8, 9, 10], [11]], [[12], []]):
         ours, ref = a.step(toks), b.step(toks)
-        torch.testing.assert_close(ours[0], ref[0], rtol=1e-5, atol=1e-5)  # logits
-        torch.testing.assert_close(ours[1], ref[1], rtol=1e-5, atol=1e-5)  # hidden
+        torch.testing.assert_close(ours[0], ref[0], rtol=MODEL_TOL, atol=MODEL_TOL)  # logits
+        torch.testing.assert_close(ours[1], ref[1], rtol=MODEL_TOL, atol=MODEL_TOL)  # hidden
         assert torch.equal(ours[2], ref[2])  # greedy tokens
-    torch.testing.assert_close(skinny.kv_cache, plain.kv_cache, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(skinny.kv_cache, plain.kv_cache, rtol=MODEL_TOL, atol=MODEL_TOL)
     assert int(skinny.model.workspace.counts.count_nonzero()) == 0
     a.release()
     b.release()

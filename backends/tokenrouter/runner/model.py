@@ -22,6 +22,14 @@ if TYPE_CHECKING:
     from tokenrouter.runner.skinny_gemm import SplitKWorkspace
 
 
+def layer_matmuls(arch: ArchConfig) -> list[tuple[str, int, int, str, bool]]:
+    """A decoder layer's matmuls as `DecoderLayer.forward_stream` runs them: (name, N, K, prologue, residual)."""
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    h, inter = arch.hidden_size, arch.intermediate_size
+    return [("qkv_proj", q + 2 * kv, h, "rms_norm", False), ("o_proj", h, q, "none", True),
+            ("gate_up_proj", 2 * inter, h, "rms_norm", False), ("down_proj", h, inter, "silu_mul", True)]
+
+
 class Attention(nn.Module):
     def __init__(self, arch: ArchConfig, fused: bool = False) -> None:
         super().__init__()
@@ -148,13 +156,6 @@ class CausalLM(nn.Module):
         self.workspace: SplitKWorkspace | None = None
         self.skinny_max_m = 0
 
-    def skinny_shapes(self) -> list[tuple[int, int]]:
-        """(N, K) of each matmul in a layer: qkv, o, gate_up, down."""
-        a = self.arch
-        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        return [(q + 2 * kv, a.hidden_size), (a.hidden_size, q), (2 * a.intermediate_size, a.hidden_size),
-                (a.hidden_size, a.intermediate_size)]
-
     def use_skinny_gemm(self, device: torch.device) -> bool:
         """Route batches of up to skinny_gemm.MAX_M tokens through `DecoderLayer.forward_stream` (fused path only;
         the skinny kernel has no bias). Returns whether it did."""
@@ -162,10 +163,12 @@ class CausalLM(nn.Module):
             return False
         from tokenrouter.runner import skinny_gemm
 
-        needs = [skinny_gemm.workspace_need(n, k, m, device) for n, k in self.skinny_shapes()
-                 for m in skinny_gemm.BLOCK_M_SIZES]
+        shapes = [(n, k) for _, n, k, _, _ in layer_matmuls(self.arch)]
+        self.skinny_max_m = skinny_gemm.max_rows(shapes, device)
+        if self.skinny_max_m == 0:
+            return False
+        needs = [skinny_gemm.workspace_need(n, k, m, device) for n, k in shapes for m in skinny_gemm.BLOCK_M_SIZES]
         self.workspace = skinny_gemm.SplitKWorkspace(device, max(p for p, _ in needs), max(t for _, t in needs))
-        self.skinny_max_m = skinny_gemm.MAX_M
         return True
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:  # [T, hidden]

@@ -163,27 +163,54 @@ def heuristic_config(n: int, k: int, m: int, num_sms: int = 132) -> GemmConfig:
     return GemmConfig(block_n, block_k, split)
 
 
+@dataclass(frozen=True)
+class TunedEntry:
+    """One measured table entry: the best config and its time against what it replaces (cuBLAS plus the fused
+    element-wise op), both in a CUDA graph with the weights out of L2."""
+
+    config: GemmConfig
+    us: float
+    baseline_us: float
+
+
+def table_key(n: int, k: int, bm: int) -> str:
+    return f"{n}x{k}x{bm}"
+
+
 @cache
-def _tuned_table(device_name: str) -> dict[tuple[int, int, int], GemmConfig]:
-    """The persisted table for this GPU model: (N, K, block_m) -> config. Empty when the GPU was never tuned."""
+def _tuned_table(device_name: str) -> dict[str, TunedEntry]:
+    """The persisted table for this GPU model. Empty when that GPU was never tuned."""
     if not TUNED_PATH.exists():
         return {}
     entries = json.loads(TUNED_PATH.read_text()).get(device_name, {})
-    table = {}
-    for key, cfg in entries.items():
-        n, k, bm = (int(v) for v in key.split("x"))
-        table[(n, k, bm)] = GemmConfig(**cfg)
-    return table
+    return {key: TunedEntry(GemmConfig(**e["config"]), e["us"], e["baseline_us"]) for key, e in entries.items()}
+
+
+def _tuned(n: int, k: int, m: int, device: torch.device) -> TunedEntry | None:
+    if device.type != "cuda":
+        return None
+    return _tuned_table(torch.cuda.get_device_name(device)).get(table_key(n, k, block_m(m)))
 
 
 def config_for(n: int, k: int, m: int, device: torch.device) -> GemmConfig:
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        cfg = _tuned_table(name).get((n, k, block_m(m)))
-        if cfg is not None:
-            return cfg
-        return heuristic_config(n, k, m, torch.cuda.get_device_properties(device).multi_processor_count)
-    return heuristic_config(n, k, m)
+    entry = _tuned(n, k, m, device)
+    if entry is not None:
+        return entry.config
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return heuristic_config(n, k, m, sms)
+
+
+def max_rows(shapes: list[tuple[int, int]], device: torch.device) -> int:
+    """The most rows a layer with these (N, K) matmuls should run skinny: up to the last row tile where the
+    tuned table measured the layer's skinny matmuls no slower than cuBLAS with the separate ops (a row tile the
+    table lacks counts as faster)."""
+    rows = 0
+    for bm in BLOCK_M_SIZES:
+        entries = [_tuned(n, k, bm, device) for n, k in shapes]
+        if all(e is not None for e in entries) and sum(e.us for e in entries) > sum(e.baseline_us for e in entries):
+            break
+        rows = bm
+    return rows
 
 
 class SplitKWorkspace:

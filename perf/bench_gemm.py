@@ -1,0 +1,227 @@
+"""Tunes the skinny matmul (runner/skinny_gemm.py) on this GPU and writes the table the runner reads.
+
+    python perf/bench_gemm.py --models qwen3-0.6b,qwen3-32b --table backends/tokenrouter/runner/skinny_gemm_tuned.json \
+        --report perf/results/gemm_h200.md
+
+For every matmul of a decoder layer (qkv, o, gate_up, down, with the prologue and residual add the model fuses
+into each) and every row tile (M = 8, 32, 64 for the tiles of 16, 32, 64 rows), it times a grid of tile sizes and
+split counts, then the best three with other warp and stage counts, and the op it replaces: cuBLAS plus the
+separate fused op (add + RMSNorm before qkv and gate_up, silu * up before down). Every time is the median over
+replays of a CUDA graph of 32 launches that cycles through copies of the weight totalling > 4x the L2 cache, so
+weights come from HBM as they do in a model step. Candidates are compiled first in parallel worker processes (the
+Triton cache on disk is shared), so the timing loop does not wait on the compiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "backends"))
+
+from tokenrouter.runner import fused_ops  # noqa: E402
+from tokenrouter.runner import skinny_gemm as sg  # noqa: E402
+from tokenrouter.runner.arch import ArchConfig  # noqa: E402
+from tokenrouter.runner.model import layer_matmuls  # noqa: E402
+
+ROWS = {16: 8, 32: 32, 64: 64}  # row tile -> the M it is tuned at (8: the decode batch routing runs most)
+LAUNCHES = 32
+EPS = 1e-6
+
+
+class Case:
+    """One matmul at one M: its inputs, weight copies and workspace on the GPU."""
+
+    def __init__(self, name: str, n: int, k: int, prologue: str, residual: bool, m: int, l2_bytes: int) -> None:
+        self.spec = (name, n, k, prologue, residual, m)
+        self.name, self.n, self.k, self.prologue, self.has_residual, self.m = self.spec
+        dev, dt = torch.device("cuda"), torch.bfloat16
+        copies = max(1, math.ceil(4 * l2_bytes / (n * k * 2)))
+        self.weights = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
+        self.x = torch.randn(m, 2 * k if prologue == "silu_mul" else k, device=dev, dtype=dt)
+        self.res_in = torch.randn(m, k, device=dev, dtype=dt)  # the baseline's add + RMSNorm input pair
+        self.norm_w = torch.ones(k, device=dev, dtype=dt)
+        self.residual = torch.randn(m, n, device=dev, dtype=dt) if residual else None
+        self.ws = sg.SplitKWorkspace(dev, 16 * m * n, sg.MAX_M * 64 + n)
+
+    def skinny(self, cfg: sg.GemmConfig, i: int) -> torch.Tensor:
+        return sg.skinny_linear(self.x, self.weights[i % len(self.weights)], self.ws, prologue=self.prologue,
+                                norm_weight=self.norm_w if self.prologue == "rms_norm" else None, eps=EPS,
+                                residual=self.residual, config=cfg)
+
+    def baseline(self, i: int) -> torch.Tensor:
+        """What the model ran before: the separate element-wise kernel, then cuBLAS."""
+        x = self.x
+        if self.prologue == "rms_norm":
+            x, _ = fused_ops.add_rms_norm(x, self.res_in, self.norm_w, EPS)
+        elif self.prologue == "silu_mul":
+            x = fused_ops.silu_mul(x)
+        return F.linear(x, self.weights[i % len(self.weights)])
+
+
+def graph_us(fn) -> float:
+    """Median microseconds per launch of `fn(i)` over replays of a graph of LAUNCHES launches."""
+    for i in range(2):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(LAUNCHES):
+            fn(i)
+    times = []
+    for _ in range(7):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / LAUNCHES)
+    del graph
+    return statistics.median(times[2:])
+
+
+def grid(n: int, k: int, bm: int, sms: int) -> list[sg.GemmConfig]:
+    """Tile sizes and split counts worth timing: 0.75..6 programs per SM (any unsplit tiling is kept)."""
+    out = []
+    for bn, bk in itertools.product((32, 64, 128), (64, 128, 256) if bm == 16 else (64, 128)):
+        tiles = math.ceil(n / bn)
+        for split in (1, 2, 3, 4, 6, 8, 12, 16):
+            if split > 1 and (k / split < bk or not 0.75 * sms <= tiles * split <= 6 * sms):
+                continue
+            out.append(sg.GemmConfig(bn, bk, split))
+    return out
+
+
+def variants(best: list[sg.GemmConfig]) -> list[sg.GemmConfig]:
+    return [sg.GemmConfig(c.block_n, c.block_k, c.split_k, w, s) for c in best
+            for w, s in ((4, 3), (4, 6), (8, 4), (8, 6)) if (w, s) != (c.num_warps, c.num_stages)]
+
+
+def _compile(jobs: list[tuple[tuple, list[sg.GemmConfig]]]) -> int:
+    """Worker: run each config once so its kernel lands in the Triton cache on disk."""
+    done = 0
+    case = None
+    for spec, cfgs in jobs:
+        if case is None or case.spec != spec:  # one case's tensors at a time: 16 workers share the GPU
+            case = None
+            case = Case(*spec, l2_bytes=0)
+        for cfg in cfgs:
+            try:
+                case.skinny(cfg, 0)
+                done += 1
+            except Exception as e:  # a config the compiler rejects (shared memory) is skipped, not fatal
+                print(f"skip {spec[0]} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        torch.cuda.synchronize()
+    return done
+
+
+def precompile(jobs: list[tuple[tuple, list[sg.GemmConfig]]], workers: int) -> None:
+    t0 = time.perf_counter()
+    flat = [(spec, [c]) for spec, cfgs in jobs for c in cfgs]
+    chunks = [flat[i::workers] for i in range(workers)]
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        n = sum(pool.map(_compile, chunks))
+    print(f"compiled {n} variants in {time.perf_counter() - t0:.0f} s ({workers} processes)", flush=True)
+
+
+def timed(case: Case, cfgs: list[sg.GemmConfig]) -> list[tuple[float, sg.GemmConfig]]:
+    """(us, config) of each config that compiles, fastest first."""
+    out = []
+    for cfg in cfgs:
+        try:
+            out.append((graph_us(lambda i, c=cfg: case.skinny(c, i)), cfg))
+        except Exception as e:  # e.g. out of shared memory for this tile and stage count
+            print(f"  skip {cfg}: {type(e).__name__}", flush=True)
+    return sorted(out, key=lambda t: t[0])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="qwen3-0.6b,qwen3-32b")
+    ap.add_argument("--tiles", default="16,32,64", help="row tiles to tune (each at its M in ROWS)")
+    ap.add_argument("--table", default=str(sg.TUNED_PATH), help="the JSON table to merge this GPU's entries into")
+    ap.add_argument("--report", default=None, help="markdown report path")
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    args = ap.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    device_name, sms, l2 = torch.cuda.get_device_name(0), props.multi_processor_count, props.L2_cache_size
+    from bench_runner import copy_bandwidth
+
+    bandwidth = copy_bandwidth()
+    specs = []
+    for model in args.models.split(","):
+        arch = ArchConfig.from_dir(ROOT / "perf" / "models" / model)
+        for bm in (int(t) for t in args.tiles.split(",")):
+            for name, n, k, prologue, residual in layer_matmuls(arch):
+                specs.append((model, (f"{model}/{name}", n, k, prologue, residual, ROWS[bm])))
+    # Shapes shared by models (none today) are tuned once.
+    unique = list(dict.fromkeys(spec for _, spec in specs))
+    firsts = {s: grid(s[1], s[2], sg.block_m(s[5]), sms) for s in unique}
+    heuristics = [(s, [sg.heuristic_config(s[1], s[2], s[5], sms)]) for s in unique]
+    precompile(list(firsts.items()) + heuristics, args.workers)
+    ranked = {}
+    for spec in unique:  # round 1: the tile and split grid at 4 warps, 4 stages
+        case = Case(*spec, l2_bytes=l2)
+        ranked[spec] = timed(case, firsts[spec])
+        del case
+    seconds = {s: variants([c for _, c in ranked[s][:3]]) for s in unique}
+    precompile(list(seconds.items()), args.workers)
+    results = {}
+    for spec in unique:  # round 2: other warp and stage counts for the best three; then the baseline
+        case = Case(*spec, l2_bytes=l2)
+        us, best = min(ranked[spec][:1] + timed(case, seconds[spec]), key=lambda t: t[0])
+        heuristic = sg.heuristic_config(case.n, case.k, case.m, sms)
+        r = {"config": best.__dict__, "us": us, "baseline_us": graph_us(case.baseline),
+             "heuristic_us": graph_us(lambda i, c=case, h=heuristic: c.skinny(h, i)),
+             "floor_us": case.n * case.k * 2 / bandwidth * 1e6}
+        results[spec] = r
+        print(f"{spec[0]:24s} N={spec[1]:6d} K={spec[2]:6d} M={spec[5]:3d}: skinny {r['us']:8.1f} us "
+              f"(heuristic {r['heuristic_us']:8.1f}), cuBLAS + op {r['baseline_us']:8.1f} us, floor "
+              f"{r['floor_us']:7.1f} us  {r['config']}", flush=True)
+        del case
+        torch.cuda.empty_cache()
+
+    table_path = Path(args.table)
+    table = json.loads(table_path.read_text()) if table_path.exists() else {}
+    entries = table.setdefault(device_name, {})
+    for spec, r in results.items():
+        entries[sg.table_key(spec[1], spec[2], sg.block_m(spec[5]))] = {
+            "config": r["config"], "us": round(r["us"], 2), "baseline_us": round(r["baseline_us"], 2)}
+    table_path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    if args.report:
+        Path(args.report).write_text(report(results, device_name, bandwidth))
+    return 0
+
+
+def report(results: dict, device_name: str, bandwidth: float) -> str:
+    lines = [f"# Skinny matmul tuning ({device_name}, {datetime.date.today()})", "",
+             f"Command: `python perf/bench_gemm.py {' '.join(sys.argv[1:])}`. Copy bandwidth (read + write) "
+             f"{bandwidth / 1e12:.2f} TB/s; floor = weight bytes / that. Times per launch in a CUDA graph, weights "
+             "from HBM. 'cuBLAS + op' is what the layer ran before (add + RMSNorm or silu * up, then cuBLAS).", "",
+             "| matmul | N | K | M | skinny us | x floor | cuBLAS + op us | skinny / cuBLAS+op | heuristic us | "
+             "config |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for spec, r in results.items():
+        c = r["config"]
+        lines.append(f"| {spec[0]} | {spec[1]} | {spec[2]} | {spec[5]} | {r['us']:.1f} | "
+                     f"{r['us'] / r['floor_us']:.2f} | {r['baseline_us']:.1f} | {r['us'] / r['baseline_us']:.2f} | "
+                     f"{r['heuristic_us']:.1f} | {c['block_n']}x{c['block_k']} split {c['split_k']}, "
+                     f"{c['num_warps']} warps, {c['num_stages']} stages |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

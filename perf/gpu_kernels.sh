@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Kernel work on one GPU (issue 12), as one device call: the kernel tests compiled, the skinny-matmul tuning
+# (perf/bench_gemm.py: writes the tuned table into this checkout, and a copy into the results), then the step
+# profiles of the small and large model with skinny matmuls on and off (perf/profile_step.py).
+# Usage (repository root, on the GPU machine, its image's Python as it is):
+#   bash perf/gpu_kernels.sh OUT_DIR [MODELS]
+# Results: OUT_DIR/results_kernels.tgz (gpu_tests.log, bench_gemm.log, gemm_h200.md, skinny_gemm_tuned.json,
+# profile.log).
+set -uo pipefail
+out=${1:?output directory}
+models=${2:-qwen3-0.6b,qwen3-32b}
+archive=results_kernels.tgz
+source perf/gpu_results.sh
+export PYTHONPATH=$PWD/backends TRITON_INTERPRET=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+table=backends/tokenrouter/runner/skinny_gemm_tuned.json
+
+step "kernel tests, compiled"
+timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_skinny_gemm.py tests/test_cuda_graph_runner.py \
+  > $res/gpu_tests.log 2>&1
+tail -3 $res/gpu_tests.log
+
+step "tune the skinny matmuls"
+timeout 330 python3 perf/bench_gemm.py --models $models --table $table --report $res/gemm_h200.md 2>&1 \
+  | tee $res/bench_gemm.log | grep -v "^  skip" | tail -30
+cp $table $res/
+
+step "step profiles"
+for args in "qwen3-0.6b --batch 8" "qwen3-0.6b --batch 8 --skinny-gemm off" "qwen3-0.6b --batch 8 --router" \
+            "qwen3-32b --batch 8" "qwen3-32b --batch 8 --skinny-gemm off"; do
+  timeout 60 python3 perf/profile_step.py --model $args >> $res/profile.log 2>&1
+done
+grep -A4 "kernels," $res/profile.log
+step "done"
