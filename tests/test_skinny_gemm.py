@@ -31,9 +31,10 @@ if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 needs a CUDA GPU", allow_module_level=True)
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 EPS = 1e-6
-# float32: the dot runs in full precision (IEEE), only the summation order differs from torch. float16: the
-# prologues round where torch does, then an ulp or two from float32 summation order.
-TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float16: {"rtol": 2e-3, "atol": 2e-3}}
+# float32: the dot runs in full precision (IEEE), only the summation order differs from torch (partial sums of
+# ~sqrt(K) in magnitude, so a few 1e-5 absolute where terms cancel). float16: the prologues round where torch
+# does, then an ulp or two from float32 summation order.
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-4}, torch.float16: {"rtol": 2e-3, "atol": 2e-3}}
 
 
 def _randn(*shape: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -52,6 +53,7 @@ def _workspace() -> sg.SplitKWorkspace:
     (3, 64, 256, sg.GemmConfig(32, 64, 2)),
     (16, 100, 200, sg.GemmConfig(64, 32, 3)),  # 200 = 3 splits of 96, 96, 8: a short last split
     (20, 48, 64, sg.GemmConfig(32, 32, 4)),  # more splits than K blocks: the last split has nothing to add
+    (5, 40, 1100, sg.GemmConfig(32, 128, 2)),  # RMSNorm statistics over three loads, the last one partial
 ])  # fmt: skip
 def test_matches_torch(dtype, prologue, residual, M, N, K, cfg) -> None:
     gen = torch.Generator().manual_seed(M * 1000 + N + K)

@@ -35,6 +35,8 @@ import triton.language as tl
 MAX_M = 64  # rows the kernel takes; larger batches go to cuBLAS (they are no longer weight-read bound)
 BLOCK_M_SIZES = (16, 32, 64)  # the row tiles up to MAX_M, each a tuned table column
 PROLOGUES = ("none", "rms_norm", "silu_mul")
+# Columns per load of the RMSNorm statistics: 16 rows x 512 is 32 float32 values a thread at 4 warps.
+_STATS_BLOCK = 512
 TUNED_PATH = Path(__file__).with_name("skinny_gemm_tuned.json")
 
 
@@ -63,6 +65,8 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    STATS_BLOCK: tl.constexpr,  # prologue rms_norm: columns per statistics load
+    STATS_ITERS: tl.constexpr,  # prologue rms_norm: cdiv(K, STATS_BLOCK); 0 otherwise
 ):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K): program (n, s) owns columns n*BLOCK_N.. over the s-th K range."""
     pid_n = tl.program_id(0)
@@ -78,11 +82,14 @@ def _skinny_gemm_kernel(
 
     if PROLOGUE == 1:
         # RMSNorm needs the whole row's statistics before any K slice: every program reads x's few rows once more
-        # (M x K, from L2) rather than a separate norm kernel writing and re-reading them.
+        # (M x K, from L2) rather than a separate norm kernel writing and re-reading them. The loop is unrolled
+        # (STATS_ITERS is a constant) so its loads are issued together: one L2 round trip, not one per block.
         sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = (k0 + rk) < K
-            xs = tl.load(x_rows + k0 + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        rs = tl.arange(0, STATS_BLOCK)
+        for i in tl.static_range(STATS_ITERS):
+            k_ok = (i * STATS_BLOCK + rs) < K
+            xs = tl.load(x_rows + i * STATS_BLOCK + rs[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            xs = xs.to(tl.float32)
             sq += tl.sum(xs * xs, 1)
         rstd = 1.0 / tl.sqrt(sq / K + eps)
 
@@ -286,6 +293,8 @@ def skinny_linear(
         eps, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
         PROLOGUE=PROLOGUES.index(prologue), HAS_RESIDUAL=residual is not None,
         IEEE=x.dtype == torch.float32, BLOCK_M=block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT_K=cfg.split_k, STATS_BLOCK=_STATS_BLOCK,
+        STATS_ITERS=triton.cdiv(K, _STATS_BLOCK) if prologue == "rms_norm" else 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
