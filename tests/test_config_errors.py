@@ -50,6 +50,8 @@ MODEL_VALUES = [
     (dict(device="cuda:x"), r"models\.small\.device must be 'cpu', 'cuda' or 'cuda:N', got 'cuda:x'"),
     (dict(path=5), r"models\.small\.path must be a string, got 5"),
     (dict(cuda_graph_max_batch=2.0), r"models\.small\.cuda_graph_max_batch must be an integer >= 0"),
+    (dict(stream_priority=-1), r"models\.small\.stream_priority must be one of \('normal', 'high'\), got -1"),
+    (dict(skinny_gemm="on"), r"models\.small\.skinny_gemm must be true or false, got 'on'"),
 ]
 
 

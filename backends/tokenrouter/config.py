@@ -92,6 +92,10 @@ class ModelConfig:
     # activation and the residual adds fused in (runner/skinny_gemm.py): six kernels a layer instead of about
     # ten. Needs the triton attention backend (it is part of that fused path); false keeps cuBLAS everywhere.
     skinny_gemm: bool = True
+    # CUDA stream priority of this model's steps (and of its captured graphs). Models sharing a GPU compete for
+    # its SMs: `high` lets the model whose short steps everything waits on (the small model that routes every
+    # token) get SMs as soon as they free up, rather than queue behind the large model's long matmuls.
+    stream_priority: Literal["normal", "high"] = "normal"
     # Before the model reports ready, run throwaway batches through it (prefills, extends, mixed and sampled
     # batches, a chunked prompt) so that no request pays for a kernel compile (engine/warmup.py). GPU only.
     warmup: bool = True

@@ -19,6 +19,8 @@ from tokenrouter.runner.weights import init_dummy, load_safetensors
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# torch.cuda.Stream priorities: lower is more urgent (CUDA clamps a value into the device's range).
+_STREAM_PRIORITIES = {"normal": 0, "high": -1}
 
 
 def _attention_for(choice: str, device: torch.device) -> str:
@@ -71,7 +73,9 @@ class ModelRunner:
         # Each model steps on its own stream: models sharing a GPU (threads of one process) then overlap on
         # the device instead of queueing behind each other on the default stream, and a step's synchronization
         # waits for this model's work only.
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.stream_priority = _STREAM_PRIORITIES[cfg.stream_priority]
+        self.stream = (torch.cuda.Stream(self.device, priority=self.stream_priority) if self.device.type == "cuda"
+                       else None)
 
     def stream_context(self) -> contextlib.AbstractContextManager:
         """Run a step's device work (forward, sampling, policy tensors, copies to the host) inside this."""
@@ -185,7 +189,8 @@ class ModelRunner:
         if not shapes:
             return
         self.graphs = CudaGraphRunner(
-            self.model, self.attn_backend, self.device, self.block_size, self.max_model_len, shapes, step_hook
+            self.model, self.attn_backend, self.device, self.block_size, self.max_model_len, shapes, step_hook,
+            stream_priority=self.stream_priority,
         )
         if capture:
             self.graphs.capture()
