@@ -25,9 +25,11 @@ timeout 330 python3 perf/bench_gemm.py --models $models --table $table --report 
 cp $table $res/
 
 step "step profiles"
-for args in "qwen3-0.6b --batch 8" "qwen3-0.6b --batch 8 --skinny-gemm off" "qwen3-0.6b --batch 8 --router" \
-            "qwen3-32b --batch 8" "qwen3-32b --batch 8 --skinny-gemm off"; do
-  timeout 60 python3 perf/profile_step.py --model $args >> $res/profile.log 2>&1
+for model in ${models//,/ }; do
+  extra=(); [ $model = qwen3-0.6b ] && extra=("--router")
+  for args in "" "--skinny-gemm off" "${extra[@]}"; do
+    timeout 60 python3 perf/profile_step.py --model $model --batch 8 $args >> $res/profile.log 2>&1
+  done
 done
 grep -A4 "kernels," $res/profile.log
 step "done"
