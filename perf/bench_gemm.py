@@ -183,7 +183,11 @@ def main() -> int:
     results = {}
     for spec in unique:  # round 2: other warp and stage counts for the best three; then the baseline
         case = Case(*spec, l2_bytes=l2)
-        us, best = min(ranked[spec][:1] + timed(case, seconds[spec]), key=lambda t: t[0])
+        candidates = ranked[spec][:1] + timed(case, seconds[spec])
+        if not candidates:
+            print(f"{spec[0]} M={spec[5]}: no config compiled; left out of the table", flush=True)
+            continue
+        us, best = min(candidates, key=lambda t: t[0])
         heuristic = sg.heuristic_config(case.n, case.k, case.m, sms)
         r = {"config": best.__dict__, "us": us, "baseline_us": graph_us(case.baseline),
              "heuristic_us": graph_us(lambda i, c=case, h=heuristic: c.skinny(h, i)),

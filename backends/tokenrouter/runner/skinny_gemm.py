@@ -87,8 +87,10 @@ def _skinny_gemm_kernel(
         sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         rs = tl.arange(0, STATS_BLOCK)
         for i in tl.static_range(STATS_ITERS):
-            k_ok = (i * STATS_BLOCK + rs) < K
-            xs = tl.load(x_rows + i * STATS_BLOCK + rs[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            # (its own mask name: compiled, a name shared with the main loop would be a loop-carried variable
+            # whose shape changes, which Triton rejects and the interpreter does not notice)
+            s_ok = (i * STATS_BLOCK + rs) < K
+            xs = tl.load(x_rows + i * STATS_BLOCK + rs[None, :], mask=m_ok[:, None] & s_ok[None, :], other=0.0)
             xs = xs.to(tl.float32)
             sq += tl.sum(xs * xs, 1)
         rstd = 1.0 / tl.sqrt(sq / K + eps)
