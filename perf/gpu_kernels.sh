@@ -15,7 +15,7 @@ export PYTHONPATH=$PWD/backends TRITON_INTERPRET=0 TOKENIZERS_PARALLELISM=false 
 table=backends/tokenrouter/runner/skinny_gemm_tuned.json
 
 step "kernel tests, compiled"
-timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_skinny_gemm.py tests/test_cuda_graph_runner.py \
+timeout 150 python3 -m pytest -q -x -p no:cacheprovider ${TESTS:-tests/test_skinny_gemm.py tests/test_cuda_graph_runner.py} \
   > $res/gpu_tests.log 2>&1
 tail -3 $res/gpu_tests.log
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Does the small model's CUDA stream priority help? The routed deployment with its entry (small) model's stream
 # at normal and at high priority (models.*.stream_priority), side by side in one device call:
-#   inprocess: perf/bench_engine.py (routed, C=1,8,16), normal then high;
+#   inprocess: perf/bench_engine.py (routed, C=8 and 16), normal then high;
 #   served:    tokenrouter serve + perf/bench_served.py (C=8 three runs, C=16 two), normal then high.
 # Usage (repository root, on the GPU machine): bash perf/gpu_priority.sh OUT_DIR CONFIG [inprocess|served] [BUNDLE]
 # Results: OUT_DIR/results_priority_MODE.tgz.
@@ -24,7 +24,7 @@ if [ "$mode" = inprocess ]; then
   for tag in normal high; do
     c=$cfg; [ $tag = high ] && c=$high
     step "in-process engine, small model's stream $tag"
-    timeout 220 python3 perf/bench_engine.py --config "$c" --variants routed --concurrency 1,8,16 --prompt-len 100 \
+    timeout 220 python3 perf/bench_engine.py --config "$c" --variants routed --concurrency 8,16 --prompt-len 100 \
       --output-len 256 --isolate on --out-dir $res --name engine_$tag > $res/engine_$tag.log 2>&1
     grep "^| routed" $res/engine_$tag.md 2> /dev/null || tail -5 $res/engine_$tag.log
   done
