@@ -4,6 +4,7 @@
 #   inprocess: perf/bench_engine.py (routed, C=8 and 16), normal then high;
 #   served:    tokenrouter serve + perf/bench_served.py (C=8 three runs, C=16 two), normal then high.
 # Usage (repository root, on the GPU machine): bash perf/gpu_priority.sh OUT_DIR CONFIG [inprocess|served] [BUNDLE]
+#   TAGS=normal bash perf/gpu_priority.sh OUT_DIR CONFIG served   # serve at normal priority only
 # Results: OUT_DIR/results_priority_MODE.tgz.
 set -uo pipefail
 out=${1:?output directory}
@@ -32,7 +33,7 @@ if [ "$mode" = inprocess ]; then
 fi
 
 source perf/gpu_env.sh  # (also: work, res, step)
-for tag in normal high; do
+for tag in ${TAGS:-normal high}; do
   c=$cfg; [ $tag = high ] && c=$high
   step "serve, small model's stream $tag"
   python3 -m tokenrouter.cli serve --config "$c" --model-repository $work/repo_$tag "${envflag[@]}" \
