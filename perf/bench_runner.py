@@ -111,16 +111,13 @@ def release(bm: BlockManager, chunks: list[ScheduledChunk]) -> None:
         bm.release(c.seq)
 
 
-def r2r_hook(runner: ModelRunner, skinny: bool = True):
-    """R2R's router (hidden_dim 1024, top-100 logits) as the step hook, as the small model's subserver runs it;
-    `skinny=False`: its matmuls on cuBLAS (as before the skinny kernel)."""
+def r2r_hook(runner: ModelRunner):
+    """R2R's router (hidden_dim 1024, top-100 logits) as the step hook, as the small model's subserver runs it."""
     from tokenrouter.routing.policy import make_policy, step_hook
 
     policy = make_policy("r2r", ["small", "large"], "small", {"threshold": 0.5})
     a = runner.arch
     policy.setup(runner.device, runner.dtype, a.hidden_size, a.vocab_size)
-    if not skinny:
-        policy.net.use_skinny_gemm(None)
     return step_hook(policy, runner.model.model.embed_tokens)
 
 

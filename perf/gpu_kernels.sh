@@ -26,7 +26,7 @@ cp $table $res/
 
 step "step profiles"
 for model in ${models//,/ }; do
-  extra=(); [ $model = qwen3-0.6b ] && extra=("--router skinny" "--router cublas")
+  extra=(); [ $model = qwen3-0.6b ] && extra=("--router")
   for args in "" "--skinny-gemm off" "${extra[@]}"; do
     timeout 60 python3 perf/profile_step.py --model $model --batch 8 $args >> $res/profile.log 2>&1
   done

@@ -1,7 +1,7 @@
 """Where a captured decode step's GPU time goes: kernel times of one graph replay, grouped.
 
     python perf/profile_step.py --model qwen3-32b --batch 8 --context 1024 [--suffix 10] [--skinny-gemm off]
-        [--router skinny|cublas]
+        [--router]
 
 Builds the model with dummy weights, captures its graphs, and profiles `--iters` replays of the graph the
 batch picks (torch.profiler, CUDA activity). Prints per-kernel totals per step, and the split between matmuls
@@ -45,15 +45,14 @@ def main() -> int:
     ap.add_argument("--suffix", type=int, default=1, help="new tokens per request (1: decode)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--skinny-gemm", default="on", choices=["on", "off"], help="the model's skinny_gemm setting")
-    ap.add_argument("--router", default="none", choices=["none", "skinny", "cublas"],
-                    help="R2R's router in the graph, as the small model runs it, its matmuls skinny or on cuBLAS")
+    ap.add_argument("--router", action="store_true", help="R2R's router in the graph, as the small model runs it")
     args = ap.parse_args()
     bw = copy_bandwidth()
     cfg = ModelConfig(name=args.model, path=str(ROOT / "perf" / "models" / args.model), dtype="bfloat16",
                       device="cuda:0", load_format="dummy", kv_cache_tokens=200_000, max_model_len=16384,
                       skinny_gemm=args.skinny_gemm == "on")
     runner = ModelRunner(cfg, default_kv_tokens=0)
-    runner.setup_step(None if args.router == "none" else r2r_hook(runner, skinny=args.router == "skinny"))
+    runner.setup_step(r2r_hook(runner) if args.router else None)
     bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
     chunks = make_chunks(bm, args.batch, args.context, args.suffix, runner.arch.vocab_size)
     shape = runner.graphs.fits(chunks)
@@ -80,7 +79,7 @@ def main() -> int:
                                                  runner.arch.vocab_size * runner.arch.hidden_size * 2)
     kernels = sum(n for _, n in per_kernel.values()) / args.iters
     print(f"{args.model} batch {args.batch} x {args.suffix} new tokens, context {args.context}, graph {shape}, "
-          f"skinny matmuls {args.skinny_gemm}, R2R router {args.router}: {kernels:.0f} kernels, "
+          f"skinny matmuls {args.skinny_gemm}{', R2R router' if args.router else ''}: {kernels:.0f} kernels, "
           f"kernel time {total / 1e3:.2f} ms per step; weight-read floor {floor_bytes / bw * 1e3:.2f} ms")
     for g, t in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"  {g:14s} {t / 1e3:7.3f} ms ({t / total:5.1%})")

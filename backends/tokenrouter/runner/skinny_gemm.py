@@ -11,9 +11,8 @@ few kernels as possible. The kernel therefore
 * fuses the element-wise op in front of it (`prologue`): RMSNorm of x (statistics over the whole row, then the
   normalised value times the norm weight, rounded where `RMSNorm` rounds) or SwiGLU's silu(gate) * up (x holds
   [gate | up], rounded where `fused_ops.silu_mul` rounds);
-* and the bias and residual add behind it: y = round(round(x @ W^T + bias) + residual), as F.linear adds its bias
-  before rounding and torch's `h + residual` is computed after it. A decoder layer then hands one residual stream
-  from matmul to matmul (model.py); R2R's router runs its float32 MLP through it (routing/policies/r2r.py).
+* and the residual add behind it: y = round(round(x @ W^T) + residual), as torch's `h + residual` is computed after
+  the rounded matmul. A decoder layer then hands one residual stream from matmul to matmul (model.py).
 
 Shapes are runtime arguments, so the shapes of one model share compiled variants (one per prologue, tile and
 split choice). Tile sizes and split counts come per (N, K, M) from a table measured on the target GPU by
@@ -49,7 +48,6 @@ def _skinny_gemm_kernel(
     out_ptr,  # [M, N] contiguous
     norm_w_ptr,  # [K], read when PROLOGUE == 1
     res_ptr,  # [M, N] residual, row stride stride_res, read when HAS_RESIDUAL
-    bias_ptr,  # [N], read when HAS_BIAS
     part_ptr,  # [SPLIT_K, M, N] float32 partials, used when SPLIT_K > 1
     count_ptr,  # [cdiv(N, BLOCK_N)] int32 zeros, used when SPLIT_K > 1 (left zero again)
     M,
@@ -62,7 +60,6 @@ def _skinny_gemm_kernel(
     stride_res,
     PROLOGUE: tl.constexpr,  # 0 none, 1 rms_norm, 2 silu_mul
     HAS_RESIDUAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,  # float32 inputs: full-precision dot rather than TF32
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -133,19 +130,14 @@ def _skinny_gemm_kernel(
             for s in range(SPLIT_K):  # a fixed order: the sum does not depend on which program finished last
                 acc += tl.load(part_ptr + s * M * N + out_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + pid_n, 0)  # zero again for the next launch (also inside a CUDA graph)
-            _store_out(acc, out_ptr, out_offs, out_mask, res_ptr, bias_ptr, rm, rn, n_ok, stride_res, HAS_RESIDUAL,
-                       HAS_BIAS)
+            _store_out(acc, out_ptr, out_offs, out_mask, res_ptr, rm, rn, stride_res, HAS_RESIDUAL)
     else:
-        _store_out(acc, out_ptr, out_offs, out_mask, res_ptr, bias_ptr, rm, rn, n_ok, stride_res, HAS_RESIDUAL,
-                   HAS_BIAS)
+        _store_out(acc, out_ptr, out_offs, out_mask, res_ptr, rm, rn, stride_res, HAS_RESIDUAL)
 
 
 @triton.jit
-def _store_out(acc, out_ptr, out_offs, out_mask, res_ptr, bias_ptr, rm, rn, n_ok, stride_res,
-               HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _store_out(acc, out_ptr, out_offs, out_mask, res_ptr, rm, rn, stride_res, HAS_RESIDUAL: tl.constexpr):
     dtype = out_ptr.dtype.element_ty
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     y = acc.to(dtype)  # the matmul's own rounding, as cuBLAS writes its output
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + rm.to(tl.int64)[None, :] * stride_res + rn[:, None], mask=out_mask, other=0.0)
@@ -259,14 +251,12 @@ def skinny_linear(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     residual: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
     config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """prologue(x) @ weight^T (+ residual) -> new contiguous [M, N] in x's dtype.
 
     prologue: "none"; "rms_norm" (RMSNorm of x with `norm_weight` and `eps` first); "silu_mul" (x is [M, 2K] =
-    [gate | up], the input is silu(gate) * up). `bias` [N] is added before the product is rounded, `residual`
-    [M, N] after. A split-K
+    [gate | up], the input is silu(gate) * up). `residual` [M, N] is added to the rounded product. A split-K
     config needs `workspace` (SplitKWorkspace). Never synchronises, so it can be captured in a CUDA graph.
     """
     if prologue not in PROLOGUES:
@@ -284,8 +274,6 @@ def skinny_linear(
         raise ValueError(f"prologue 'rms_norm' needs norm_weight of shape ({K},)")
     if residual is not None and (residual.shape != (M, N) or residual.stride(-1) != 1):
         raise ValueError(f"residual must be [{M}, {N}] with a contiguous last dim, got {tuple(residual.shape)}")
-    if bias is not None and (bias.shape != (N,) or bias.stride(0) != 1):
-        raise ValueError(f"bias must be a contiguous [{N}], got {tuple(bias.shape)}")
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
@@ -303,10 +291,9 @@ def skinny_linear(
         x, weight, out,
         norm_weight if norm_weight is not None else out,
         residual if residual is not None else out,
-        bias if bias is not None else out,
         part, counts, M, N, K, triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k,
         eps, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
-        PROLOGUE=PROLOGUES.index(prologue), HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        PROLOGUE=PROLOGUES.index(prologue), HAS_RESIDUAL=residual is not None,
         IEEE=x.dtype == torch.float32, BLOCK_M=block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, STATS_BLOCK=_STATS_BLOCK,
         STATS_ITERS=triton.cdiv(K, _STATS_BLOCK) if prologue == "rms_norm" else 0,

@@ -12,16 +12,11 @@ concatenates [h, proj(top-k), e] -> [S, 3H] -> Linear(3H, d) -> Linear(d, d) -> 
 large model (models[1]) when sigmoid(z) >= `threshold`. The small model's token is then dropped and the large
 model produces exactly one token and hands back (the base default lease); the large model's `route` answers
 "stay".
-
-On a GPU the network's large matmuls (input projection, mix, the blocks' two layers: ~220 MB of float32 weights
-a step at d = 1024) run as skinny Triton matmuls with the bias and residual fused in (runner/skinny_gemm.py,
-full float32 precision): cuBLAS serves an 8-row float32 matmul with a non-tensor-core GEMV at a fraction of the
-bandwidth. Only the summation order differs from the torch path, as between any two GEMM kernels.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,22 +25,7 @@ from tokenrouter.routing.policies._common import number_arg
 from tokenrouter.routing.policies.learned import LearnedRouterPolicy
 from tokenrouter.routing.policy import StepResult, register
 
-if TYPE_CHECKING:
-    from tokenrouter.runner.skinny_gemm import SplitKWorkspace
-
 NUM_BLOCKS = 6
-
-
-def _linear(layer: nn.Linear, x: torch.Tensor, workspace: SplitKWorkspace | None,
-            residual: torch.Tensor | None = None) -> torch.Tensor:
-    """layer(x) (+ residual): skinny on the GPU for up to skinny_gemm.MAX_M rows, else torch."""
-    if workspace is not None:
-        from tokenrouter.runner import skinny_gemm
-
-        if x.shape[0] <= skinny_gemm.MAX_M:
-            return skinny_gemm.skinny_linear(x, layer.weight, workspace, bias=layer.bias, residual=residual)
-    out = layer(x)
-    return out if residual is None else residual + out
 
 
 class ResidualBlock(nn.Module):
@@ -58,11 +38,8 @@ class ResidualBlock(nn.Module):
         self.act = nn.GELU()
         self.fc2 = nn.Linear(4 * d, d)
 
-        self.workspace: SplitKWorkspace | None = None  # set by R2RRouter.use_skinny_gemm
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.act(_linear(self.fc1, self.norm(x), self.workspace))
-        return _linear(self.fc2, h, self.workspace, residual=x)
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
 
 
 class R2RRouter(nn.Module):
@@ -78,25 +55,10 @@ class R2RRouter(nn.Module):
         self.blocks = nn.ModuleList(ResidualBlock(d) for _ in range(num_blocks))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, 1)
-        self.workspace: SplitKWorkspace | None = None
-
-    def use_skinny_gemm(self, device: torch.device | None) -> None:
-        """Run the large matmuls as skinny Triton matmuls on `device` (one split-K workspace for the network; the
-        policy does this on CUDA, the tests under Triton's interpreter); None: torch's matmuls again."""
-        self.workspace = None
-        if device is not None:
-            from tokenrouter.runner import skinny_gemm
-
-            layers = [self.in_proj, self.mix] + [fc for b in self.blocks for fc in (b.fc1, b.fc2)]
-            needs = [skinny_gemm.workspace_need(*fc.weight.shape, m, device) for fc in layers
-                     for m in skinny_gemm.BLOCK_M_SIZES]
-            self.workspace = skinny_gemm.SplitKWorkspace(device, max(p for p, _ in needs), max(t for _, t in needs))
-        for block in self.blocks:
-            block.workspace = self.workspace
 
     def forward(self, hidden: torch.Tensor, top_logits: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
         x = torch.cat([hidden, self.logits_proj(top_logits), token_emb], dim=-1)
-        x = _linear(self.mix, _linear(self.in_proj, x, self.workspace), self.workspace)
+        x = self.mix(self.in_proj(x))
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x)).squeeze(-1)
@@ -117,11 +79,6 @@ class R2RPolicy(LearnedRouterPolicy):
 
     def build_net(self, hidden_size: int, vocab_size: int) -> nn.Module:
         return R2RRouter(hidden_size, min(self.top_k_logits, vocab_size), self.hidden_dim)
-
-    def setup(self, device: torch.device, dtype: torch.dtype, hidden_size: int, vocab_size: int) -> None:
-        super().setup(device, dtype, hidden_size, vocab_size)
-        if self.net is not None and torch.device(device).type == "cuda":
-            self.net.use_skinny_gemm(torch.device(device))
 
     def net_inputs(self, result: StepResult) -> tuple[torch.Tensor, ...]:
         k = self.net.top_k
