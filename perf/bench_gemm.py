@@ -201,7 +201,7 @@ def main() -> int:
 
     table_path = Path(args.table)
     table = json.loads(table_path.read_text()) if table_path.exists() else {}
-    entries = table.setdefault(device_name, {})
+    entries = table.setdefault(device_name, {}).setdefault("matmuls", {})
     for spec, r in results.items():
         entries[sg.table_key(spec[1], spec[2], sg.block_m(spec[5]))] = {
             "config": r["config"], "us": round(r["us"], 2), "baseline_us": round(r["baseline_us"], 2)}

@@ -232,6 +232,42 @@ def colocate(configs: list[tuple[str, float]]) -> dict:
     return out
 
 
+def layer_caps(results: dict) -> dict[str, int]:
+    """Per model run both ways (--skinny-gemm both): the largest decode batch (1k context) up to which every
+    measured batch's graph replay was no slower with skinny matmuls than without. Only batches that ran skinny
+    count (those within the table's own row limit)."""
+    caps = {}
+    for name in dict.fromkeys(m["model"] for m in results["models"]):
+        runs = {m["skinny_gemm"]: m for m in results["models"] if m["model"] == name}
+        if True not in runs or False not in runs:
+            continue
+        limit = runs[True]["skinny_max_m"]
+        rows = {mode: {d["batch"]: d["replay_ms"] for d in runs[mode]["decode"] if d["context"] == 1024}
+                for mode in (True, False)}
+        cap = 0
+        for batch in sorted(b for b in rows[True] if b <= limit and rows[True][b] and rows[False].get(b)):
+            if rows[True][batch] > rows[False][batch]:
+                break
+            cap = batch
+        caps[name] = cap
+    return caps
+
+
+def write_layer_caps(results: dict, table_path: Path, source: str) -> None:
+    """Merge `layer_caps` into the skinny-matmul table's `layers` section for this GPU (runner/skinny_gemm.py)."""
+    from tokenrouter.runner.arch import ArchConfig
+    from tokenrouter.runner.model import layer_matmuls
+    from tokenrouter.runner.skinny_gemm import layer_key
+
+    table = json.loads(table_path.read_text()) if table_path.exists() else {}
+    layers = table.setdefault(results["device"], {}).setdefault("layers", {})
+    for name, cap in layer_caps(results).items():
+        shapes = [(n, k) for _, n, k, _, _ in layer_matmuls(ArchConfig.from_dir(ROOT / "perf" / "models" / name))]
+        layers[layer_key(shapes)] = {"max_rows": cap, "model": name, "source": source}
+        print(f"{name}: skinny matmuls up to {cap} rows (step-level, {source})", flush=True)
+    table_path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+
+
 def _f(x: float | None, fmt: str = ".2f") -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -292,8 +328,18 @@ def main() -> int:
                     help="model:fraction list loaded together at the end ('' to skip)")
     ap.add_argument("--skinny-gemm", default="on", choices=["on", "off", "both"],
                     help="the models' skinny_gemm setting; both: each model twice, side by side")
+    ap.add_argument("--layer-caps", metavar="TABLE",
+                    help="with --skinny-gemm both: write each model's step-level row limit into this skinny-matmul "
+                         "table (runner/skinny_gemm_tuned.json)")
+    ap.add_argument("--caps-from", metavar="RESULTS_JSON",
+                    help="no benchmark: compute the row limits from a saved --skinny-gemm both run into --layer-caps")
     ap.add_argument("--out", default=str(ROOT / "perf" / "results" / "runner.json"))
     args = ap.parse_args()
+    if args.caps_from:
+        if not args.layer_caps:
+            ap.error("--caps-from needs --layer-caps TABLE")
+        write_layer_caps(json.loads(Path(args.caps_from).read_text()), Path(args.layer_caps), args.caps_from)
+        return 0
     if not torch.cuda.is_available():
         print("bench_runner needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -313,6 +359,8 @@ def main() -> int:
         results["colocate"] = colocate(pairs)
     Path(args.out).write_text(json.dumps(results, indent=2))
     Path(args.out).with_suffix(".md").write_text(markdown(results))
+    if args.layer_caps and args.skinny_gemm == "both":
+        write_layer_caps(results, Path(args.layer_caps), args.out)
     print(markdown(results))
     return 0
 

@@ -19,6 +19,7 @@ cfg = yaml.safe_load(open(sys.argv[1]))
 cfg["models"][cfg["entry"]]["stream_priority"] = "high"
 yaml.safe_dump(cfg, open(sys.argv[2], "w"), sort_keys=False)
 PY
+[ $? = 0 ] || { echo "could not write $high"; exit 1; }
 if [ "$mode" = inprocess ]; then
   source perf/gpu_results.sh
   export PYTHONPATH=$PWD/backends TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1

@@ -83,6 +83,8 @@ def test_matches_torch(dtype, prologue, residual, M, N, K, cfg) -> None:
     assert int(ws.counts.count_nonzero()) == 0  # ready for the next launch
 
 
+@pytest.mark.skipif(INTERPRET, reason="the interpreter runs programs in grid order: only compiled can the "
+                    "arrival order of the splits vary")
 def test_split_k_is_deterministic() -> None:
     """The partials are summed in split order, not arrival order: the same input gives the same bits."""
     gen = torch.Generator().manual_seed(1)
@@ -132,6 +134,57 @@ def test_rejects_bad_calls() -> None:
     assert sg.skinny_linear(x[:0], w).shape == (0, 16)
 
 
+def _table(monkeypatch: pytest.MonkeyPatch, matmuls: dict, layers: dict | None = None) -> None:
+    """A tuned table for a pretend GPU (every lookup sees it)."""
+    table = sg.TunedTable(matmuls, layers or {})
+    monkeypatch.setattr(sg, "_table", lambda device: table)
+
+
+def _entry(us: float, baseline_us: float) -> sg.TunedEntry:
+    return sg.TunedEntry(sg.GemmConfig(32, 64, 2), us, baseline_us)
+
+
+def test_table_decides_the_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    shapes = [(96, 64), (64, 32)]
+    # No table (the CPU, an untuned GPU): never skinny.
+    assert sg.max_rows(shapes, torch.device("cpu")) == 0
+    # Faster at 16 and 32 rows, slower at 64: up to 32.
+    faster, slower = _entry(1.0, 2.0), _entry(3.0, 2.0)
+    table = {sg.table_key(n, k, bm): (slower if bm == 64 else faster) for n, k in shapes for bm in sg.BLOCK_M_SIZES}
+    _table(monkeypatch, table)
+    assert sg.max_rows(shapes, DEVICE) == 32
+    assert sg.config_for(96, 64, 20, DEVICE) == faster.config  # 20 rows: the 32-row tile's entry
+    # The layer's step-level cap wins when lower.
+    _table(monkeypatch, table, {sg.layer_key(shapes): 4})
+    assert sg.max_rows(shapes, DEVICE) == 4
+    # A matmul missing at a row tile ends the rows there: heuristic configs are not a default.
+    del table[sg.table_key(64, 32, 32)]
+    _table(monkeypatch, table)
+    assert sg.max_rows(shapes, DEVICE) == 16
+    # The sum over the layer decides, not each matmul.
+    _table(monkeypatch, {sg.table_key(96, 64, 16): _entry(1.0, 3.0), sg.table_key(64, 32, 16): _entry(2.5, 2.0)})
+    assert sg.max_rows(shapes, DEVICE) == 16
+
+
+def test_model_skinny_only_where_the_table_says(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An untuned model stays on cuBLAS; a tuned one is capped at its rows; a model with a q/k/v bias (which the
+    kernel lacks) never runs skinny; the workspace fits the rows it may run."""
+    from tokenrouter.runner.model import layer_matmuls
+
+    runner = _runner(tiny_dir)
+    assert not runner.skinny_gemm and runner.model.workspace is None  # no table for the tiny model
+    shapes = [(n, k) for _, n, k, _, _ in layer_matmuls(runner.arch)]
+    _table(monkeypatch, {sg.table_key(n, k, bm): _entry(1.0, 2.0) for n, k in shapes for bm in sg.BLOCK_M_SIZES},
+           {sg.layer_key(shapes): 8})
+    runner = _runner(tiny_dir)
+    assert runner.skinny_gemm and runner.model.skinny_max_m == 8
+    need = max(sg.workspace_need(n, k, 8, DEVICE)[0] for n, k in shapes)
+    assert runner.model.workspace.partials.numel() == need  # 2 splits x 8 rows x the widest N
+    runner.model.arch = dataclasses.replace(runner.arch, qkv_bias=True)
+    runner.model.workspace = None
+    assert not runner.model.use_skinny_gemm(DEVICE) and runner.model.workspace is None
+
+
 def test_heuristic_config_spreads_over_the_sms() -> None:
     # A wide matrix needs no split; a narrow, deep one (down_proj) is split until there are programs enough.
     wide = sg.heuristic_config(51200, 5120, 8, num_sms=132)
@@ -143,8 +196,13 @@ def test_heuristic_config_spreads_over_the_sms() -> None:
 def test_model_skinny_path_matches_cublas_path(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Prefill (over MAX_M tokens: the cuBLAS path on both), decodes and an extend (the skinny path) give the
     same logits and hidden states, and the same KV in the pool, as the model without skinny matmuls."""
-    # Two splits for every shape of the tiny model, so the split-K reduction runs inside the model too.
+    # The tiny model is in no tuned table: let it run skinny, with two splits for every shape, so that the split-K
+    # reduction runs inside the model too.
+    monkeypatch.setattr(sg, "max_rows", lambda shapes, device: sg.MAX_M)
     monkeypatch.setattr(sg, "config_for", lambda n, k, m, device: sg.GemmConfig(16, 16, 2))
+    calls = []
+    real = sg.skinny_linear
+    monkeypatch.setattr(sg, "skinny_linear", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
     skinny = _runner(tiny_dir)  # skinny_gemm is on by default
     plain = ModelRunner(dataclasses.replace(skinny.cfg, skinny_gemm=False), default_kv_tokens=1024)
     assert skinny.skinny_gemm and not plain.skinny_gemm and skinny.model.workspace is not None
@@ -152,8 +210,12 @@ def test_model_skinny_path_matches_cublas_path(tiny_dir: Path, monkeypatch: pyte
     vocab = skinny.arch.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (40, 33)]
     a, b = _Driver(skinny, prompts), _Driver(plain, prompts)
-    for toks in ([[], []], [[5], [6]], [[8, 9, 10], [11]], [[12], []]):
+    layers = skinny.arch.num_layers
+    for toks, rows in (([[], []], None), ([[5], [6]], 2), ([[8, 9, 10], [11]], 4), ([[12], []], 1)):
+        calls.clear()
         ours, ref = a.step(toks), b.step(toks)
+        # 73 prompt tokens: cuBLAS; the decode and extend steps: four skinny matmuls a layer.
+        assert calls == ([] if rows is None else [rows] * 4 * layers)
         torch.testing.assert_close(ours[0], ref[0], rtol=MODEL_TOL, atol=MODEL_TOL)  # logits
         torch.testing.assert_close(ours[1], ref[1], rtol=MODEL_TOL, atol=MODEL_TOL)  # hidden
         assert torch.equal(ours[2], ref[2])  # greedy tokens
@@ -171,13 +233,15 @@ from triton.compiler import ASTSource
 from tokenrouter.runner import skinny_gemm as sg
 
 kernel = sg._skinny_gemm_kernel
-for prologue, residual, split in ((0, True, 1), (1, False, 2), (2, True, 3)):
-    consts = dict(PROLOGUE=prologue, HAS_RESIDUAL=residual, IEEE=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
-                  SPLIT_K=split, STATS_BLOCK=512, STATS_ITERS=2 if prologue == 1 else 0)
+# (the row tiles, block_k, warps and stages the H200 table uses)
+for prologue, residual, split, bm, bk, warps, stages in ((0, True, 1, 16, 128, 4, 4), (1, False, 2, 16, 256, 4, 3),
+                                                        (2, True, 3, 32, 64, 8, 6), (1, False, 4, 64, 128, 8, 4)):
+    consts = dict(PROLOGUE=prologue, HAS_RESIDUAL=residual, IEEE=False, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk,
+                  SPLIT_K=split, STATS_BLOCK=16 * 512 // bm, STATS_ITERS=2 if prologue == 1 else 0)
     sig = {n: "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32" for n in kernel.arg_names}
     sig.update(part_ptr="*fp32", count_ptr="*i32", **{c: "constexpr" for c in consts})
     triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": 4, "num_stages": 4})
+                   options={"num_warps": warps, "num_stages": stages})
 print("compiled")
 """
 

@@ -88,9 +88,10 @@ class ModelConfig:
     # its values reach the host in the step's one synchronization. false: after the step, as separate kernels
     # with a synchronization of their own (how a router outside the serving loop runs; an ablation switch).
     route_in_step: bool = True
-    # Batches of up to 64 tokens run each layer's four matmuls as Triton skinny GEMMs with the norms, SwiGLU's
-    # activation and the residual adds fused in (runner/skinny_gemm.py): six kernels a layer instead of about
-    # ten. Needs the triton attention backend (it is part of that fused path); false keeps cuBLAS everywhere.
+    # Small batches run each layer's four matmuls as Triton skinny GEMMs with the norms, SwiGLU's activation and
+    # the residual adds fused in (runner/skinny_gemm.py): seven kernels a layer instead of eleven. Only as far
+    # as the tuned table (runner/skinny_gemm_tuned.json) measured them faster on this GPU for this model's
+    # shapes; elsewhere cuBLAS. Needs the triton attention backend (part of that fused path); false: cuBLAS.
     skinny_gemm: bool = True
     # CUDA stream priority of this model's steps (and of its captured graphs). Models sharing a GPU compete for
     # its SMs: `high` lets the model whose short steps everything waits on (the small model that routes every

@@ -115,7 +115,8 @@ class DecoderLayer(nn.Module):
         workspace: SplitKWorkspace,
     ) -> torch.Tensor:  # the next residual stream
         """The layer for a few tokens: four skinny matmuls with the norms, SwiGLU's activation and the residual
-        adds fused into them, so the layer is six kernels (attention's split and reduce included). Same
+        adds fused into them, so the layer is seven kernels (q/k-norm + RoPE, attention's split and reduce
+        included; eleven on cuBLAS). Same
         roundings as `forward`: the stream is what `forward`'s norms compute as x + residual."""
         from tokenrouter.runner.skinny_gemm import skinny_linear
 
@@ -157,8 +158,9 @@ class CausalLM(nn.Module):
         self.skinny_max_m = 0
 
     def use_skinny_gemm(self, device: torch.device) -> bool:
-        """Route batches of up to skinny_gemm.MAX_M tokens through `DecoderLayer.forward_stream` (fused path only;
-        the skinny kernel has no bias). Returns whether it did."""
+        """Route batches of up to `skinny_max_m` tokens (skinny_gemm.max_rows: what the tuned table measured faster
+        on this device) through `DecoderLayer.forward_stream` (fused path only; the skinny kernel has no bias).
+        Returns whether it did."""
         if not self.fused or self.arch.qkv_bias:
             return False
         from tokenrouter.runner import skinny_gemm
@@ -167,7 +169,8 @@ class CausalLM(nn.Module):
         self.skinny_max_m = skinny_gemm.max_rows(shapes, device)
         if self.skinny_max_m == 0:
             return False
-        needs = [skinny_gemm.workspace_need(n, k, m, device) for n, k in shapes for m in skinny_gemm.BLOCK_M_SIZES]
+        rows = {min(bm, self.skinny_max_m) for bm in skinny_gemm.BLOCK_M_SIZES}  # the most rows of each row tile
+        needs = [skinny_gemm.workspace_need(n, k, m, device) for n, k in shapes for m in rows]
         self.workspace = skinny_gemm.SplitKWorkspace(device, max(p for p, _ in needs), max(t for _, t in needs))
         return True
 

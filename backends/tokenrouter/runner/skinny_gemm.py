@@ -14,9 +14,10 @@ few kernels as possible. The kernel therefore
 * and the residual add behind it: y = round(round(x @ W^T) + residual), as torch's `h + residual` is computed after
   the rounded matmul. A decoder layer then hands one residual stream from matmul to matmul (model.py).
 
-Shapes are runtime arguments, so the shapes of one model share compiled variants (one per prologue, tile and
-split choice). Tile sizes and split counts come per (N, K, M) from a table measured on the target GPU by
-perf/bench_gemm.py and persisted beside this module (`skinny_gemm_tuned.json`); shapes it lacks get a heuristic.
+N and M are runtime arguments (K too, except the RMSNorm statistics' unrolled loop count), so a model's shapes
+share compiled variants. Tile sizes and split counts come per (N, K, M) from a table measured on the target GPU
+by perf/bench_gemm.py and persisted beside this module (`skinny_gemm_tuned.json`, which also caps the rows per
+model from step-level measurements, perf/bench_runner.py); a model whose shapes or GPU it lacks stays on cuBLAS.
 Nothing is tuned at start.
 The split-K reduction sums partials in a fixed order, so results do not depend on which program finishes last.
 """
@@ -35,8 +36,9 @@ import triton.language as tl
 MAX_M = 64  # rows the kernel takes; larger batches go to cuBLAS (they are no longer weight-read bound)
 BLOCK_M_SIZES = (16, 32, 64)  # the row tiles up to MAX_M, each a tuned table column
 PROLOGUES = ("none", "rms_norm", "silu_mul")
-# Columns per load of the RMSNorm statistics: 16 rows x 512 is 32 float32 values a thread at 4 warps.
-_STATS_BLOCK = 512
+# Elements per load of the RMSNorm statistics (rows x columns): 16 x 512 is 32 float32 values a thread at 4
+# warps. Wider row tiles load fewer columns at a time, or the unrolled loads spill registers.
+_STATS_ELEMS = 16 * 512
 TUNED_PATH = Path(__file__).with_name("skinny_gemm_tuned.json")
 
 
@@ -123,7 +125,9 @@ def _skinny_gemm_kernel(
     out_mask = n_ok[:, None] & m_ok[None, :]
     if SPLIT_K > 1:
         tl.store(part_ptr + pid_k * M * N + out_offs, acc, mask=out_mask)
-        # acq_rel: this program's partial is visible before its count, and the last one sees every partial.
+        # Every thread's stores before the one atomic (the barrier), and acq_rel on it: this program's partial is
+        # visible before its count, and the last program sees every partial.
+        tl.debug_barrier()
         done = tl.atomic_add(count_ptr + pid_n, 1)
         if done == SPLIT_K - 1:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -186,19 +190,37 @@ def table_key(n: int, k: int, bm: int) -> str:
     return f"{n}x{k}x{bm}"
 
 
+def layer_key(shapes: list[tuple[int, int]]) -> str:
+    """A layer's matmul shapes as the table's `layers` section names them: "NxK;NxK;..."."""
+    return ";".join(f"{n}x{k}" for n, k in shapes)
+
+
+@dataclass(frozen=True)
+class TunedTable:
+    """One GPU model's part of the persisted table: `matmuls` (perf/bench_gemm.py: per matmul and row tile) and
+    `layers` (perf/bench_runner.py --skinny-gemm both: per layer, the most rows at which the whole model step
+    was measured no slower skinny than on cuBLAS)."""
+
+    matmuls: dict[str, TunedEntry]
+    layer_rows: dict[str, int]
+
+
 @cache
-def _tuned_table(device_name: str) -> dict[str, TunedEntry]:
+def _tuned_table(device_name: str) -> TunedTable:
     """The persisted table for this GPU model. Empty when that GPU was never tuned."""
-    if not TUNED_PATH.exists():
-        return {}
-    entries = json.loads(TUNED_PATH.read_text()).get(device_name, {})
-    return {key: TunedEntry(GemmConfig(**e["config"]), e["us"], e["baseline_us"]) for key, e in entries.items()}
+    part = json.loads(TUNED_PATH.read_text()).get(device_name, {}) if TUNED_PATH.exists() else {}
+    matmuls = {key: TunedEntry(GemmConfig(**e["config"]), e["us"], e["baseline_us"])
+               for key, e in part.get("matmuls", {}).items()}
+    return TunedTable(matmuls, {key: e["max_rows"] for key, e in part.get("layers", {}).items()})
+
+
+def _table(device: torch.device) -> TunedTable | None:
+    return _tuned_table(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
 def _tuned(n: int, k: int, m: int, device: torch.device) -> TunedEntry | None:
-    if device.type != "cuda":
-        return None
-    return _tuned_table(torch.cuda.get_device_name(device)).get(table_key(n, k, block_m(m)))
+    table = _table(device)
+    return None if table is None else table.matmuls.get(table_key(n, k, block_m(m)))
 
 
 def config_for(n: int, k: int, m: int, device: torch.device) -> GemmConfig:
@@ -210,16 +232,22 @@ def config_for(n: int, k: int, m: int, device: torch.device) -> GemmConfig:
 
 
 def max_rows(shapes: list[tuple[int, int]], device: torch.device) -> int:
-    """The most rows a layer with these (N, K) matmuls should run skinny: up to the last row tile where the
-    tuned table measured the layer's skinny matmuls no slower than cuBLAS with the separate ops (a row tile the
-    table lacks counts as faster)."""
+    """The most rows a layer with these (N, K) matmuls should run skinny (0: never). Up to the last row tile where
+    the tuned table has every matmul and measured their sum no slower than cuBLAS with the separate ops, capped
+    by the layer's measured step-level limit when the table has one. Untuned shapes and GPUs stay on cuBLAS: the
+    heuristic configs are for explicit calls, not a default (on the H200 they ran up to 3.5x slower than the tuned
+    ones, perf/results/skinny_h200_2026-12-02)."""
+    table = _table(device)
+    if table is None:
+        return 0
     rows = 0
     for bm in BLOCK_M_SIZES:
-        entries = [_tuned(n, k, bm, device) for n, k in shapes]
-        if all(e is not None for e in entries) and sum(e.us for e in entries) > sum(e.baseline_us for e in entries):
+        entries = [table.matmuls.get(table_key(n, k, bm)) for n, k in shapes]
+        if any(e is None for e in entries) or sum(e.us for e in entries) > sum(e.baseline_us for e in entries):
             break
         rows = bm
-    return rows
+    cap = table.layer_rows.get(layer_key(shapes))
+    return rows if cap is None else min(rows, cap)
 
 
 class SplitKWorkspace:
@@ -287,6 +315,7 @@ def skinny_linear(
     else:
         part, counts = out, out  # never read: SPLIT_K == 1 compiles the branch away
     grid = (triton.cdiv(N, cfg.block_n), cfg.split_k)
+    stats_block = _STATS_ELEMS // block_m(M)
     _skinny_gemm_kernel[grid](
         x, weight, out,
         norm_weight if norm_weight is not None else out,
@@ -295,8 +324,8 @@ def skinny_linear(
         eps, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
         PROLOGUE=PROLOGUES.index(prologue), HAS_RESIDUAL=residual is not None,
         IEEE=x.dtype == torch.float32, BLOCK_M=block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, STATS_BLOCK=_STATS_BLOCK,
-        STATS_ITERS=triton.cdiv(K, _STATS_BLOCK) if prologue == "rms_norm" else 0,
+        SPLIT_K=cfg.split_k, STATS_BLOCK=stats_block,
+        STATS_ITERS=triton.cdiv(K, stats_block) if prologue == "rms_norm" else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
