@@ -245,8 +245,9 @@ def layer_caps(results: dict) -> dict[str, int]:
         rows = {mode: {d["batch"]: d["replay_ms"] for d in runs[mode]["decode"] if d["context"] == 1024}
                 for mode in (True, False)}
         cap = 0
-        for batch in sorted(b for b in rows[True] if b <= limit and rows[True][b] and rows[False].get(b)):
-            if rows[True][batch] > rows[False][batch]:
+        for batch in sorted(b for b in rows[True] if b <= limit):
+            skinny, cublas = rows[True][batch], rows[False].get(batch)
+            if not skinny or not cublas or skinny > cublas:  # slower, or not measured both ways: stop here
                 break
             cap = batch
         caps[name] = cap
@@ -335,6 +336,12 @@ def main() -> int:
                     help="no benchmark: compute the row limits from a saved --skinny-gemm both run into --layer-caps")
     ap.add_argument("--out", default=str(ROOT / "perf" / "results" / "runner.json"))
     args = ap.parse_args()
+    if args.layer_caps and not args.caps_from and args.skinny_gemm != "both":
+        ap.error("--layer-caps needs --skinny-gemm both (or --caps-from a saved run of it)")
+    if args.layer_caps:
+        from tokenrouter.runner import skinny_gemm
+
+        skinny_gemm.LAYER_CAPS = False  # measure at the rows the matmul table allows, not at the previous cap
     if args.caps_from:
         if not args.layer_caps:
             ap.error("--caps-from needs --layer-caps TABLE")

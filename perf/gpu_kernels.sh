@@ -22,7 +22,8 @@ tail -3 $res/gpu_tests.log
 step "tune the skinny matmuls"
 timeout 330 python3 perf/bench_gemm.py --models $models --table $table --report $res/gemm_h200.md 2>&1 \
   | tee $res/bench_gemm.log | grep -v "^  skip" | tail -30
-if [ "${PIPESTATUS[0]}" = 0 ]; then cp $table $res/; else echo "bench_gemm failed: the table was not updated"; fi
+rc=${PIPESTATUS[0]}
+if [ "$rc" = 0 ]; then cp $table $res/; else echo "bench_gemm failed (rc $rc): the table is not copied"; fi
 
 step "step profiles"
 for model in ${models//,/ }; do

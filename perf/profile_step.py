@@ -78,8 +78,12 @@ def main() -> int:
     floor_bytes = runner.arch.weight_bytes(2) - (0 if runner.arch.tie_word_embeddings else
                                                  runner.arch.vocab_size * runner.arch.hidden_size * 2)
     kernels = sum(n for _, n in per_kernel.values()) / args.iters
+    # What ran, not what was asked: the tuned table decides how many rows run skinny.
+    rows = runner.model.skinny_max_m if runner.skinny_gemm else 0
+    matmuls = (f"skinny matmuls (up to {rows} rows)" if shape.num_tokens <= rows else
+               f"cuBLAS matmuls (skinny_gemm {args.skinny_gemm}, up to {rows} rows)")
     print(f"{args.model} batch {args.batch} x {args.suffix} new tokens, context {args.context}, graph {shape}, "
-          f"skinny matmuls {args.skinny_gemm}{', R2R router' if args.router else ''}: {kernels:.0f} kernels, "
+          f"{matmuls}{', R2R router' if args.router else ''}: {kernels:.0f} kernels, "
           f"kernel time {total / 1e3:.2f} ms per step; weight-read floor {floor_bytes / bw * 1e3:.2f} ms")
     for g, t in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"  {g:14s} {t / 1e3:7.3f} ms ({t / total:5.1%})")

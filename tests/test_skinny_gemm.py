@@ -54,6 +54,7 @@ def _workspace() -> sg.SplitKWorkspace:
     (16, 100, 200, sg.GemmConfig(64, 32, 3)),  # 200 = 3 splits of 96, 96, 8: a short last split
     (20, 48, 64, sg.GemmConfig(32, 32, 4)),  # more splits than K blocks: the last split has nothing to add
     (5, 40, 1100, sg.GemmConfig(32, 128, 2)),  # RMSNorm statistics over three loads, the last one partial
+    (40, 48, 300, sg.GemmConfig(32, 64, 2)),  # the 64-row tile: statistics in loads of 128 columns, three of them
 ])  # fmt: skip
 def test_matches_torch(dtype, prologue, residual, M, N, K, cfg) -> None:
     gen = torch.Generator().manual_seed(M * 1000 + N + K)
@@ -140,8 +141,8 @@ def _table(monkeypatch: pytest.MonkeyPatch, matmuls: dict, layers: dict | None =
     monkeypatch.setattr(sg, "_table", lambda device: table)
 
 
-def _entry(us: float, baseline_us: float) -> sg.TunedEntry:
-    return sg.TunedEntry(sg.GemmConfig(32, 64, 2), us, baseline_us)
+def _entry(us: float, baseline_us: float, block_n: int = 32) -> sg.TunedEntry:
+    return sg.TunedEntry(sg.GemmConfig(block_n, 64, 2), us, baseline_us)
 
 
 def test_table_decides_the_rows(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,14 +150,19 @@ def test_table_decides_the_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     # No table (the CPU, an untuned GPU): never skinny.
     assert sg.max_rows(shapes, torch.device("cpu")) == 0
     # Faster at 16 and 32 rows, slower at 64: up to 32.
-    faster, slower = _entry(1.0, 2.0), _entry(3.0, 2.0)
-    table = {sg.table_key(n, k, bm): (slower if bm == 64 else faster) for n, k in shapes for bm in sg.BLOCK_M_SIZES}
+    # (each tile its own config: block_n = the row tile)
+    table = {sg.table_key(n, k, bm): _entry(3.0 if bm == 64 else 1.0, 2.0, block_n=bm)
+             for n, k in shapes for bm in sg.BLOCK_M_SIZES}
     _table(monkeypatch, table)
     assert sg.max_rows(shapes, DEVICE) == 32
-    assert sg.config_for(96, 64, 20, DEVICE) == faster.config  # 20 rows: the 32-row tile's entry
-    # The layer's step-level cap wins when lower.
+    assert sg.config_for(96, 64, 20, DEVICE).block_n == 32  # 20 rows: the 32-row tile's entry
+    assert sg.config_for(96, 64, 3, DEVICE).block_n == 16
+    # The layer's step-level cap wins when lower, unless caps are off (bench_runner measuring a new one).
     _table(monkeypatch, table, {sg.layer_key(shapes): 4})
     assert sg.max_rows(shapes, DEVICE) == 4
+    monkeypatch.setattr(sg, "LAYER_CAPS", False)
+    assert sg.max_rows(shapes, DEVICE) == 32
+    monkeypatch.setattr(sg, "LAYER_CAPS", True)
     # A matmul missing at a row tile ends the rows there: heuristic configs are not a default.
     del table[sg.table_key(64, 32, 32)]
     _table(monkeypatch, table)
@@ -164,6 +170,42 @@ def test_table_decides_the_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     # The sum over the layer decides, not each matmul.
     _table(monkeypatch, {sg.table_key(96, 64, 16): _entry(1.0, 3.0), sg.table_key(64, 32, 16): _entry(2.5, 2.0)})
     assert sg.max_rows(shapes, DEVICE) == 16
+
+
+def test_shipped_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The committed H200 table parses, runs the 0.6B skinny up to its step-level cap and keeps the 32B on cuBLAS
+    (its skinny layer measured slower)."""
+    from tokenrouter.runner.arch import ArchConfig
+    from tokenrouter.runner.model import layer_matmuls
+
+    monkeypatch.setattr(sg, "_table", lambda device: sg._tuned_table("NVIDIA H200"))
+    rows = {}
+    for model in ("qwen3-0.6b", "qwen3-32b"):
+        arch = ArchConfig.from_dir(Path(__file__).resolve().parents[1] / "perf" / "models" / model)
+        rows[model] = sg.max_rows([(n, k) for _, n, k, _, _ in layer_matmuls(arch)], DEVICE)
+    assert rows == {"qwen3-0.6b": 4, "qwen3-32b": 0}
+
+
+def test_layer_caps_rule() -> None:
+    """bench_runner's step-level cap: the largest batch up to which every batch ran no slower skinny; a slower
+    or unmeasured batch ends it; batches beyond the run's own row limit do not count."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
+    from bench_runner import layer_caps
+
+    def run(skinny: bool, replay: dict, limit: int = 16) -> dict:
+        return {"model": "m", "skinny_gemm": skinny, "skinny_max_m": limit if skinny else 0,
+                "decode": [{"batch": b, "context": 1024, "replay_ms": ms} for b, ms in replay.items()]
+                + [{"batch": 1, "context": 8192, "replay_ms": 9.0}]}
+
+    cublas = {1: 1.3, 4: 1.4, 8: 1.4, 16: 1.7, 32: 2.3}
+    assert layer_caps({"models": [run(True, {1: 1.2, 4: 1.35, 8: 1.5, 16: 1.6, 32: 2.0}), run(False, cublas)]}) \
+        == {"m": 4}
+    assert layer_caps({"models": [run(True, {1: 1.2, 4: None, 8: 1.3}), run(False, cublas)]}) == {"m": 1}
+    assert layer_caps({"models": [run(True, {1: 1.2, 4: 1.3, 8: 1.3, 16: 1.6, 32: 2.0}, limit=8),
+                                  run(False, cublas)]}) == {"m": 8}
+    assert layer_caps({"models": [run(False, cublas)]}) == {}  # not run both ways: no cap
 
 
 def test_model_skinny_only_where_the_table_says(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

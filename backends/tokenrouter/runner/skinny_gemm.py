@@ -25,6 +25,7 @@ The split-K reduction sums partials in a fixed order, so results do not depend o
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -33,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+log = logging.getLogger(__name__)
+
 MAX_M = 64  # rows the kernel takes; larger batches go to cuBLAS (they are no longer weight-read bound)
 BLOCK_M_SIZES = (16, 32, 64)  # the row tiles up to MAX_M, each a tuned table column
 PROLOGUES = ("none", "rms_norm", "silu_mul")
@@ -40,6 +43,9 @@ PROLOGUES = ("none", "rms_norm", "silu_mul")
 # warps. Wider row tiles load fewer columns at a time, or the unrolled loads spill registers.
 _STATS_ELEMS = 16 * 512
 TUNED_PATH = Path(__file__).with_name("skinny_gemm_tuned.json")
+# Apply the table's step-level row caps (`layers`). perf/bench_runner.py turns this off to measure a model at the
+# rows the per-matmul table allows, so that a new cap can come out higher than the last.
+LAYER_CAPS = True
 
 
 # M (the batch's rows) must not pick a variant: Triton would compile one for M == 1 and for multiples of 16.
@@ -209,6 +215,9 @@ class TunedTable:
 def _tuned_table(device_name: str) -> TunedTable:
     """The persisted table for this GPU model. Empty when that GPU was never tuned."""
     part = json.loads(TUNED_PATH.read_text()).get(device_name, {}) if TUNED_PATH.exists() else {}
+    if set(part) - {"matmuls", "layers"}:
+        log.warning("%s: %s has keys other than 'matmuls' and 'layers' (an older format?); they are ignored",
+                    TUNED_PATH, device_name)
     matmuls = {key: TunedEntry(GemmConfig(**e["config"]), e["us"], e["baseline_us"])
                for key, e in part.get("matmuls", {}).items()}
     return TunedTable(matmuls, {key: e["max_rows"] for key, e in part.get("layers", {}).items()})
@@ -246,7 +255,7 @@ def max_rows(shapes: list[tuple[int, int]], device: torch.device) -> int:
         if any(e is None for e in entries) or sum(e.us for e in entries) > sum(e.baseline_us for e in entries):
             break
         rows = bm
-    cap = table.layer_rows.get(layer_key(shapes))
+    cap = table.layer_rows.get(layer_key(shapes)) if LAYER_CAPS else None
     return rows if cap is None else min(rows, cap)
 
 
