@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tokenrouter.cli import main
 from tokenrouter.config import ConfigError, load_config
@@ -83,6 +84,20 @@ TOP_VALUES = [
     # An integer beyond any float (YAML reads 1 and 400 zeros as one): refused, not an OverflowError.
     ({"request_timeout_s": 10**400}, r"^request_timeout_s must be a number > 0 or null, got 1000"),
 ]
+
+
+@pytest.mark.parametrize(("text", "spelling"), [("1e308", "1.0e+308"), ("5e-1", "5.0e-1"), ("2.5E3", "2.5e+3")])
+def test_yaml_exponent_strings_get_a_hint(two: dict, text: str, spelling: str) -> None:
+    """YAML 1.1 reads 1e308 (no dot, unsigned exponent) as a string: the error says so and gives a spelling that
+    YAML reads as a number, and that spelling loads."""
+    doc = yaml.safe_dump({"request_timeout_s": text}).replace(f"'{text}'", text)  # unquoted, as a user writes it
+    value = yaml.safe_load(doc)["request_timeout_s"]
+    assert value == text  # YAML kept it a string
+    hint = f"got {text!r} (YAML reads {text!r} as a string: write {spelling})"
+    with pytest.raises(ConfigError, match=re.escape(hint)):
+        load_config({**copy.deepcopy(two), "request_timeout_s": value})
+    fixed = yaml.safe_load(f"request_timeout_s: {spelling}")["request_timeout_s"]
+    assert load_config({**copy.deepcopy(two), "request_timeout_s": fixed}).request_timeout_s == float(text)
 
 
 @pytest.mark.parametrize(("extra", "msg"), TOP_VALUES, ids=lambda v: str(v)[:40])

@@ -272,6 +272,17 @@ def _finite(v: float) -> bool:
         return False
 
 
+def _yaml_number_hint(value: Any) -> str:
+    """YAML 1.1 (PyYAML) reads exponent numbers without a dot and a signed exponent, such as 1e-9 or 1e308, as
+    strings: say so, with the spelling it reads as a number."""
+    if not isinstance(value, str):
+        return ""
+    m = re.fullmatch(r"([-+]?\d+)(?:\.(\d*))?[eE]([-+]?)(\d+)", value.strip())
+    if m is None:
+        return ""
+    return f" (YAML reads {value!r} as a string: write {m[1]}.{m[2] or '0'}e{m[3] or '+'}{m[4]})"
+
+
 def _describe(tp: Any, rng: str) -> str:
     """An annotation in the words of an error message, e.g. 'an integer >= 2 or null'."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -315,7 +326,7 @@ def _check_fields(obj: Any, prefix: str) -> None:
         rng = _range_text(meta)
         if not _matches(hints[f.name], value):
             accepts = meta.get("accepts") or _describe(hints[f.name], rng)
-            raise ConfigError(f"{prefix}{f.name} must be {accepts}, got {value!r}")
+            raise ConfigError(f"{prefix}{f.name} must be {accepts}, got {value!r}{_yaml_number_hint(value)}")
         for v in value.values() if isinstance(value, dict) else [value]:
             if rng and _is_number(v) and not _in_range(v, meta):
                 raise ConfigError(f"{prefix}{f.name} must be {meta.get('accepts') or rng}, got {v!r}")
