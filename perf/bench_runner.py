@@ -111,6 +111,24 @@ def release(bm: BlockManager, chunks: list[ScheduledChunk]) -> None:
         bm.release(c.seq)
 
 
+def profile_decode(runner: ModelRunner, bm: BlockManager, batch: int, context: int) -> dict | None:
+    """The kernel breakdown of one captured decode step (kernel_profile.py); None without a graph for it."""
+    from kernel_profile import profile_calls
+
+    chunks = make_chunks(bm, batch, context, 1, runner.arch.vocab_size)
+    try:
+        shape = runner.graphs.fits(chunks) if runner.graphs is not None else None
+        if shape is None or shape not in runner.graphs.graphs:
+            return None
+        runner.graphs.inputs.fill(chunks, shape, runner.block_size)
+        prof = profile_calls(runner.graphs.graphs[shape].replay)
+    finally:
+        release(bm, chunks)
+    return {"batch": batch, "context": context, "kernel_ms": prof.total_us / 1e3, "kernels": prof.kernels,
+            "groups_ms": {g: t / 1e3 for g, t in prof.groups().items()},
+            "top": [{"name": k[:100], "us": t, "launches": n} for k, t, n in prof.top(6)]}
+
+
 def r2r_hook(runner: ModelRunner):
     """R2R's router (hidden_dim 1024, top-100 logits) as the step hook, as the small model's subserver runs it."""
     from tokenrouter.routing.policy import make_policy, step_hook
@@ -122,7 +140,7 @@ def r2r_hook(runner: ModelRunner):
 
 
 def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_router: bool,
-                skinny: bool = True) -> dict:
+                skinny: bool = True, profile: bool = False) -> dict:
     path = ROOT / "perf" / "models" / name
     kv_tokens = {"qwen3-0.6b": 600_000, "qwen3-8b": 300_000, "qwen3-32b": 160_000}[name]
     cfg = ModelConfig(name=name, path=str(path), dtype="bfloat16", device="cuda:0", load_format="dummy",
@@ -172,6 +190,8 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
             print(f"{name} decode b={batch:3d} ctx={context:5d}: graph {_ms(g)} ms ({row['graph_x_floor'] or 0:.2f}x "
                   f"floor; replay alone {_ms(r)} ms), eager {_ms(e)} ms", flush=True)
     decode8 = next(d for d in out["decode"] if d["batch"] == 8 and d["context"] == 1024)
+    if profile:
+        out["profile_b8"] = profile_decode(runner, bm, batch=8, context=1024)
     # Suffixes a returning request brings: 1..64 tokens for one request, and 8 requests x 1..10 tokens.
     for batch, new in ((1, 2), (1, 4), (1, 8), (1, 16), (1, 32), (1, 64), (8, 2), (8, 4), (8, 8), (8, 10)):
         g, e = case(batch, 1024, new)
@@ -295,6 +315,12 @@ def markdown(results: dict) -> str:
             lines.append(f"| {d['batch']} | {d['context']} | {_f(d['graph_ms'])} | {_f(d['graph_x_floor'])} | "
                          f"{_f(d['replay_ms'])} | {_f(d['graph_x_weights_kv_floor'])} | "
                          f"{d['eager_ms']:.2f} | {d['eager_x_floor']:.2f} | {_f(ratio)} |")
+        p = m.get("profile_b8")
+        if p:
+            groups = ", ".join(f"{g} {t:.2f}" for g, t in p["groups_ms"].items())
+            lines += ["", f"Kernels of one b{p['batch']} decode replay ({p['context']} context): {p['kernels']:.0f} "
+                          f"kernels, {p['kernel_ms']:.2f} ms ({groups} ms); longest: "
+                          + "; ".join(f"{k['name'][:40]} {k['us']:.0f} us x{k['launches']:.0f}" for k in p["top"][:3])]
         lines += ["", "| extend (requests x suffix, 1k context) | tokens | graph ms | eager ms | graph / decode b8 |",
                   "|---|---|---|---|---|"]
         lines += [f"| {e['batch']} x {e['suffix']} | {e['tokens']} | {_f(e['graph_ms'])} | {e['eager_ms']:.2f} | "
@@ -334,6 +360,8 @@ def main() -> int:
                          "table (runner/skinny_gemm_tuned.json)")
     ap.add_argument("--caps-from", metavar="RESULTS_JSON",
                     help="no benchmark: compute the row limits from a saved --skinny-gemm both run into --layer-caps")
+    ap.add_argument("--profile", action="store_true",
+                    help="also the kernel breakdown of each model's b8 1k decode step (torch.profiler)")
     ap.add_argument("--out", default=str(ROOT / "perf" / "results" / "runner.json"))
     args = ap.parse_args()
     if args.layer_caps and not args.caps_from and args.skinny_gemm != "both":
@@ -359,7 +387,8 @@ def main() -> int:
     for name in args.models.split(","):
         with_router = name == "qwen3-0.6b" and not args.no_router
         for skinny in modes:
-            results["models"].append(bench_model(name, bw, args.attention, args.quick, with_router, skinny))
+            results["models"].append(bench_model(name, bw, args.attention, args.quick, with_router, skinny,
+                                                 args.profile))
             Path(args.out).write_text(json.dumps(results, indent=2))
     if args.colocate:
         pairs = [(p.split(":")[0], float(p.split(":")[1])) for p in args.colocate.split(",")]

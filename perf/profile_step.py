@@ -12,29 +12,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 from pathlib import Path
-
-import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_runner import ROOT, copy_bandwidth, make_chunks, r2r_hook  # noqa: E402
+from kernel_profile import profile_calls  # noqa: E402
 
 from tokenrouter.config import ModelConfig  # noqa: E402
 from tokenrouter.engine.block_manager import BlockManager  # noqa: E402
 from tokenrouter.runner.model_runner import ModelRunner  # noqa: E402
-
-
-def kind(name: str) -> str:
-    low = name.lower()
-    if "skinny_gemm" in low:
-        return "matmul (ours)"
-    if any(k in low for k in ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "cublas")):
-        return "matmul"
-    if name.startswith("_") and "kernel" in low:
-        return "triton (ours)"
-    return "other"
 
 
 def main() -> int:
@@ -57,27 +43,11 @@ def main() -> int:
     chunks = make_chunks(bm, args.batch, args.context, args.suffix, runner.arch.vocab_size)
     shape = runner.graphs.fits(chunks)
     runner.graphs.inputs.fill(chunks, shape, runner.block_size)
-    graph = runner.graphs.graphs[shape]
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.iters):
-            graph.replay()
-        torch.cuda.synchronize()
-    per_kernel: dict[str, list[float]] = {}
-    for evt in prof.key_averages():
-        t = getattr(evt, "self_device_time_total", None)
-        t = evt.self_cuda_time_total if t is None else t
-        if t > 0:
-            per_kernel[evt.key] = [t / args.iters, evt.count]  # us per step, launches over all steps
-    total = sum(t for t, _ in per_kernel.values())
-    groups: dict[str, float] = defaultdict(float)
-    for name, (t, _) in per_kernel.items():
-        groups[kind(name)] += t
+    prof = profile_calls(runner.graphs.graphs[shape].replay, iters=args.iters)
+    total, groups = prof.total_us, prof.groups()
     floor_bytes = runner.arch.weight_bytes(2) - (0 if runner.arch.tie_word_embeddings else
                                                  runner.arch.vocab_size * runner.arch.hidden_size * 2)
-    kernels = sum(n for _, n in per_kernel.values()) / args.iters
+    kernels = prof.kernels
     # What ran, not what was asked: the tuned table decides how many rows run skinny.
     rows = runner.model.skinny_max_m if runner.skinny_gemm else 0
     matmuls = (f"skinny matmuls (up to {rows} rows)" if shape.num_tokens <= rows else
@@ -85,11 +55,11 @@ def main() -> int:
     print(f"{args.model} batch {args.batch} x {args.suffix} new tokens, context {args.context}, graph {shape}, "
           f"{matmuls}{', R2R router' if args.router else ''}: {kernels:.0f} kernels, "
           f"kernel time {total / 1e3:.2f} ms per step; weight-read floor {floor_bytes / bw * 1e3:.2f} ms")
-    for g, t in sorted(groups.items(), key=lambda kv: -kv[1]):
+    for g, t in groups.items():
         print(f"  {g:14s} {t / 1e3:7.3f} ms ({t / total:5.1%})")
     print("top kernels (us per step, launches per step):")
-    for name, (t, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:14]:
-        print(f"  {t:9.1f} us {n / args.iters:6.0f}x  {name[:110]}")
+    for name, t, n in prof.top(14):
+        print(f"  {t:9.1f} us {n:6.0f}x  {name[:110]}")
     return 0
 
 
