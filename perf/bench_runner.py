@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "backends"))
 from tokenrouter.config import ModelConfig  # noqa: E402
 from tokenrouter.engine.block_manager import BlockManager  # noqa: E402
 from tokenrouter.engine.sequence import Sequence  # noqa: E402
+from tokenrouter.runner.arch import ArchConfig  # noqa: E402
 from tokenrouter.runner.forward_batch import ScheduledChunk  # noqa: E402
 from tokenrouter.runner.model_runner import ModelRunner  # noqa: E402
 from tokenrouter.sampling_params import SamplingParams  # noqa: E402
@@ -106,24 +107,40 @@ def make_chunks(bm: BlockManager, batch: int, context: int, new: int, vocab: int
     return chunks
 
 
+def decode_floor_bytes(arch: ArchConfig) -> int:
+    """Bytes a bf16 decode step must read: every weight once except the input embedding (only B rows of it); a
+    tied embedding is read in full as the LM head."""
+    return arch.weight_bytes(2) - (0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size * 2)
+
+
 def release(bm: BlockManager, chunks: list[ScheduledChunk]) -> None:
     for c in chunks:
         bm.release(c.seq)
 
 
-def profile_decode(runner: ModelRunner, bm: BlockManager, batch: int, context: int) -> dict | None:
-    """The kernel breakdown of one captured decode step (kernel_profile.py); None without a graph for it."""
+def profile_graph(runner: ModelRunner, bm: BlockManager, batch: int, context: int, new: int = 1,
+                  iters: int = 20):
+    """(the graph's shape, its kernel profile: kernel_profile.py) of the captured step `batch` sequences of
+    `context` cached tokens running `new` more take; None without a captured graph for it."""
     from kernel_profile import profile_calls
 
-    chunks = make_chunks(bm, batch, context, 1, runner.arch.vocab_size)
+    chunks = make_chunks(bm, batch, context, new, runner.arch.vocab_size)
     try:
         shape = runner.graphs.fits(chunks) if runner.graphs is not None else None
         if shape is None or shape not in runner.graphs.graphs:
             return None
         runner.graphs.inputs.fill(chunks, shape, runner.block_size)
-        prof = profile_calls(runner.graphs.graphs[shape].replay)
+        return shape, profile_calls(runner.graphs.graphs[shape].replay, iters=iters)
     finally:
         release(bm, chunks)
+
+
+def profile_decode(runner: ModelRunner, bm: BlockManager, batch: int, context: int) -> dict | None:
+    """The kernel breakdown of one captured decode step, for the results JSON; None without a graph for it."""
+    profiled = profile_graph(runner, bm, batch, context)
+    if profiled is None:
+        return None
+    prof = profiled[1]
     return {"batch": batch, "context": context, "kernel_ms": prof.total_us / 1e3, "kernels": prof.kernels,
             "groups_ms": {g: t / 1e3 for g, t in prof.groups().items()},
             "top": [{"name": k[:100], "us": t, "launches": n} for k, t, n in prof.top(6)]}
@@ -156,9 +173,7 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
           f"{'up to ' + str(runner.model.skinny_max_m) + ' rows' if runner.skinny_gemm else 'off'}", flush=True)
     bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
     arch = runner.arch
-    # A decode step reads every weight once except the input embedding (only B rows of it); a tied
-    # embedding is read in full as the LM head.
-    floor_bytes = arch.weight_bytes(2) - (0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size * 2)
+    floor_bytes = decode_floor_bytes(arch)
     floor = floor_bytes / bandwidth
     iters = 5 if quick else 20
     out: dict = {"model": name, "attention": runner.attn_backend.name, "weight_read_floor_ms": floor * 1e3,
@@ -276,14 +291,13 @@ def layer_caps(results: dict) -> dict[str, int]:
 
 def write_layer_caps(results: dict, table_path: Path, source: str) -> None:
     """Merge `layer_caps` into the skinny-matmul table's `layers` section for this GPU (runner/skinny_gemm.py)."""
-    from tokenrouter.runner.arch import ArchConfig
-    from tokenrouter.runner.model import layer_matmuls
+    from tokenrouter.runner.model import layer_shapes
     from tokenrouter.runner.skinny_gemm import layer_key
 
     table = json.loads(table_path.read_text()) if table_path.exists() else {}
     layers = table.setdefault(results["device"], {}).setdefault("layers", {})
     for name, cap in layer_caps(results).items():
-        shapes = [(n, k) for _, n, k, _, _ in layer_matmuls(ArchConfig.from_dir(ROOT / "perf" / "models" / name))]
+        shapes = layer_shapes(ArchConfig.from_dir(ROOT / "perf" / "models" / name))
         layers[layer_key(shapes)] = {"max_rows": cap, "model": name, "source": source}
         print(f"{name}: skinny matmuls up to {cap} rows (step-level, {source})", flush=True)
     table_path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
@@ -366,15 +380,15 @@ def main() -> int:
     args = ap.parse_args()
     if args.layer_caps and not args.caps_from and args.skinny_gemm != "both":
         ap.error("--layer-caps needs --skinny-gemm both (or --caps-from a saved run of it)")
-    if args.layer_caps:
-        from tokenrouter.runner import skinny_gemm
-
-        skinny_gemm.LAYER_CAPS = False  # measure at the rows the matmul table allows, not at the previous cap
     if args.caps_from:
         if not args.layer_caps:
             ap.error("--caps-from needs --layer-caps TABLE")
         write_layer_caps(json.loads(Path(args.caps_from).read_text()), Path(args.layer_caps), args.caps_from)
         return 0
+    if args.layer_caps:
+        from tokenrouter.runner import skinny_gemm
+
+        skinny_gemm.LAYER_CAPS = False  # measure at the rows the matmul table allows, not at the previous cap
     if not torch.cuda.is_available():
         print("bench_runner needs a CUDA GPU", file=sys.stderr)
         return 2

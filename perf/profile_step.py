@@ -15,8 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_runner import ROOT, copy_bandwidth, make_chunks, r2r_hook  # noqa: E402
-from kernel_profile import profile_calls  # noqa: E402
+from bench_runner import ROOT, copy_bandwidth, decode_floor_bytes, profile_graph, r2r_hook  # noqa: E402
 
 from tokenrouter.config import ModelConfig  # noqa: E402
 from tokenrouter.engine.block_manager import BlockManager  # noqa: E402
@@ -40,13 +39,13 @@ def main() -> int:
     runner = ModelRunner(cfg, default_kv_tokens=0)
     runner.setup_step(r2r_hook(runner) if args.router else None)
     bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
-    chunks = make_chunks(bm, args.batch, args.context, args.suffix, runner.arch.vocab_size)
-    shape = runner.graphs.fits(chunks)
-    runner.graphs.inputs.fill(chunks, shape, runner.block_size)
-    prof = profile_calls(runner.graphs.graphs[shape].replay, iters=args.iters)
+    profiled = profile_graph(runner, bm, args.batch, args.context, args.suffix, args.iters)
+    if profiled is None:
+        print(f"no captured graph for batch {args.batch} x {args.suffix} new tokens", file=sys.stderr)
+        return 2
+    shape, prof = profiled
     total, groups = prof.total_us, prof.groups()
-    floor_bytes = runner.arch.weight_bytes(2) - (0 if runner.arch.tie_word_embeddings else
-                                                 runner.arch.vocab_size * runner.arch.hidden_size * 2)
+    floor_bytes = decode_floor_bytes(runner.arch)
     kernels = prof.kernels
     # What ran, not what was asked: the tuned table decides how many rows run skinny.
     rows = runner.model.skinny_max_m if runner.skinny_gemm else 0

@@ -176,13 +176,13 @@ def test_shipped_table(monkeypatch: pytest.MonkeyPatch) -> None:
     """The committed H200 table parses, runs the 0.6B skinny up to its step-level cap and keeps the 32B on cuBLAS
     (its skinny layer measured slower)."""
     from tokenrouter.runner.arch import ArchConfig
-    from tokenrouter.runner.model import layer_matmuls
+    from tokenrouter.runner.model import layer_shapes
 
     monkeypatch.setattr(sg, "_table", lambda device: sg._tuned_table("NVIDIA H200"))
     rows = {}
     for model in ("qwen3-0.6b", "qwen3-32b"):
         arch = ArchConfig.from_dir(Path(__file__).resolve().parents[1] / "perf" / "models" / model)
-        rows[model] = sg.max_rows([(n, k) for _, n, k, _, _ in layer_matmuls(arch)], DEVICE)
+        rows[model] = sg.max_rows(layer_shapes(arch), DEVICE)
     assert rows == {"qwen3-0.6b": 4, "qwen3-32b": 0}
 
 
@@ -211,11 +211,11 @@ def test_layer_caps_rule() -> None:
 def test_model_skinny_only_where_the_table_says(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An untuned model stays on cuBLAS; a tuned one is capped at its rows; a model with a q/k/v bias (which the
     kernel lacks) never runs skinny; the workspace fits the rows it may run."""
-    from tokenrouter.runner.model import layer_matmuls
+    from tokenrouter.runner.model import layer_shapes
 
     runner = _runner(tiny_dir)
     assert not runner.skinny_gemm and runner.model.workspace is None  # no table for the tiny model
-    shapes = [(n, k) for _, n, k, _, _ in layer_matmuls(runner.arch)]
+    shapes = layer_shapes(runner.arch)
     _table(monkeypatch, {sg.table_key(n, k, bm): _entry(1.0, 2.0) for n, k in shapes for bm in sg.BLOCK_M_SIZES},
            {sg.layer_key(shapes): 8})
     runner = _runner(tiny_dir)

@@ -30,6 +30,11 @@ def layer_matmuls(arch: ArchConfig) -> list[tuple[str, int, int, str, bool]]:
             ("gate_up_proj", 2 * inter, h, "rms_norm", False), ("down_proj", h, inter, "silu_mul", True)]
 
 
+def layer_shapes(arch: ArchConfig) -> list[tuple[int, int]]:
+    """(N, K) of a layer's matmuls: what the skinny-matmul table is keyed by."""
+    return [(n, k) for _, n, k, _, _ in layer_matmuls(arch)]
+
+
 class Attention(nn.Module):
     def __init__(self, arch: ArchConfig, fused: bool = False) -> None:
         super().__init__()
@@ -116,8 +121,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:  # the next residual stream
         """The layer for a few tokens: four skinny matmuls with the norms, SwiGLU's activation and the residual
         adds fused into them, so the layer is seven kernels (q/k-norm + RoPE, attention's split and reduce
-        included; eleven on cuBLAS). Same
-        roundings as `forward`: the stream is what `forward`'s norms compute as x + residual."""
+        included; eleven on cuBLAS). Same roundings as `forward`: the stream is what `forward`'s norms compute
+        as x + residual."""
         from tokenrouter.runner.skinny_gemm import skinny_linear
 
         attn, mlp = self.self_attn, self.mlp
@@ -165,7 +170,7 @@ class CausalLM(nn.Module):
             return False
         from tokenrouter.runner import skinny_gemm
 
-        shapes = [(n, k) for _, n, k, _, _ in layer_matmuls(self.arch)]
+        shapes = layer_shapes(self.arch)
         self.skinny_max_m = skinny_gemm.max_rows(shapes, device)
         if self.skinny_max_m == 0:
             return False

@@ -223,8 +223,14 @@ def _tuned_table(device_name: str) -> TunedTable:
     return TunedTable(matmuls, {key: e["max_rows"] for key, e in part.get("layers", {}).items()})
 
 
+@cache
+def _device_name(device: torch.device) -> str:
+    # Looked up once: every eager skinny launch asks for its config.
+    return torch.cuda.get_device_name(device)
+
+
 def _table(device: torch.device) -> TunedTable | None:
-    return _tuned_table(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    return _tuned_table(_device_name(device)) if device.type == "cuda" else None
 
 
 def _tuned(n: int, k: int, m: int, device: torch.device) -> TunedEntry | None:
@@ -271,12 +277,16 @@ class SplitKWorkspace:
         return partial_elems <= self.partials.numel() and tiles <= self.counts.numel()
 
 
-def workspace_need(n: int, k: int, m: int, device: torch.device) -> tuple[int, int]:
-    """(float32 partial elements, counters) one launch of this shape uses."""
-    cfg = config_for(n, k, m, device)
+def _split_k_need(cfg: GemmConfig, m: int, n: int) -> tuple[int, int]:
+    """(float32 partial elements, counters) a launch of `cfg` on m x n outputs uses."""
     if cfg.split_k == 1:
         return 0, 0
     return cfg.split_k * m * n, triton.cdiv(n, cfg.block_n)
+
+
+def workspace_need(n: int, k: int, m: int, device: torch.device) -> tuple[int, int]:
+    """(float32 partial elements, counters) one launch of this shape uses."""
+    return _split_k_need(config_for(n, k, m, device), m, n)
 
 
 def skinny_linear(
@@ -316,7 +326,7 @@ def skinny_linear(
         return out
     cfg = config or config_for(N, K, M, x.device)
     if cfg.split_k > 1:
-        need = (cfg.split_k * M * N, triton.cdiv(N, cfg.block_n))
+        need = _split_k_need(cfg, M, N)
         if workspace is None or not workspace.fits(*need):
             raise ValueError(f"split-K x{cfg.split_k} for [{M}, {N}, {K}] needs a workspace of {need} (partials, "
                              f"counters)")
