@@ -38,3 +38,21 @@ if [ "$(python3 -c 'import numpy; print(numpy.__version__.split(".")[0])')" -ge 
   python3 -m tokenrouter.cli stub-env --out $work/stub-env --find-links $wheels || exit 1
   envflag=(--execution-env $work/stub-env)
 fi
+
+# serve CONFIG REPOSITORY LOG: `tokenrouter serve` in the background (its pid in server_pid); returns 0 once
+# ready, 1 when it exited or was not ready within 300 s. stop_server: stop it and the MPS daemon it started.
+serve() {
+  python3 -m tokenrouter.cli serve --config "$1" --model-repository "$2" "${envflag[@]}" > "$3" 2>&1 &
+  server_pid=$!
+  for _ in $(seq 1 300); do
+    curl -sf localhost:8000/v2/health/ready > /dev/null && return 0
+    kill -0 $server_pid 2> /dev/null || return 1
+    sleep 1
+  done
+  return 1
+}
+stop_server() {
+  kill -INT $server_pid 2> /dev/null; wait $server_pid
+  echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
+  for _ in $(seq 1 40); do pgrep -f nvidia-cuda-mps > /dev/null || break; sleep 1; done
+}

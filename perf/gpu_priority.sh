@@ -37,15 +37,7 @@ source perf/gpu_env.sh  # (also: work, res, step)
 for tag in ${TAGS:-normal high}; do
   c=$cfg; [ $tag = high ] && c=$high
   step "serve, small model's stream $tag"
-  python3 -m tokenrouter.cli serve --config "$c" --model-repository $work/repo_$tag "${envflag[@]}" \
-    > $res/serve_$tag.log 2>&1 &
-  pid=$!
-  for _ in $(seq 1 300); do
-    curl -sf localhost:8000/v2/health/ready > /dev/null && break
-    kill -0 $pid 2> /dev/null || break
-    sleep 1
-  done
-  if curl -sf localhost:8000/v2/health/ready > /dev/null; then
+  if serve "$c" $work/repo_$tag $res/serve_$tag.log; then
     step "$tag ready"
     for point in "8 3" "16 2"; do
       set -- $point
@@ -55,8 +47,6 @@ for tag in ${TAGS:-normal high}; do
   else
     step "$tag: server not ready"; tail -30 $res/serve_$tag.log
   fi
-  kill -INT $pid 2> /dev/null; wait $pid
-  echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
-  for _ in $(seq 1 40); do pgrep -f nvidia-cuda-mps > /dev/null || break; sleep 1; done
+  stop_server
 done
 step "done"

@@ -1,0 +1,302 @@
+"""Two models stepping at once on one GPU: how much each slows the other, and what partitions the SMs better.
+
+Served, the 0.6B's step takes 3.4-3.6 ms beside the 32B's against 1.44 ms alone
+(perf/results/timeline_h200_2026-12-02): its ~200 short kernels wait for SMs the 32B's matmuls hold. This
+replays each model's captured step (dummy weights, real shapes) alone and side by side, under the ways of
+sharing the SMs that a deployment can choose:
+
+- in one process (the in-process engine): `plain` (two streams), `small_high` (the small model's stream at high
+  priority), `small_cublas` (the small model without skinny matmuls: more, shorter kernels), `carveout<K>` (the
+  large model's cuBLAS matmuls captured with K SMs left out: torch's SM carve-out);
+- in two processes under CUDA MPS (the served deployment: one process per model): `mps<P>`, the large model's
+  process limited to P % of the SMs (`models.*.sm_percent`: serving/mps.limit_sms, as a served subserver sets
+  it), the small model's unlimited.
+
+Per variant: each model's step alone and beside the other (GPU time per step, median), the slowdowns, and the
+work the two do together in units of "one model alone" (1.0 = taking turns gains nothing; 2.0 = no
+interference). Also whether the large model's outputs stayed finite.
+
+    python perf/bench_corun.py --variants plain,small_high,carveout16 --out corun.json
+    python perf/bench_corun.py --mps 100,80,60 --out corun_mps.json    # starts the MPS daemon itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "backends"))
+sys.path.insert(0, str(ROOT / "perf"))
+
+KV_TOKENS = {"qwen3-0.6b": 50_000, "qwen3-8b": 50_000, "qwen3-32b": 50_000}
+
+
+def build(name: str, skinny: bool = True, priority: str = "normal"):
+    """A runner with dummy weights and its graphs captured, and its block manager."""
+    from tokenrouter.config import ModelConfig
+    from tokenrouter.engine.block_manager import BlockManager
+    from tokenrouter.runner.model_runner import ModelRunner
+
+    cfg = ModelConfig(name=name, path=str(ROOT / "perf" / "models" / name), dtype="bfloat16", device="cuda:0",
+                      load_format="dummy", kv_cache_tokens=KV_TOKENS[name], max_model_len=4096,
+                      skinny_gemm=skinny, stream_priority=priority,
+                      cuda_graph_max_batch=16, cuda_graph_max_tokens=32)  # what the cases need: quick captures
+    runner = ModelRunner(cfg, default_kv_tokens=KV_TOKENS[name])
+    runner.setup_step(None)
+    return runner, BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
+
+
+class Step:
+    """One captured step of `runner`: `batch` sequences of `context` cached tokens running `new` more each,
+    its inputs filled once; replay() launches it on the runner's stream."""
+
+    def __init__(self, runner, bm, batch: int, context: int, new: int) -> None:
+        from bench_runner import make_chunks
+
+        self.runner = runner
+        chunks = make_chunks(bm, batch, context, new, runner.arch.vocab_size)
+        shape = runner.graphs.fits(chunks)
+        if shape is None or shape not in runner.graphs.graphs:
+            raise SystemExit(f"no captured graph for {batch} x {new} tokens on {runner.cfg.name}")
+        runner.graphs.inputs.fill(chunks, shape, runner.block_size)
+        self.shape, self.graph, self.out = shape, runner.graphs.graphs[shape], runner.graphs.outputs[shape]
+
+    def replay(self) -> None:
+        import torch
+
+        with torch.cuda.stream(self.runner.stream):
+            self.graph.replay()
+
+    def finite(self) -> bool:
+        return bool(self.out.logits.float().isfinite().all())
+
+
+def timed(step: Step, n: int) -> list:
+    """Launch `n` replays back to back on the step's stream, an event before, between and after them."""
+    import torch
+
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+    with torch.cuda.stream(step.runner.stream):
+        events[0].record()
+        for i in range(n):
+            step.graph.replay()
+            events[i + 1].record()
+    return events
+
+
+def alone(step: Step, n: int = 30) -> float:
+    """Median ms of one replay with nothing else on the GPU."""
+    import torch
+
+    timed(step, 3)
+    torch.cuda.synchronize()
+    ev = timed(step, n)
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in zip(ev, ev[1:]))
+
+
+def side_by_side(small: Step, large: Step, n_large: int = 30) -> dict:
+    """Both streams loaded at once: `n_large` large steps, and enough small steps to outlast them. Returns the
+    median ms of the small steps that ran wholly inside the large model's window, and the large steps' mean."""
+    import torch
+
+    t_small, t_large = alone(small), alone(large)
+    n_small = math.ceil(n_large * t_large / t_small) + 10
+    torch.cuda.synchronize()
+    lev = timed(large, n_large)
+    sev = timed(small, n_small)
+    torch.cuda.synchronize()
+    start, end = lev[0], lev[-1]
+    inside = [a.elapsed_time(b) for a, b in zip(sev, sev[1:])
+              if start.elapsed_time(a) >= 0 and b.elapsed_time(end) >= 0]
+    large_ms = start.elapsed_time(end) / n_large
+    covered = start.elapsed_time(sev[-1]) >= start.elapsed_time(end)  # the small loop outlasted the large one
+    return result(t_small, statistics.median(inside) if inside else float("nan"), t_large, large_ms,
+                  small_steps=len(inside), covered=covered, large_finite=large.finite())
+
+
+def result(small_alone: float, small_beside: float, large_alone: float, large_beside: float, **extra) -> dict:
+    return {"small_alone_ms": small_alone, "small_beside_ms": small_beside,
+            "small_slowdown": small_beside / small_alone,
+            "large_alone_ms": large_alone, "large_beside_ms": large_beside,
+            "large_slowdown": large_beside / large_alone,
+            "work_together": small_alone / small_beside + large_alone / large_beside, **extra}
+
+
+def run_inprocess(args) -> dict:
+    import torch
+
+    out = {}
+    large_runner, large_bm = build(args.large)
+    small_runner, small_bm = build(args.small)
+    large = Step(large_runner, large_bm, args.large_batch, args.context, args.large_new)
+    small = Step(small_runner, small_bm, args.small_batch, args.context, 1)
+    for variant in args.variants.split(","):
+        try:
+            if variant == "plain":
+                out[variant] = side_by_side(small, large)
+            elif variant in ("small_high", "small_cublas"):
+                runner, bm = build(args.small, skinny=variant != "small_cublas",
+                                   priority="high" if variant == "small_high" else "normal")
+                out[variant] = side_by_side(Step(runner, bm, args.small_batch, args.context, 1), large)
+                del runner, bm
+            elif variant.startswith("carveout"):
+                # Recapture the large model's graphs with its cuBLAS matmuls told to leave K SMs out.
+                torch._C._set_sm_carveout_experimental(int(variant.removeprefix("carveout")))
+                large_runner.graphs = None
+                large_runner.setup_step(None)
+                _carveout_off()
+                carved = Step(large_runner, large_bm, args.large_batch, args.context, args.large_new)
+                out[variant] = side_by_side(small, carved)
+            else:
+                raise SystemExit(f"unknown variant {variant!r}")
+        except Exception as exc:  # a variant this torch or GPU does not support: say so, go on
+            out[variant] = {"error": f"{type(exc).__name__}: {exc}"}
+        report(variant, out[variant])
+    return out
+
+
+def _carveout_off() -> None:
+    import torch
+
+    try:
+        torch._C._set_sm_carveout_experimental(None)
+    except TypeError:  # a torch whose setter takes only an int
+        torch._C._set_sm_carveout_experimental(0)
+
+
+def report(variant: str, r: dict) -> None:
+    if "error" in r:
+        print(f"{variant}: {r['error']}", flush=True)
+        return
+    print(f"{variant}: small {r['small_alone_ms']:.2f} -> {r['small_beside_ms']:.2f} ms ({r['small_slowdown']:.2f}x), "
+          f"large {r['large_alone_ms']:.2f} -> {r['large_beside_ms']:.2f} ms ({r['large_slowdown']:.2f}x), "
+          f"together {r['work_together']:.2f}, large outputs finite: {r.get('large_finite')}", flush=True)
+
+
+# Two processes under MPS: this process orchestrates (it never touches CUDA, so that both workers are MPS clients
+# of the daemon it starts); the small worker measures, a large worker per percentage loops its step.
+
+def large_worker(args) -> None:
+    """Capture the large step, print 'ready', then on 'go' replay it for --seconds and print the median ms of
+    the steps in the middle half of that window (the small worker steps through all of it but its edges)."""
+    import torch
+
+    from tokenrouter.serving import mps
+
+    if args.percent is not None:
+        mps.limit_sms(args.percent)  # in the process, as a served subserver does
+    runner, bm = build(args.large)
+    step = Step(runner, bm, args.large_batch, args.context, args.large_new)
+    t_alone = alone(step)
+    print(json.dumps({"ready": True, "alone_ms": t_alone,
+                      "sms_seen": torch.cuda.get_device_properties(0).multi_processor_count}), flush=True)
+    sys.stdin.readline()
+    times, t0 = [], time.perf_counter()
+    while (now := time.perf_counter() - t0) < args.seconds:
+        ev = timed(step, 2)
+        torch.cuda.synchronize()
+        if args.seconds / 4 <= now <= 3 * args.seconds / 4:
+            times += [a.elapsed_time(b) for a, b in zip(ev, ev[1:])]
+    print(json.dumps({"beside_ms": statistics.median(times), "finite": step.finite()}), flush=True)
+
+
+def small_worker(args) -> dict:
+    """Measure the small step alone, then beside a large worker at each MPS percentage."""
+    runner, bm = build(args.small)
+    small = Step(runner, bm, args.small_batch, args.context, 1)
+    out = {}
+    for pct in args.mps.split(","):
+        cmd = [sys.executable, __file__, "--role", "large", "--large", args.large, "--large-batch",
+               str(args.large_batch), "--large-new", str(args.large_new), "--context", str(args.context),
+               "--seconds", str(args.seconds), "--percent", pct]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            ready = _json_line(proc)
+            if ready is None:
+                raise RuntimeError(f"large worker at {pct} % exited ({proc.wait()}) before it was ready")
+            t_small = alone(small)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            time.sleep(args.seconds / 10)
+            beside = []
+            t_end = time.perf_counter() + 0.8 * args.seconds
+            while time.perf_counter() < t_end:
+                beside.append(alone(small, n=10))
+            done = _json_line(proc)
+            if done is None:
+                raise RuntimeError(f"large worker at {pct} % exited ({proc.wait()}) while stepping")
+            out[f"mps{pct}"] = result(t_small, statistics.median(beside), ready["alone_ms"], done["beside_ms"],
+                                      large_finite=done["finite"], large_sms_seen=ready["sms_seen"])
+        except Exception as exc:
+            out[f"mps{pct}"] = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            proc.kill()
+            proc.wait()
+        report(f"mps{pct}", out[f"mps{pct}"])
+    return out
+
+
+def _json_line(proc) -> dict | None:
+    for line in proc.stdout:
+        line = line.strip()
+        if line.startswith("{"):
+            return json.loads(line)
+    return None
+
+
+def run_mps(args) -> dict:
+    from tokenrouter.serving import mps
+
+    started = not mps.running()
+    if started:
+        mps.start()
+    try:
+        cmd = [sys.executable, __file__, "--role", "small", "--small", args.small, "--large", args.large,
+               "--small-batch", str(args.small_batch), "--large-batch", str(args.large_batch), "--large-new",
+               str(args.large_new), "--context", str(args.context), "--mps", args.mps, "--seconds", str(args.seconds)]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        print(proc.stdout, end="")
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        return json.loads(lines[-1].removeprefix("RESULT ")) if lines else {"error": f"small worker {proc.returncode}"}
+    finally:
+        if started:
+            mps.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", default="qwen3-0.6b")
+    ap.add_argument("--large", default="qwen3-32b")
+    ap.add_argument("--small-batch", type=int, default=4, help="the small model's decode batch (served C=8: ~3)")
+    ap.add_argument("--large-batch", type=int, default=4, help="the large model's batch (served C=8: ~3.4)")
+    ap.add_argument("--large-new", type=int, default=8, help="tokens per large row: the extend a handoff brings")
+    ap.add_argument("--context", type=int, default=512, help="cached tokens per sequence")
+    ap.add_argument("--variants", default="plain,small_high,small_cublas,carveout8,carveout16,carveout32")
+    ap.add_argument("--mps", default="", help="comma-separated MPS percentages for the large model's process")
+    ap.add_argument("--seconds", type=float, default=4.0, help="(MPS) how long the large worker steps")
+    ap.add_argument("--role", choices=["small", "large"], help=argparse.SUPPRESS)
+    ap.add_argument("--percent", type=int, help=argparse.SUPPRESS)  # the large worker's SM share
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.role == "large":
+        large_worker(args)
+        return
+    if args.role == "small":
+        print("RESULT " + json.dumps(small_worker(args)), flush=True)
+        return
+    results = run_mps(args) if args.mps else run_inprocess(args)
+    record = {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "results": results}
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
