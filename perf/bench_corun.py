@@ -9,8 +9,9 @@ sharing the SMs that a deployment can choose:
   priority), `small_cublas` (the small model without skinny matmuls: more, shorter kernels), `carveout<K>` (the
   large model's cuBLAS matmuls captured with K SMs left out: torch's SM carve-out);
 - in two processes under CUDA MPS (the served deployment: one process per model): `mps<P>`, the large model's
-  process limited to P % of the SMs (`models.*.sm_percent`: serving/mps.limit_sms, as a served subserver sets
-  it), the small model's unlimited.
+  process limited to P % of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), the small model's unlimited. Caution:
+  on the H200 with torch 2.11 a limited process's cuBLAS matmuls returned NaN from finite inputs at some
+  shares (perf/results/sm_share_h200_2026-12-02); the check of the large model's outputs is there for that.
 
 Per variant: each model's step alone and beside the other (GPU time per step, median), the slowdowns, and the
 work the two do together in units of "one model alone" (1.0 = taking turns gains nothing; 2.0 = no
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -189,10 +191,6 @@ def large_worker(args) -> None:
     the steps in the middle half of that window (the small worker steps through all of it but its edges)."""
     import torch
 
-    from tokenrouter.serving import mps
-
-    if args.percent is not None:
-        mps.limit_sms(args.percent)  # in the process, as a served subserver does
     runner, bm = build(args.large)
     step = Step(runner, bm, args.large_batch, args.context, args.large_new)
     t_alone = alone(step)
@@ -216,8 +214,9 @@ def small_worker(args) -> dict:
     for pct in args.mps.split(","):
         cmd = [sys.executable, __file__, "--role", "large", "--large", args.large, "--large-batch",
                str(args.large_batch), "--large-new", str(args.large_new), "--context", str(args.context),
-               "--seconds", str(args.seconds), "--percent", pct]
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+               "--seconds", str(args.seconds)]
+        env = dict(os.environ, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=pct)  # read when the worker's CUDA starts
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             ready = _json_line(proc)
             if ready is None:
@@ -283,7 +282,6 @@ def main() -> None:
     ap.add_argument("--mps", default="", help="comma-separated MPS percentages for the large model's process")
     ap.add_argument("--seconds", type=float, default=4.0, help="(MPS) how long the large worker steps")
     ap.add_argument("--role", choices=["small", "large"], help=argparse.SUPPRESS)
-    ap.add_argument("--percent", type=int, help=argparse.SUPPRESS)  # the large worker's SM share
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.role == "large":

@@ -97,12 +97,6 @@ class ModelConfig:
     # its SMs: `high` lets the model whose short steps everything waits on (the small model that routes every
     # token) get SMs as soon as they free up, rather than queue behind the large model's long matmuls.
     stream_priority: Literal["normal", "high"] = "normal"
-    # Models sharing a GPU under CUDA MPS (the served deployment: a process per model): the percentage of the
-    # GPU's SMs this model's kernels may occupy (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of its process). The large
-    # model's long matmuls otherwise hold every SM, and each of the small model's short kernels waits for one
-    # to free up; the large model, bound by memory bandwidth, barely slows with fewer SMs
-    # (perf/bench_corun.py). Unset: no limit. Only where the model has a process of its own (served).
-    sm_percent: int | None = _spec(None, ge=1, le=100, accepts="an integer percentage, 1 to 100")
     # Before the model reports ready, run throwaway batches through it (prefills, extends, mixed and sampled
     # batches, a chunked prompt) so that no request pays for a kernel compile (engine/warmup.py). GPU only.
     warmup: bool = True
@@ -129,9 +123,6 @@ class ModelConfig:
             raise ConfigError(f"{where}.path: model directory {self.path!r} does not exist")
         if not os.path.isfile(os.path.join(self.path, "config.json")):
             raise ConfigError(f"{where}.path: {self.path!r} has no config.json")
-        if self.sm_percent is not None and self.gpu is None:
-            raise ConfigError(f"{where}.sm_percent limits the model's share of a GPU's SMs: it needs device cuda:N, "
-                              f"got {self.device!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ConfigError(
                 f"{where}.kv_cache_tokens must hold at least one block ({self.block_size}), got {self.kv_cache_tokens}"

@@ -43,10 +43,6 @@ class Engine(Coordinator):
         if remote:
             raise ValueError(f"models {remote} are served by peer servers (url): only the Triton deployment "
                              "reaches those; the in-process Engine loads every model itself")
-        limited = [n for n, m in config.models.items() if m.sm_percent is not None]
-        if limited:  # one process holds every model here: no per-model MPS client to limit
-            log.warning("models %s: sm_percent applies where a model has a process of its own (the Triton "
-                        "deployment, under MPS); the in-process engine runs them unlimited", limited)
         tokenizer = load_tokenizer(config.tokenizer_path)
         vocab_size = shared_vocab_size(config)  # before any weights load: a mismatch fails at once
         self._threads: list[threading.Thread] = []

@@ -78,20 +78,3 @@ def stop(timeout: float = 30.0) -> bool:
     except subprocess.TimeoutExpired:
         return False
     return not running()
-
-
-THREAD_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
-
-
-def limit_sms(percent: int) -> None:
-    """Let this process's kernels occupy at most `percent` % of the GPU's SMs (an MPS client's active thread
-    percentage). The driver reads it when the process's CUDA context is created, so it must come first:
-    RuntimeError once this process has initialized CUDA. Without an MPS daemon the limit has no effect."""
-    import torch
-
-    if torch.cuda.is_initialized():
-        raise RuntimeError(
-            f"sm_percent {percent}: this process initialized CUDA already, so its SM share can no longer be limited "
-            f"(set {THREAD_PERCENTAGE} in its environment before it starts instead)"
-        )
-    os.environ[THREAD_PERCENTAGE] = str(percent)

@@ -20,7 +20,6 @@ import numpy as np
 from tokenrouter.config import load_config
 from tokenrouter.engine.subserver import Subserver
 from tokenrouter.engine.timeline import Timeline
-from tokenrouter.serving import mps
 from tokenrouter.serving.metrics import SubserverMetrics
 from tokenrouter.serving.tensors import ROLE_PARAMETER, role_of
 from tokenrouter.tokenizer import load_tokenizer
@@ -57,9 +56,6 @@ class SubserverModel:
         mcfg = config.models[name]
         if args.get("model_instance_kind") == "GPU":
             mcfg.device = f"cuda:{args['model_instance_device_id']}"
-        if mcfg.sm_percent is not None:  # before the runner creates this process's CUDA context
-            mps.limit_sms(mcfg.sm_percent)
-            pb_utils.Logger.log_info(f"model {name!r}: at most {mcfg.sm_percent} % of the GPU's SMs (under MPS)")
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self.sub = Subserver.from_config(config, name, self._events.put, load_tokenizer(config.tokenizer_path))
         if self.sub.warmup_s is not None:

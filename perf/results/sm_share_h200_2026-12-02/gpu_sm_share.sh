@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Kept with its results: it ran at commit 6e23f8e, whose models.*.sm_percent was removed after this run; see README.)
 # Does limiting the large model's share of the SMs help the served deployment? Serves CONFIG with every model
 # but the entry (small) one at each `models.*.sm_percent` of PERCENTS (100: no limit) and runs
 # perf/bench_served.py at each point of POINTS (C:REPEATS, space-separated), side by side in one device call.
