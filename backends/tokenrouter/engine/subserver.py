@@ -25,7 +25,7 @@ from tokenrouter.engine.sequence import SeqStatus, Sequence
 from tokenrouter.engine.step_stats import StepStats
 from tokenrouter.engine.stop import StopChecker
 from tokenrouter.engine.timeline import Timeline
-from tokenrouter.engine.warmup import warm_up
+from tokenrouter.engine.warmup import NonFiniteLogits, warm_up
 from tokenrouter.routing.policy import Policy, RouteRequest, StepResult, make_policy, resolve, step_hook
 from tokenrouter.runner.arch import ArchConfig, declared_context_limit
 from tokenrouter.runner.forward_batch import ScheduledChunk
@@ -34,6 +34,9 @@ from tokenrouter.runner.sampler import sample
 from tokenrouter.transport.messages import Append, Arrive, Commit, Event, Failed, Handoff, Release, Released
 
 log = logging.getLogger(__name__)
+
+NON_FINITE_ERROR = ("model {model!r} produced non-finite logits (NaN or inf) for this request, so no token could be "
+                    "chosen; the model or the GPU is faulty (the server log names the request)")
 
 
 def to_host(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -114,6 +117,8 @@ class Subserver:
         if config.models[name].warmup and sub.runner.device.type == "cuda":
             try:  # before anything is served: no request pays for a kernel compile
                 sub.warmup_s = warm_up(sub)
+            except NonFiniteLogits as e:
+                raise RuntimeError(f"model {name!r} failed its warm-up: {e}") from e
             except Exception as e:
                 if "CUDA error" in str(e):  # the device context is lost: serving on would fail every request
                     raise RuntimeError(f"model {name!r}: the GPU failed during the warm-up, before serving: {e}") from e
@@ -242,13 +247,13 @@ class Subserver:
         with self.runner.stream_context():
             out = self.runner.forward(chunks)
             launched = time.monotonic() if timeline is not None else 0.0
-            tokens_dev, tokens, values = self._sample(out, sampling)
+            tokens_dev, tokens, values, finite = self._sample(out, sampling)
         forward_end = time.monotonic() if timeline is not None else 0.0
         for c in chunks:
             c.seq.num_computed_tokens += c.num_new_tokens
             self.block_manager.register_full_blocks(c.seq)
         if sampling:
-            self._route_and_commit(sampling, out, tokens_dev, tokens, values)
+            self._route_and_commit(sampling, out, tokens_dev, tokens, values, finite)
         self.num_steps += 1
         self.last_batch_size = len(chunks)
         self.stats.record_step(len(chunks), time.perf_counter() - t0)
@@ -275,35 +280,46 @@ class Subserver:
                 c.seq.ready_since = None
         return first_ready, last_ready, 0.0 if first_ready is None else now - first_ready
 
-    def _sample(self, out: ForwardOutput, sampling: list[Sequence]) -> tuple[torch.Tensor, Any, Any]:
-        """The sampled tokens on the device, and the tokens and the policy's values on the host (None, None
-        when no row samples). The forward pass chose greedy tokens and computed the values on them; rows that
-        sample otherwise are drawn here and their values recomputed."""
+    def _sample(self, out: ForwardOutput, sampling: list[Sequence]) -> tuple[torch.Tensor, Any, Any, Any]:
+        """The sampled tokens on the device; the tokens, the policy's values and whether each row's logits were
+        finite, on the host (None each when no row samples). The forward pass chose greedy tokens and computed
+        the values on them; rows that sample otherwise are drawn here and their values recomputed.
+
+        A row whose logits are not all finite (a broken weight, a faulty kernel or library) must neither commit
+        argmax(NaN) as if it were a token nor reach the sampler, whose device-side assert would end the process
+        and every request in it: it samples from zeros here and its request fails alone (`_route_and_commit`)."""
         tokens_dev, values_dev = out.greedy, out.step_values
         if not sampling:
-            return tokens_dev, None, None
+            return tokens_dev, None, None, None
+        finite_dev = out.logits.isfinite().all(dim=-1)
         if not all(s.params.greedy for s in sampling):
-            tokens_dev = sample(out.logits, [s.params for s in sampling], [s.generator for s in sampling])
-            values_dev = self._step_values(out.logits, out.hidden, tokens_dev)
+            logits = torch.where(finite_dev[:, None], out.logits, 0.0)
+            tokens_dev = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+            values_dev = self._step_values(logits, out.hidden, tokens_dev)
         if self._route_in_step:
-            # The step's one host synchronization: its tokens and the policy's values together.
-            tokens, values = to_host(tokens_dev, values_dev)
+            # The step's one host synchronization: its tokens, the policy's values and the finiteness together.
+            tokens, values, finite = to_host(tokens_dev, values_dev, finite_dev)
         else:
             # The step ends with its tokens on the host; the policy's work follows, synchronized on its own.
-            (tokens,) = to_host(tokens_dev)
+            tokens, finite = to_host(tokens_dev, finite_dev)
             (values,) = to_host(self._step_values(out.logits, out.hidden, tokens_dev))
-        return tokens_dev, tokens, values
+        return tokens_dev, tokens, values, finite
 
     def _route_and_commit(self, sampling: list[Sequence], out: ForwardOutput, tokens_dev: torch.Tensor,
-                          tokens: torch.Tensor, values: torch.Tensor | None) -> None:
-        """The policy decides for every sampling row at once; then each row commits, stays or hands off."""
+                          tokens: torch.Tensor, values: torch.Tensor | None, finite: torch.Tensor) -> None:
+        """The policy decides for every sampling row at once; then each row commits, stays or hands off, or
+        fails when its logits were not finite."""
         views = [self._route_view(s) for s in sampling]
         embed = self.runner.model.model.embed_tokens
         result = StepResult(out.logits, out.hidden, tokens_dev, embed, step_values=values)
         with self.runner.stream_context():  # device work a policy does in route() stays on this model's stream
             targets = self._route(views, result)
-        for seq, view, tok, target in zip(sampling, views, tokens.tolist(), targets):
-            self._postprocess(seq, view, tok, target)
+        for seq, view, tok, target, ok in zip(sampling, views, tokens.tolist(), targets, finite.tolist()):
+            if ok:
+                self._postprocess(seq, view, tok, target)
+            else:
+                log.error("%s: non-finite logits for request %s", self.name, seq.request_id)
+                self._fail_request(seq.request_id, NON_FINITE_ERROR.format(model=self.name))
         done = time.monotonic()  # one clock read per step: when these requests became ready again
         for seq in sampling:
             seq.ready_since = done

@@ -116,15 +116,22 @@ def _step(sub: Subserver, precompile: bool = False) -> bool:
     sampling = [c.seq for c in chunks if c.samples]
     with sub.runner.stream_context():
         out = sub.runner.forward(chunks)
-        _, tokens, _ = sub._sample(out, sampling)
+        _, tokens, _, finite = sub._sample(out, sampling)
     for c in chunks:  # (blocks are not registered for prefix caching: no later request should match them)
         c.seq.num_computed_tokens += c.num_new_tokens
+    if sampling and not bool(finite.all()):  # a model that cannot compute must not report ready
+        raise NonFiniteLogits(f"{sub.name}: non-finite logits in the warm-up (rows of "
+                              f"{[c.num_new_tokens for c in chunks]} new tokens): the model or the GPU is faulty")
     if sampling:
         for seq, tok in zip(sampling, tokens.tolist()):
             seq.token_ids.append(tok)
             if seq.num_tokens >= sub.runner.max_model_len - 1:  # no room for another position
                 sub.scheduler.finish(seq)
     return True
+
+
+class NonFiniteLogits(RuntimeError):
+    """The warm-up met logits that are not finite: the model is not fit to serve."""
 
 
 def _finish(sub: Subserver, seqs: list[Sequence]) -> None:
