@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from test_stepped_finals import assert_all_free, engine_for
+from test_stepped_finals import REPO, assert_all_free, engine_for
 from tokenrouter.engine.engine import Engine
 from tokenrouter.sampling_params import SamplingParams
 
@@ -68,3 +69,20 @@ def test_a_warm_up_with_non_finite_logits_refuses_the_model(tiny_dir: Path) -> N
     with pytest.raises(NonFiniteLogits, match="small: non-finite logits in the warm-up"):
         warm_up(sub)
     assert sub.block_manager.num_free_blocks == sub.block_manager.num_blocks and not sub.scheduler.num_ready
+
+
+def test_a_request_with_non_finite_logits_leaves_nothing_in_the_prefix_cache(tiny_dir: Path) -> None:
+    """Its KV is suspect: a later prompt with the same prefix must compute its own, not inherit the fault."""
+    cfg = yaml.safe_load((REPO / "config" / "random" / "tiny-small_tiny-large.yaml").read_text())
+    for name, m in cfg["models"].items():
+        m.update(path=str(tiny_dir / name), kv_cache_tokens=1024, block_size=2)  # [5, 6] fills a block
+    engine = Engine.from_config(cfg)
+    bm = engine.subservers["small"].block_manager
+    params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    engine.generate([[5, 6, 8]], params)
+    assert bm.match_prefix([5, 6, 9]), "a clean request's full block is cached (the premise)"
+    poison(engine)
+    (bad,) = engine.generate([[1, 2, POISON]], params)
+    assert bad.finish_reason == "error"
+    assert bm.match_prefix([1, 2, 9]) == [] and bm.match_prefix([5, 6, 9])
+    bm.check_integrity([])

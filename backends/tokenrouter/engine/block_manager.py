@@ -95,6 +95,17 @@ class BlockManager:
             seq.last_block_hash = h
             seq.num_hashed_blocks += 1
 
+    def uncache(self, seq: Sequence) -> None:
+        """Withdraw `seq`'s blocks from the prefix cache: their KV is suspect (its model computed NaN for it), so a
+        later prompt with the same prefix computes its own instead of inheriting the fault."""
+        for b in seq.block_table:
+            h = self.block_hashes[b]
+            if h is not None:
+                if self.hash_to_block.get(h) == b:
+                    del self.hash_to_block[h]
+                self.block_hashes[b] = None
+                self.block_tokens[b] = None
+
     # -- allocation ---------------------------------------------------------------------------------
 
     def ensure(self, seq: Sequence, num_tokens: int) -> bool:

@@ -319,6 +319,7 @@ class Subserver:
                 self._postprocess(seq, view, tok, target)
             else:
                 log.error("%s: non-finite logits for request %s", self.name, seq.request_id)
+                self.block_manager.uncache(seq)
                 self._fail_request(seq.request_id, NON_FINITE_ERROR.format(model=self.name))
         done = time.monotonic()  # one clock read per step: when these requests became ready again
         for seq in sampling:
