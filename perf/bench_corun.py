@@ -15,7 +15,8 @@ sharing the SMs that a deployment can choose:
 
 Per variant: each model's step alone and beside the other (GPU time per step, median), the slowdowns, and the
 work the two do together in units of "one model alone" (1.0 = taking turns gains nothing; 2.0 = no
-interference). Also whether the large model's outputs stayed finite.
+interference). Also whether the large model's outputs were finite: after every step in the MPS workers, after the
+last one in one process.
 
     python perf/bench_corun.py --variants plain,small_high,carveout16 --out corun.json
     python perf/bench_corun.py --mps 100,80,60 --out corun_mps.json    # starts the MPS daemon itself
@@ -140,7 +141,8 @@ def run_inprocess(args) -> dict:
     small_runner, small_bm = build(args.small)
     large = Step(large_runner, large_bm, args.large_batch, args.context, args.large_new)
     small = Step(small_runner, small_bm, args.small_batch, args.context, 1)
-    for variant in args.variants.split(","):
+    # Carve-outs recapture the large model's graphs, which the earlier variants' step replays: they go last.
+    for variant in sorted(args.variants.split(","), key=lambda v: v.startswith("carveout")):
         try:
             if variant == "plain":
                 out[variant] = side_by_side(small, large)
@@ -152,9 +154,11 @@ def run_inprocess(args) -> dict:
             elif variant.startswith("carveout"):
                 # Recapture the large model's graphs with its cuBLAS matmuls told to leave K SMs out.
                 torch._C._set_sm_carveout_experimental(int(variant.removeprefix("carveout")))
-                large_runner.graphs = None
-                large_runner.setup_step(None)
-                _carveout_off()
+                try:
+                    large_runner.graphs = None
+                    large_runner.setup_step(None)
+                finally:
+                    _carveout_off()
                 carved = Step(large_runner, large_bm, args.large_batch, args.context, args.large_new)
                 out[variant] = side_by_side(small, carved)
             else:
@@ -197,13 +201,14 @@ def large_worker(args) -> None:
     print(json.dumps({"ready": True, "alone_ms": t_alone,
                       "sms_seen": torch.cuda.get_device_properties(0).multi_processor_count}), flush=True)
     sys.stdin.readline()
-    times, t0 = [], time.perf_counter()
+    times, finite, t0 = [], True, time.perf_counter()
     while (now := time.perf_counter() - t0) < args.seconds:
-        ev = timed(step, 2)
+        ev = timed(step, 1)
         torch.cuda.synchronize()
+        finite &= step.finite()  # every step, outside its events (a fault under an SM limit came and went)
         if args.seconds / 4 <= now <= 3 * args.seconds / 4:
             times += [a.elapsed_time(b) for a, b in zip(ev, ev[1:])]
-    print(json.dumps({"beside_ms": statistics.median(times), "finite": step.finite()}), flush=True)
+    print(json.dumps({"beside_ms": statistics.median(times), "finite": finite}), flush=True)
 
 
 def small_worker(args) -> dict:

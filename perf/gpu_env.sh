@@ -2,7 +2,8 @@
 # BUNDLE (perf/make_gpu_bundle.sh) carries, puts this checkout on the image Python's path, builds the
 # benchmark tokenizer, and, when the image has numpy 2, a stub environment with numpy<2 for the Triton stubs
 # (Triton 2.51's Python backend corrupts string tensors with numpy 2). Sets: tr (the unpacked bundle),
-# TRITONSERVER_ROOT, and envflag (the --execution-env arguments for the stubs, empty when not needed).
+# TRITONSERVER_ROOT, envflag (the --execution-env arguments for the stubs, empty when not needed), and the
+# functions serve / stop_server (below).
 # Needs: out (the results folder), archive (the results archive's file name there) and bundle; sets up work,
 # res and step for the caller too (perf/gpu_results.sh).
 source perf/gpu_results.sh
@@ -40,7 +41,8 @@ if [ "$(python3 -c 'import numpy; print(numpy.__version__.split(".")[0])')" -ge 
 fi
 
 # serve CONFIG REPOSITORY LOG: `tokenrouter serve` in the background (its pid in server_pid); returns 0 once
-# ready, 1 when it exited or was not ready within 300 s. stop_server: stop it and the MPS daemon it started.
+# ready, 1 when it exited or was not ready within 300 s. stop_server (after serve): stop that server (it quits
+# the MPS daemon it started), then quit any MPS daemon still running, so that the next serve starts a fresh one.
 serve() {
   python3 -m tokenrouter.cli serve --config "$1" --model-repository "$2" "${envflag[@]}" > "$3" 2>&1 &
   server_pid=$!

@@ -115,15 +115,22 @@ class Subserver:
         )
         sub.stop.max_model_len = min(sub.stop.max_model_len, sub.runner.max_model_len)
         if config.models[name].warmup and sub.runner.device.type == "cuda":
-            try:  # before anything is served: no request pays for a kernel compile
-                sub.warmup_s = warm_up(sub)
-            except NonFiniteLogits as e:
-                raise RuntimeError(f"model {name!r} failed its warm-up: {e}") from e
-            except Exception as e:
-                if "CUDA error" in str(e):  # the device context is lost: serving on would fail every request
-                    raise RuntimeError(f"model {name!r}: the GPU failed during the warm-up, before serving: {e}") from e
-                log.exception("%s: warm-up failed; serving without it (first requests may compile kernels)", name)
+            sub.warm_up_or_refuse()  # before anything is served: no request pays for a kernel compile
         return sub
+
+    def warm_up_or_refuse(self) -> None:
+        """Warm up (engine/warmup.py); RuntimeError when the model must not serve: it computed NaN, or the GPU
+        failed. Any other failure only costs the warm-up: serving goes on without it."""
+        try:
+            self.warmup_s = warm_up(self)
+        except NonFiniteLogits as e:
+            raise RuntimeError(f"model {self.name!r} failed its warm-up: {e}") from e
+        except Exception as e:
+            if "CUDA error" in str(e):  # the device context is lost: serving on would fail every request
+                raise RuntimeError(
+                    f"model {self.name!r}: the GPU failed during the warm-up, before serving: {e}"
+                ) from e
+            log.exception("%s: warm-up failed; serving without it (first requests may compile kernels)", self.name)
 
     # -- messages in ------------------------------------------------------------------------------------
 
@@ -292,8 +299,9 @@ class Subserver:
         if not sampling:
             return tokens_dev, None, None, None
         finite_dev = out.logits.isfinite().all(dim=-1)
+        logits = out.logits
         if not all(s.params.greedy for s in sampling):
-            logits = torch.where(finite_dev[:, None], out.logits, 0.0)
+            logits = torch.where(finite_dev[:, None], logits, 0.0)
             tokens_dev = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
             values_dev = self._step_values(logits, out.hidden, tokens_dev)
         if self._route_in_step:
@@ -302,7 +310,7 @@ class Subserver:
         else:
             # The step ends with its tokens on the host; the policy's work follows, synchronized on its own.
             tokens, finite = to_host(tokens_dev, finite_dev)
-            (values,) = to_host(self._step_values(out.logits, out.hidden, tokens_dev))
+            (values,) = to_host(self._step_values(logits, out.hidden, tokens_dev))
         return tokens_dev, tokens, values, finite
 
     def _route_and_commit(self, sampling: list[Sequence], out: ForwardOutput, tokens_dev: torch.Tensor,

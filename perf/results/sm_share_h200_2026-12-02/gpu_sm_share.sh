@@ -3,8 +3,8 @@
 # Does limiting the large model's share of the SMs help the served deployment? Serves CONFIG with every model
 # but the entry (small) one at each `models.*.sm_percent` of PERCENTS (100: no limit) and runs
 # perf/bench_served.py at each point of POINTS (C:REPEATS, space-separated), side by side in one device call.
-# Usage (repository root, on the GPU machine): bash perf/gpu_sm_share.sh OUT_DIR CONFIG [BUNDLE]
-#   PERCENTS="100 50" POINTS="8:5" bash perf/gpu_sm_share.sh OUT_DIR CONFIG
+# Usage (repository root, on the GPU machine): bash perf/results/sm_share_h200_2026-12-02/gpu_sm_share.sh OUT_DIR CONFIG [BUNDLE]
+#   PERCENTS="100 50" POINTS="8:5" bash perf/results/sm_share_h200_2026-12-02/gpu_sm_share.sh OUT_DIR CONFIG
 # Results: OUT_DIR/results_sm_share.tgz (served_P_cC.json/.md, serve_P.log per percentage).
 set -uo pipefail
 out=${1:?output directory}
