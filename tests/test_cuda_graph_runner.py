@@ -89,7 +89,7 @@ class _Driver:
                 chunks.append(ScheduledChunk(seq, n))
         out = self.runner.forward(chunks)
         result = (out.logits.clone(), out.hidden.clone(), out.greedy.clone(),
-                  None if out.step_values is None else out.step_values.clone())
+                  None if out.step_values is None else out.step_values.clone(), out.finite.clone())
         for c in chunks:
             c.seq.num_computed_tokens += c.num_new_tokens
         return result
@@ -125,6 +125,7 @@ def test_padded_graph_step_matches_plain_forward(tiny_dir: Path) -> None:
         torch.testing.assert_close(ours[1], ref[1], rtol=TOL, atol=TOL)  # hidden
         assert torch.equal(ours[2], ref[2])  # greedy tokens
         torch.testing.assert_close(ours[3], ref[3], rtol=TOL, atol=TOL)  # the router's logits
+        assert ours[4].tolist() == ref[4].tolist() == [True] * len(ref[0])  # finite rows, one per sequence
     # Padding tokens wrote no KV: both pools hold the same cache, slot for slot.
     torch.testing.assert_close(graphed.kv_cache, plain.kv_cache, rtol=TOL, atol=TOL)
     a.release()

@@ -298,7 +298,7 @@ class Subserver:
         tokens_dev, values_dev = out.greedy, out.step_values
         if not sampling:
             return tokens_dev, None, None, None
-        finite_dev = out.logits.isfinite().all(dim=-1)
+        finite_dev = out.finite
         logits = out.logits
         if not all(s.params.greedy for s in sampling):
             logits = torch.where(finite_dev[:, None], logits, 0.0)

@@ -86,6 +86,7 @@ class GraphOutputs:
     hidden: torch.Tensor  # [B, H]
     greedy: torch.Tensor  # [B] int64
     step_values: torch.Tensor | None  # [B, ...] from the step hook
+    finite: torch.Tensor  # [B] bool: every logit of the row is finite (the subserver fails a row that is not)
 
 
 class StaticInputs:
@@ -206,7 +207,7 @@ class CudaGraphRunner:
         logits = self.model.compute_logits(last)
         greedy = logits.argmax(dim=-1)
         values = self.step_hook(logits, last, greedy) if self.step_hook is not None else None
-        return GraphOutputs(logits, last, greedy, values)
+        return GraphOutputs(logits, last, greedy, values, logits.isfinite().all(dim=-1))
 
     def _batch(self, shape: GraphShape, fresh: bool = False) -> ForwardBatch:
         """The static batch of `shape`; `fresh` renews its attention state, so that scratch the backend keeps
@@ -266,4 +267,4 @@ class CudaGraphRunner:
         self.num_replays += 1
         n = len(chunks)
         values = None if out.step_values is None else out.step_values[:n]
-        return GraphOutputs(out.logits[:n], out.hidden[:n], out.greedy[:n], values)
+        return GraphOutputs(out.logits[:n], out.hidden[:n], out.greedy[:n], values, out.finite[:n])

@@ -44,6 +44,7 @@ class ForwardOutput:
     hidden: torch.Tensor  # [S, hidden] final-norm hidden state of the last token
     greedy: torch.Tensor  # [S] int64 argmax of the logits
     step_values: torch.Tensor | None = None  # [S, ...] the step hook's output on (logits, hidden, greedy)
+    finite: torch.Tensor | None = None  # [S] bool: every logit of the row is finite (inside the graph when one ran)
 
 
 class ModelRunner:
@@ -206,7 +207,7 @@ class ModelRunner:
         shape = self.graphs.fits(chunks) if self.graphs is not None else None
         if shape is not None:
             out = self.graphs.run(chunks, shape)
-            return ForwardOutput(out.logits, out.hidden, out.greedy, out.step_values)
+            return ForwardOutput(out.logits, out.hidden, out.greedy, out.step_values, out.finite)
         batch = self.prepare(chunks)
         self.attn_backend.prepare(batch)
         hidden = self.model(batch, self.attn_backend)
@@ -216,7 +217,7 @@ class ModelRunner:
         values = None
         if self.step_hook is not None and len(last):
             values = self.step_hook(logits, last, greedy)
-        return ForwardOutput(logits, last, greedy, values)
+        return ForwardOutput(logits, last, greedy, values, logits.isfinite().all(dim=-1))
 
 
 def _packed(segments: list[list[int]], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, list[slice]]:
