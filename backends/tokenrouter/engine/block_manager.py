@@ -99,12 +99,16 @@ class BlockManager:
         """Withdraw `seq`'s blocks from the prefix cache: their KV is suspect (its model computed NaN for it), so a
         later prompt with the same prefix computes its own instead of inheriting the fault."""
         for b in seq.block_table:
-            h = self.block_hashes[b]
-            if h is not None:
-                if self.hash_to_block.get(h) == b:
-                    del self.hash_to_block[h]
-                self.block_hashes[b] = None
-                self.block_tokens[b] = None
+            self._forget_hash(b)
+
+    def _forget_hash(self, b: int) -> None:
+        """Block `b` no longer backs the cached prefix it held, if any."""
+        h = self.block_hashes[b]
+        if h is not None:
+            if self.hash_to_block.get(h) == b:
+                del self.hash_to_block[h]
+            self.block_hashes[b] = None
+            self.block_tokens[b] = None
 
     # -- allocation ---------------------------------------------------------------------------------
 
@@ -119,13 +123,7 @@ class BlockManager:
 
     def _take_free(self) -> int:
         b, _ = self.free.popitem(last=False)
-        h = self.block_hashes[b]
-        if h is not None:
-            # Reused for new content: it no longer backs its cached prefix.
-            if self.hash_to_block.get(h) == b:
-                del self.hash_to_block[h]
-            self.block_hashes[b] = None
-            self.block_tokens[b] = None
+        self._forget_hash(b)  # reused for new content
         self.ref_count[b] = 1
         return b
 
