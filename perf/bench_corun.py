@@ -58,7 +58,7 @@ def build(name: str, skinny: bool = True, priority: str = "normal"):
 
 class Step:
     """One captured step of `runner`: `batch` sequences of `context` cached tokens running `new` more each,
-    its inputs filled once; replay() launches it on the runner's stream."""
+    its inputs filled once."""
 
     def __init__(self, runner, bm, batch: int, context: int, new: int) -> None:
         from bench_runner import make_chunks
@@ -70,12 +70,6 @@ class Step:
             raise SystemExit(f"no captured graph for {batch} x {new} tokens on {runner.cfg.name}")
         runner.graphs.inputs.fill(chunks, shape, runner.block_size)
         self.shape, self.graph, self.out = shape, runner.graphs.graphs[shape], runner.graphs.outputs[shape]
-
-    def replay(self) -> None:
-        import torch
-
-        with torch.cuda.stream(self.runner.stream):
-            self.graph.replay()
 
     def finite(self) -> bool:
         return bool(self.out.logits.float().isfinite().all())
@@ -217,9 +211,7 @@ def small_worker(args) -> dict:
     small = Step(runner, bm, args.small_batch, args.context, 1)
     out = {}
     for pct in args.mps.split(","):
-        cmd = [sys.executable, __file__, "--role", "large", "--large", args.large, "--large-batch",
-               str(args.large_batch), "--large-new", str(args.large_new), "--context", str(args.context),
-               "--seconds", str(args.seconds)]
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--role", "large"]  # (the last --role wins)
         env = dict(os.environ, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=pct)  # read when the worker's CUDA starts
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
@@ -263,9 +255,7 @@ def run_mps(args) -> dict:
     if started:
         mps.start()
     try:
-        cmd = [sys.executable, __file__, "--role", "small", "--small", args.small, "--large", args.large,
-               "--small-batch", str(args.small_batch), "--large-batch", str(args.large_batch), "--large-new",
-               str(args.large_new), "--context", str(args.context), "--mps", args.mps, "--seconds", str(args.seconds)]
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--role", "small"]  # the same options, as a worker
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         print(proc.stdout, end="")
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

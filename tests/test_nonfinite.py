@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
-from test_stepped_finals import REPO, assert_all_free
+from test_stepped_finals import assert_all_free, engine_for
 from tokenrouter.engine import subserver
 from tokenrouter.engine.engine import Engine
 from tokenrouter.engine.warmup import NonFiniteLogits, warm_up
@@ -35,15 +34,10 @@ def poison(engine: Engine) -> None:
     engine.subservers["small"].runner.model.register_forward_hook(hook)
 
 
-def engine(tiny_dir: Path, config: str = "random/tiny-small_tiny-large.yaml", block_size: int = 4,
-           **model: object) -> Engine:
-    """A shipped tiny config on the tiny fixture, random routing at p=0.2 where the config routes at random."""
-    cfg = yaml.safe_load((REPO / "config" / config).read_text())
-    for name, m in cfg["models"].items():
-        m.update(path=str(tiny_dir / name), kv_cache_tokens=1024, block_size=block_size, **model)
-    if cfg["policy"]["name"] == "random":
-        cfg["policy"]["p"] = 0.2
-    return Engine.from_config(cfg)
+def engine(tiny_dir: Path, config: str = "random/tiny-small_tiny-large.yaml", **model: object) -> Engine:
+    """`engine_for` with random routing at p=0.2 where the config routes at random."""
+    policy = {"p": 0.2} if config.startswith("random/") else {}
+    return engine_for(tiny_dir, config, model, **policy)
 
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)

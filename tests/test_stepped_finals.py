@@ -17,11 +17,12 @@ REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300], [17] * 11, [40, 41, 42, 43, 44, 45, 46]]
 
 
-def engine_for(tiny_dir: Path, config: str, **policy: object) -> Engine:
-    """A shipped tiny config with its model paths pointed at the tiny fixture and a small KV pool."""
+def engine_for(tiny_dir: Path, config: str, model: dict | None = None, **policy: object) -> Engine:
+    """A shipped tiny config with its model paths pointed at the tiny fixture and a small KV pool; `model`
+    overrides keys of every model, `policy` arguments of the policy."""
     cfg = yaml.safe_load((REPO / "config" / config).read_text())
     for name, m in cfg["models"].items():
-        m.update(path=str(tiny_dir / name), kv_cache_tokens=1024, block_size=4)
+        m.update({"path": str(tiny_dir / name), "kv_cache_tokens": 1024, "block_size": 4, **(model or {})})
     cfg["policy"].update(policy)
     return Engine.from_config(cfg)
 
