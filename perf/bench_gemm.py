@@ -2,11 +2,15 @@
 
     python perf/bench_gemm.py --models qwen3-0.6b,qwen3-32b --table backends/tokenrouter/runner/skinny_gemm_tuned.json \
         --report perf/results/gemm_h200.md
+    python perf/bench_gemm.py --models '' --routers r2r:qwen3-0.6b --tiles 16   # R2R's float32 router network
 
 For every matmul of a decoder layer (qkv, o, gate_up, down, with the prologue and residual add the model fuses
 into each) and every row tile (M = 8, 32, 64 for the tiles of 16, 32, 64 rows), it times a grid of tile sizes and
 split counts, then the best three with other warp and stage counts, and the op it replaces: cuBLAS plus the
-separate fused op (add + RMSNorm before qkv and gate_up, silu * up before down). Every time is the median over
+separate fused op (add + RMSNorm before qkv and gate_up, silu * up before down). `--routers POLICY:MODEL` tunes a
+router network's float32 linear layers on that model's hidden size (routing/policies/skinny_router.py) against cuBLAS
+with their separate LayerNorm, bias, activation and residual add, and also tries IEEE float32 dots against TF32x3
+for the best configs. Every time is the median over
 replays of a CUDA graph of 32 launches that cycles through copies of the weight totalling > 4x the L2 cache, so
 weights come from HBM as they do in a model step. Candidates are compiled first in parallel worker processes (the
 Triton cache on disk is shared), so the timing loop does not wait on the compiler.
@@ -15,6 +19,7 @@ Triton cache on disk is shared), so the timing loop does not wait on the compile
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 import json
@@ -33,6 +38,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "backends"))
 
+from tokenrouter.routing.policy import make_policy  # noqa: E402
 from tokenrouter.runner import fused_ops  # noqa: E402
 from tokenrouter.runner import skinny_gemm as sg  # noqa: E402
 from tokenrouter.runner.arch import ArchConfig  # noqa: E402
@@ -43,34 +49,67 @@ LAUNCHES = 32
 EPS = 1e-6
 
 
-class Case:
-    """One matmul at one M: its inputs, weight copies and workspace on the GPU."""
+ACTIVATION_FNS = {"none": lambda t: t, "gelu": F.gelu, "relu": F.relu}
 
-    def __init__(self, name: str, n: int, k: int, prologue: str, residual: bool, m: int, l2_bytes: int) -> None:
-        self.spec = (name, n, k, prologue, residual, m)
-        self.name, self.n, self.k, self.prologue, self.has_residual, self.m = self.spec
-        dev, dt = torch.device("cuda"), torch.bfloat16
-        copies = max(1, math.ceil(4 * l2_bytes / (n * k * 2)))
+
+class Case:
+    """One matmul at one M: its inputs, weight copies and workspace on the GPU. A spec is (name, N, K, prologue,
+    residual, M, dtype, bias, activation); the models' matmuls are bfloat16 without bias or activation."""
+
+    def __init__(self, name: str, n: int, k: int, prologue: str, residual: bool, m: int, dtype: str = "bfloat16",
+                 bias: bool = False, activation: str = "none", *, l2_bytes: int) -> None:
+        self.spec = (name, n, k, prologue, residual, m, dtype, bias, activation)
+        self.name, self.n, self.k, self.prologue, self.has_residual, self.m = self.spec[:6]
+        self.activation = activation
+        dev, dt = torch.device("cuda"), getattr(torch, dtype)
+        self.dtype = dt
+        copies = max(1, math.ceil(4 * l2_bytes / (n * k * dt.itemsize)))
         self.weights = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
         self.x = torch.randn(m, 2 * k if prologue == "silu_mul" else k, device=dev, dtype=dt)
         self.res_in = torch.randn(m, k, device=dev, dtype=dt)  # the baseline's add + RMSNorm input pair
         self.norm_w = torch.ones(k, device=dev, dtype=dt)
+        self.norm_b = torch.zeros(k, device=dev, dtype=dt)
+        self.bias = torch.randn(n, device=dev, dtype=dt) if bias else None
         self.residual = torch.randn(m, n, device=dev, dtype=dt) if residual else None
         self.ws = sg.SplitKWorkspace(dev, 16 * m * n, sg.MAX_M * 64 + n)
 
+    @property
+    def floor_bytes(self) -> int:
+        return self.n * self.k * self.dtype.itemsize
+
     def skinny(self, cfg: sg.GemmConfig, i: int) -> torch.Tensor:
+        normed = self.prologue in ("rms_norm", "layer_norm")
         return sg.skinny_linear(self.x, self.weights[i % len(self.weights)], self.ws, prologue=self.prologue,
-                                norm_weight=self.norm_w if self.prologue == "rms_norm" else None, eps=EPS,
-                                residual=self.residual, config=cfg)
+                                norm_weight=self.norm_w if normed else None,
+                                norm_bias=self.norm_b if self.prologue == "layer_norm" else None, eps=EPS,
+                                bias=self.bias, activation=self.activation, residual=self.residual, config=cfg)
 
     def baseline(self, i: int) -> torch.Tensor:
-        """What the model ran before: the separate element-wise kernel, then cuBLAS."""
+        """What the model (or router) ran before: the separate element-wise kernels around cuBLAS."""
         x = self.x
         if self.prologue == "rms_norm":
             x, _ = fused_ops.add_rms_norm(x, self.res_in, self.norm_w, EPS)
         elif self.prologue == "silu_mul":
             x = fused_ops.silu_mul(x)
-        return F.linear(x, self.weights[i % len(self.weights)])
+        elif self.prologue == "layer_norm":
+            x = F.layer_norm(x, (self.k,), self.norm_w, self.norm_b, EPS)
+        y = ACTIVATION_FNS[self.activation](F.linear(x, self.weights[i % len(self.weights)], self.bias))
+        return y if self.residual is None else y + self.residual
+
+
+def router_specs(spec: str, m: int) -> list[tuple]:
+    """The Case specs of a router network's fused linear layers: `spec` is POLICY:MODEL (the small model whose
+    hidden size and vocabulary the router reads), built with the policy's default arguments."""
+    policy_name, model = spec.split(":")
+    arch = ArchConfig.from_dir(ROOT / "perf" / "models" / model)
+    policy = make_policy(policy_name, ["small", "large"], "small")
+    with torch.device("meta"):
+        net = policy.build_net(arch.hidden_size, arch.vocab_size)
+    specs = {}  # one per distinct kernel: R2R's six blocks share two
+    for f in net.fused_linears():
+        rest = (*f.shape, f.prologue, f.residual, m, "float32", f.linear.bias is not None, f.activation)
+        specs.setdefault(rest, f"{policy_name}/{f.name}")
+    return [(name, *rest) for rest, name in specs.items()]
 
 
 def graph_us(fn) -> float:
@@ -106,9 +145,13 @@ def grid(n: int, k: int, bm: int, sms: int) -> list[sg.GemmConfig]:
     return out
 
 
-def variants(best: list[sg.GemmConfig]) -> list[sg.GemmConfig]:
-    return [sg.GemmConfig(c.block_n, c.block_k, c.split_k, w, s) for c in best
-            for w, s in ((4, 3), (4, 6), (8, 4), (8, 6)) if (w, s) != (c.num_warps, c.num_stages)]
+def variants(best: list[sg.GemmConfig], float32: bool = False) -> list[sg.GemmConfig]:
+    """Other warp and stage counts for the best configs; for float32, each also with IEEE dots."""
+    out = [sg.GemmConfig(c.block_n, c.block_k, c.split_k, w, s) for c in best
+           for w, s in ((4, 3), (4, 6), (8, 4), (8, 6)) if (w, s) != (c.num_warps, c.num_stages)]
+    if float32:
+        out += [dataclasses.replace(c, fp32_dot="ieee") for c in best]
+    return out
 
 
 def _compile(jobs: list[tuple[tuple, list[sg.GemmConfig]]]) -> int:
@@ -153,6 +196,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen3-0.6b,qwen3-32b")
     ap.add_argument("--tiles", default="16,32,64", help="row tiles to tune (each at its M in ROWS)")
+    ap.add_argument("--routers", default="", help="router networks to tune, POLICY:MODEL,... (e.g. r2r:qwen3-0.6b)")
     ap.add_argument("--table", default=str(sg.TUNED_PATH), help="the JSON table to merge this GPU's entries into")
     ap.add_argument("--report", default=None, help="markdown report path")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
@@ -163,11 +207,14 @@ def main() -> int:
 
     bandwidth = copy_bandwidth()
     specs = []
-    for model in args.models.split(","):
+    tiles = [int(t) for t in args.tiles.split(",")]
+    for model in filter(None, args.models.split(",")):
         arch = ArchConfig.from_dir(ROOT / "perf" / "models" / model)
-        for bm in (int(t) for t in args.tiles.split(",")):
+        for bm in tiles:
             for name, n, k, prologue, residual in layer_matmuls(arch):
                 specs.append((model, (f"{model}/{name}", n, k, prologue, residual, ROWS[bm])))
+    for router in filter(None, args.routers.split(",")):
+        specs += [(router, spec) for bm in tiles for spec in router_specs(router, ROWS[bm])]
     # Shapes shared by models (none today) are tuned once.
     unique = list(dict.fromkeys(spec for _, spec in specs))
     firsts = {s: grid(s[1], s[2], sg.block_m(s[5]), sms) for s in unique}
@@ -178,7 +225,7 @@ def main() -> int:
         case = Case(*spec, l2_bytes=l2)
         ranked[spec] = timed(case, firsts[spec])
         del case
-    seconds = {s: variants([c for _, c in ranked[s][:3]]) for s in unique}
+    seconds = {s: variants([c for _, c in ranked[s][:3]], float32=len(s) > 6 and s[6] == "float32") for s in unique}
     precompile(list(seconds.items()), args.workers)
     results = {}
     for spec in unique:  # round 2: other warp and stage counts for the best three; then the baseline
@@ -191,7 +238,7 @@ def main() -> int:
         heuristic = sg.heuristic_config(case.n, case.k, case.m, sms)
         r = {"config": best.__dict__, "us": us, "baseline_us": graph_us(case.baseline),
              "heuristic_us": graph_us(lambda i, c=case, h=heuristic: c.skinny(h, i)),
-             "floor_us": case.n * case.k * 2 / bandwidth * 1e6}
+             "floor_us": case.floor_bytes / bandwidth * 1e6}
         results[spec] = r
         print(f"{spec[0]:24s} N={spec[1]:6d} K={spec[2]:6d} M={spec[5]:3d}: skinny {r['us']:8.1f} us "
               f"(heuristic {r['heuristic_us']:8.1f}), cuBLAS + op {r['baseline_us']:8.1f} us, floor "
@@ -203,7 +250,8 @@ def main() -> int:
     table = json.loads(table_path.read_text()) if table_path.exists() else {}
     entries = table.setdefault(device_name, {}).setdefault("matmuls", {})
     for spec, r in results.items():
-        entries[sg.table_key(spec[1], spec[2], sg.block_m(spec[5]))] = {
+        dtype = getattr(torch, spec[6]) if len(spec) > 6 else torch.bfloat16
+        entries[sg.table_key(spec[1], spec[2], sg.block_m(spec[5]), dtype)] = {
             "config": r["config"], "us": round(r["us"], 2), "baseline_us": round(r["baseline_us"], 2)}
     table_path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     if args.report:
@@ -223,7 +271,8 @@ def report(results: dict, device_name: str, bandwidth: float) -> str:
         lines.append(f"| {spec[0]} | {spec[1]} | {spec[2]} | {spec[5]} | {r['us']:.1f} | "
                      f"{r['us'] / r['floor_us']:.2f} | {r['baseline_us']:.1f} | {r['us'] / r['baseline_us']:.2f} | "
                      f"{r['heuristic_us']:.1f} | {c['block_n']}x{c['block_k']} split {c['split_k']}, "
-                     f"{c['num_warps']} warps, {c['num_stages']} stages |")
+                     f"{c['num_warps']} warps, {c['num_stages']} stages"
+                     f"{', ' + c['fp32_dot'] if len(spec) > 6 and spec[6] == 'float32' else ''} |")
     return "\n".join(lines) + "\n"
 
 

@@ -146,14 +146,20 @@ def profile_decode(runner: ModelRunner, bm: BlockManager, batch: int, context: i
             "top": [{"name": k[:100], "us": t, "launches": n} for k, t, n in prof.top(6)]}
 
 
-def r2r_hook(runner: ModelRunner):
-    """R2R's router (hidden_dim 1024, top-100 logits) as the step hook, as the small model's subserver runs it."""
+def r2r_hook(runner: ModelRunner, skinny: bool = True):
+    """R2R's router (hidden_dim 1024, top-100 logits) as the step hook, as the small model's subserver runs it: its
+    linear layers through the skinny kernel where the tuned table has them, or (`skinny=False`) on cuBLAS."""
     from tokenrouter.routing.policy import make_policy, step_hook
 
     policy = make_policy("r2r", ["small", "large"], "small", {"threshold": 0.5})
     a = runner.arch
     policy.setup(runner.device, runner.dtype, a.hidden_size, a.vocab_size)
-    return step_hook(policy, runner.model.model.embed_tokens)
+    if not skinny:
+        policy.net.workspace = None  # the torch modules (cuBLAS), as on an untuned GPU
+    hook = step_hook(policy, runner.model.model.embed_tokens)
+    hook.router_matmuls = "skinny" if policy.net.workspace is not None else "cuBLAS"
+    print(f"R2R router: {hook.router_matmuls} (skinny up to {policy.net.skinny_max_m} rows)", flush=True)
+    return hook
 
 
 def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_router: bool,
@@ -221,16 +227,24 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
                                "tok_per_s": length / min(x for x in (g, e) if x is not None)})
         print(f"{name} prefill {length}: graph {_ms(g)} ms, eager {_ms(e)} ms", flush=True)
     if with_router:
-        # The same decode steps with R2R's router captured into the graphs (what the small model runs).
-        runner.graphs = None
-        runner.setup_step(r2r_hook(runner))
-        for batch in (1, 8, 32):
-            g, e = case(batch, 1024, 1)
-            plain = next(d for d in out["decode"] if d["batch"] == batch and d["context"] == 1024)
-            out["router"].append({"batch": batch, "graph_ms": g and g * 1e3, "eager_ms": e * 1e3,
-                                  "plain_graph_ms": plain["graph_ms"]})
-            print(f"{name} decode+r2r b={batch}: graph {_ms(g)} ms (without router {plain['graph_ms']} ms), "
-                  f"eager {_ms(e)} ms", flush=True)
+        # The same decode steps with R2R's router captured into the graphs (what the small model runs): its
+        # matmuls as the tuned table has them (the skinny kernel where it has), then all on cuBLAS.
+        for router_skinny in (True, False):
+            runner.graphs = None
+            hook = r2r_hook(runner, router_skinny)
+            kind = hook.router_matmuls
+            if not router_skinny and out["router"] and out["router"][-1]["matmuls"] == kind:
+                break  # the table had no router shapes: the first pass was cuBLAS already
+            runner.setup_step(hook)
+            for batch in (1, 4, 8, 16, 32):
+                g, e, r = case(batch, 1024, 1, replay=True)
+                plain = next(d for d in out["decode"] if d["batch"] == batch and d["context"] == 1024)
+                out["router"].append({"batch": batch, "matmuls": kind, "graph_ms": g and g * 1e3,
+                                      "eager_ms": e * 1e3, "replay_ms": r and r * 1e3,
+                                      "plain_graph_ms": plain["graph_ms"], "plain_replay_ms": plain["replay_ms"]})
+                print(f"{name} decode+r2r ({kind}) b={batch}: graph {_ms(g)} ms (without router "
+                      f"{plain['graph_ms']:.2f} ms), replay alone {_ms(r)} ms (without router "
+                      f"{plain['replay_ms']:.2f} ms), eager {_ms(e)} ms", flush=True)
     bm.check_integrity([])
     runner = None  # drop the weights before the next model loads
     gc.collect()
@@ -343,10 +357,13 @@ def markdown(results: dict) -> str:
         lines += [f"| {p['tokens']} | {_f(p['graph_ms'], '.1f')} | {p['eager_ms']:.1f} | {p['tok_per_s']:,.0f} |"
                   for p in m["prefill"]]
         if m["router"]:
-            lines += ["", "| decode + R2R router (1k context) | graph ms | without router, graph ms | eager ms |",
-                      "|---|---|---|---|"]
-            lines += [f"| {r['batch']} | {_f(r['graph_ms'])} | {_f(r['plain_graph_ms'])} | {r['eager_ms']:.2f} |"
-                      for r in m["router"]]
+            lines += ["", "| decode + R2R router (1k context) | router matmuls | graph ms | without router | "
+                      "replay alone ms | without router | router's share of the replay, ms | eager ms |",
+                      "|---|---|---|---|---|---|---|---|"]
+            lines += [f"| {r['batch']} | {r.get('matmuls', 'cuBLAS')} | {_f(r['graph_ms'])} | "
+                      f"{_f(r['plain_graph_ms'])} | {_f(r.get('replay_ms'))} | {_f(r.get('plain_replay_ms'))} | "
+                      f"{_f(r.get('replay_ms') and r.get('plain_replay_ms') and r['replay_ms'] - r['plain_replay_ms'])}"
+                      f" | {r['eager_ms']:.2f} |" for r in m["router"]]
         lines.append("")
     if results.get("colocate"):
         c = results["colocate"]

@@ -1,7 +1,7 @@
 """Where a captured decode step's GPU time goes: kernel times of one graph replay, grouped.
 
     python perf/profile_step.py --model qwen3-32b --batch 8 --context 1024 [--suffix 10] [--skinny-gemm off]
-        [--router]
+        [--router [--router-cublas]]
 
 Builds the model with dummy weights, captures its graphs, and profiles `--iters` replays of the graph the
 batch picks (torch.profiler, CUDA activity). Prints per-kernel totals per step, and the split between matmuls
@@ -31,13 +31,16 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--skinny-gemm", default="on", choices=["on", "off"], help="the model's skinny_gemm setting")
     ap.add_argument("--router", action="store_true", help="R2R's router in the graph, as the small model runs it")
+    ap.add_argument("--router-cublas", action="store_true",
+                    help="with --router: its matmuls on cuBLAS even where the tuned table has them skinny")
     args = ap.parse_args()
     bw = copy_bandwidth()
     cfg = ModelConfig(name=args.model, path=str(ROOT / "perf" / "models" / args.model), dtype="bfloat16",
                       device="cuda:0", load_format="dummy", kv_cache_tokens=200_000, max_model_len=16384,
                       skinny_gemm=args.skinny_gemm == "on")
     runner = ModelRunner(cfg, default_kv_tokens=0)
-    runner.setup_step(r2r_hook(runner) if args.router else None)
+    hook = r2r_hook(runner, skinny=not args.router_cublas) if args.router else None
+    runner.setup_step(hook)
     bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
     profiled = profile_graph(runner, bm, args.batch, args.context, args.suffix, args.iters)
     if profiled is None:
@@ -52,7 +55,7 @@ def main() -> int:
     matmuls = (f"skinny matmuls (up to {rows} rows)" if shape.num_tokens <= rows else
                f"cuBLAS matmuls (skinny_gemm {args.skinny_gemm}, up to {rows} rows)")
     print(f"{args.model} batch {args.batch} x {args.suffix} new tokens, context {args.context}, graph {shape}, "
-          f"{matmuls}{', R2R router' if args.router else ''}: {kernels:.0f} kernels, "
+          f"{matmuls}{f', R2R router ({hook.router_matmuls})' if hook else ''}: {kernels:.0f} kernels, "
           f"kernel time {total / 1e3:.2f} ms per step; weight-read floor {floor_bytes / bw * 1e3:.2f} ms")
     for g, t in groups.items():
         print(f"  {g:14s} {t / 1e3:7.3f} ms ({t / total:5.1%})")

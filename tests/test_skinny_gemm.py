@@ -62,26 +62,61 @@ def test_matches_torch(dtype, prologue, residual, M, N, K, cfg) -> None:
     # x as a column slice of a wider tensor: a row stride larger than its width.
     width = 2 * K if prologue == "silu_mul" else K
     x = _randn(M, width + 5, dtype=dtype, gen=gen)[:, :width]
-    norm_w = _randn(K, dtype=dtype, gen=gen)
+    norm_w, norm_b = _randn(K, dtype=dtype, gen=gen), _randn(K, dtype=dtype, gen=gen)
     res = _randn(M, N, dtype=dtype, gen=gen) if residual else None
     ws = _workspace()
-    out = sg.skinny_linear(x, weight, ws, prologue=prologue, norm_weight=norm_w if prologue == "rms_norm" else None,
-                           eps=EPS, residual=res, config=cfg)
-    if prologue == "rms_norm":
-        norm = RMSNorm(K, EPS).to(DEVICE, dtype)
-        norm.weight.data.copy_(norm_w)
-        inp = norm(x)
-    elif prologue == "silu_mul":
-        gate, up = x.chunk(2, dim=-1)
-        inp = F.silu(gate) * up
-    else:
-        inp = x
-    ref = F.linear(inp.float(), weight.float()).to(dtype)  # one rounding of the float32 product, as the kernel
+    normed = prologue in ("rms_norm", "layer_norm")
+    out = sg.skinny_linear(x, weight, ws, prologue=prologue, norm_weight=norm_w if normed else None,
+                           norm_bias=norm_b if prologue == "layer_norm" else None, eps=EPS, residual=res, config=cfg)
+    ref = F.linear(_prologue(x, prologue, norm_w, norm_b).float(), weight.float()).to(dtype)  # one rounding, as ours
     if residual:
         ref = ref + res
     torch.testing.assert_close(out, ref, **TOL[dtype])
     assert out.is_contiguous() and out.shape == (M, N)
     assert int(ws.counts.count_nonzero()) == 0  # ready for the next launch
+
+
+def _prologue(x: torch.Tensor, prologue: str, norm_w: torch.Tensor, norm_b: torch.Tensor) -> torch.Tensor:
+    """What the kernel's prologue computes, in torch's modules (and their roundings)."""
+    if prologue == "rms_norm":
+        norm = RMSNorm(x.shape[1], EPS).to(DEVICE, x.dtype)
+        norm.weight.data.copy_(norm_w)
+        return norm(x)
+    if prologue == "layer_norm":
+        return F.layer_norm(x, (x.shape[1],), norm_w, norm_b, EPS)
+    if prologue == "silu_mul":
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("activation", sg.ACTIVATIONS)
+@pytest.mark.parametrize(("prologue", "residual"), [("none", False), ("layer_norm", False), ("none", True)])
+@pytest.mark.parametrize(("M", "N", "K", "cfg"), [
+    (3, 96, 80, sg.GemmConfig(32, 32, 1)),  # N and K ragged against the tiles
+    (9, 40, 1100, sg.GemmConfig(32, 128, 3)),  # split-K; LayerNorm statistics over three loads, the last partial
+    (2, 1, 64, sg.GemmConfig(16, 32, 2)),  # one output column (a router's head), split
+])  # fmt: skip
+def test_bias_and_activation_match_torch(dtype, activation, prologue, residual, M, N, K, cfg) -> None:
+    """The epilogue a router's layers need: bias before the product's rounding, then GELU or ReLU on the rounded
+    value (torch's Linear then its activation module), then the residual add."""
+    gen = torch.Generator().manual_seed(M * 100 + N + K)
+    weight, bias = _randn(N, K, dtype=dtype, gen=gen) * 0.1, _randn(N, dtype=dtype, gen=gen)
+    x = _randn(M, K, dtype=dtype, gen=gen) * 3 + 1  # a mean away from 0: LayerNorm must subtract it
+    norm_w, norm_b = _randn(K, dtype=dtype, gen=gen), _randn(K, dtype=dtype, gen=gen)
+    res = _randn(M, N, dtype=dtype, gen=gen) if residual else None
+    ws = _workspace()
+    ln = prologue == "layer_norm"
+    out = sg.skinny_linear(x, weight, ws, prologue=prologue, norm_weight=norm_w if ln else None,
+                           norm_bias=norm_b if ln else None, eps=EPS, bias=bias, activation=activation, residual=res,
+                           config=cfg)
+    ref = F.linear(_prologue(x, prologue, norm_w, norm_b).float(), weight.float(), bias.float()).to(dtype)
+    ref = {"none": lambda t: t, "gelu": F.gelu, "relu": F.relu}[activation](ref)
+    if residual:
+        ref = ref + res
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    assert int(ws.counts.count_nonzero()) == 0
 
 
 @pytest.mark.skipif(INTERPRET, reason="the interpreter runs programs in grid order: only compiled can the "
@@ -124,6 +159,14 @@ def test_rejects_bad_calls() -> None:
     x, w = torch.zeros(4, 32, device=DEVICE), torch.zeros(16, 32, device=DEVICE)
     with pytest.raises(ValueError, match="prologue"):
         sg.skinny_linear(x, w, prologue="gelu")
+    with pytest.raises(ValueError, match="activation"):
+        sg.skinny_linear(x, w, activation="tanh")
+    with pytest.raises(ValueError, match="norm_bias"):
+        sg.skinny_linear(x, w, prologue="layer_norm", norm_weight=torch.ones(32, device=DEVICE))
+    with pytest.raises(ValueError, match="bias"):
+        sg.skinny_linear(x, w, bias=torch.zeros(15, device=DEVICE))
+    with pytest.raises(ValueError, match="fp32_dot"):
+        sg.skinny_linear(x, w, config=sg.GemmConfig(16, 16, 1, fp32_dot="tf32"))
     with pytest.raises(ValueError, match="at most"):
         sg.skinny_linear(torch.zeros(sg.MAX_M + 1, 32, device=DEVICE), w)
     with pytest.raises(ValueError, match="does not fit"):
@@ -240,8 +283,8 @@ def test_model_skinny_path_matches_cublas_path(tiny_dir: Path, monkeypatch: pyte
     same logits and hidden states, and the same KV in the pool, as the model without skinny matmuls."""
     # The tiny model is in no tuned table: let it run skinny, with two splits for every shape, so that the split-K
     # reduction runs inside the model too.
-    monkeypatch.setattr(sg, "max_rows", lambda shapes, device: sg.MAX_M)
-    monkeypatch.setattr(sg, "config_for", lambda n, k, m, device: sg.GemmConfig(16, 16, 2))
+    monkeypatch.setattr(sg, "max_rows", lambda shapes, device, dtype=None: sg.MAX_M)
+    monkeypatch.setattr(sg, "config_for", lambda n, k, m, device, dtype=None: sg.GemmConfig(16, 16, 2))
     calls = []
     real = sg.skinny_linear
     monkeypatch.setattr(sg, "skinny_linear", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
@@ -276,11 +319,16 @@ from tokenrouter.runner import skinny_gemm as sg
 
 kernel = sg._skinny_gemm_kernel
 # (the row tiles, block_k, warps and stages the H200 table uses)
-for prologue, residual, split, bm, bk, warps, stages in ((0, True, 1, 16, 128, 4, 4), (1, False, 2, 16, 256, 4, 3),
-                                                        (2, True, 3, 32, 64, 8, 6), (1, False, 4, 64, 128, 8, 4)):
-    consts = dict(PROLOGUE=prologue, HAS_RESIDUAL=residual, IEEE=False, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk,
-                  SPLIT_K=split, STATS_BLOCK=16 * 512 // bm, STATS_ITERS=2 if prologue == 1 else 0)
-    sig = {n: "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32" for n in kernel.arg_names}
+# and the float32 router layers (LayerNorm in front, bias and GELU behind; TF32x3 and IEEE dots)
+for prologue, residual, split, bm, bk, warps, stages, dot, bias, act in (
+        (0, True, 1, 16, 128, 4, 4, "", 0, 0), (1, False, 2, 16, 256, 4, 3, "", 0, 0),
+        (2, True, 3, 32, 64, 8, 6, "", 0, 0), (1, False, 4, 64, 128, 8, 4, "", 0, 0),
+        (3, False, 2, 16, 64, 4, 4, "tf32x3", 1, 1), (0, True, 4, 16, 128, 4, 3, "ieee", 1, 2)):
+    consts = dict(PROLOGUE=prologue, HAS_BIAS=bool(bias), ACTIVATION=act, HAS_RESIDUAL=residual, FP32_DOT=dot,
+                  BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk, SPLIT_K=split, STATS_BLOCK=16 * 512 // bm,
+                  STATS_ITERS=2 if prologue in (1, 3) else 0)
+    elem = "*fp32" if dot else "*bf16"
+    sig = {n: elem if n.endswith("_ptr") else "fp32" if n == "eps" else "i32" for n in kernel.arg_names}
     sig.update(part_ptr="*fp32", count_ptr="*i32", **{c: "constexpr" for c in consts})
     triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": warps, "num_stages": stages})

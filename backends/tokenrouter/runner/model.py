@@ -174,9 +174,7 @@ class CausalLM(nn.Module):
         self.skinny_max_m = skinny_gemm.max_rows(shapes, device)
         if self.skinny_max_m == 0:
             return False
-        rows = {min(bm, self.skinny_max_m) for bm in skinny_gemm.BLOCK_M_SIZES}  # the most rows of each row tile
-        needs = [skinny_gemm.workspace_need(n, k, m, device) for n, k in shapes for m in rows]
-        self.workspace = skinny_gemm.SplitKWorkspace(device, max(p for p, _ in needs), max(t for _, t in needs))
+        self.workspace = skinny_gemm.workspace_for(shapes, self.skinny_max_m, device)
         return True
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:  # [T, hidden]

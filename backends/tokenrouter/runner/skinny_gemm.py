@@ -9,10 +9,19 @@ few kernels as possible. The kernel therefore
 * computes the tile transposed (W_tile @ x^T), so the large N side fills the MMA's M dimension and x's few rows its
   N dimension of 16;
 * fuses the element-wise op in front of it (`prologue`): RMSNorm of x (statistics over the whole row, then the
-  normalised value times the norm weight, rounded where `RMSNorm` rounds) or SwiGLU's silu(gate) * up (x holds
+  normalised value times the norm weight, rounded where `RMSNorm` rounds), LayerNorm (mean and variance over the
+  row in two passes, then weight and bias, one rounding as `nn.LayerNorm`) or SwiGLU's silu(gate) * up (x holds
   [gate | up], rounded where `fused_ops.silu_mul` rounds);
-* and the residual add behind it: y = round(round(x @ W^T) + residual), as torch's `h + residual` is computed after
-  the rounded matmul. A decoder layer then hands one residual stream from matmul to matmul (model.py).
+* and what follows it: a bias (added to the float32 product before its rounding, as cuBLAS's epilogue does), an
+  activation (GELU with erf, or ReLU, on the rounded value as torch applies it), and the residual add:
+  y = round(act(round(x @ W^T + b)) + residual), as torch's `h + residual` is computed after the rounded matmul. A
+  decoder layer then hands one residual stream from matmul to matmul (model.py); a router network its own
+  (routing/policies/r2r.py).
+
+float32 inputs (the routers) multiply on the tensor cores in three TF32 passes ("tf32x3": each operand split into
+a TF32 high part and a TF32 remainder, errors of float32's order), or in plain IEEE float32 arithmetic when the
+tuned config says so (`GemmConfig.fp32_dot`): at a few rows both only stream the weight, and the tensor-core path
+keeps the kernel's layout where IEEE dot falls back to the CUDA cores.
 
 N and M are runtime arguments (K too, except the RMSNorm statistics' unrolled loop count), so a model's shapes
 share compiled variants. Tile sizes and split counts come per (N, K, M) from a table measured on the target GPU
@@ -38,7 +47,8 @@ log = logging.getLogger(__name__)
 
 MAX_M = 64  # rows the kernel takes; larger batches go to cuBLAS (they are no longer weight-read bound)
 BLOCK_M_SIZES = (16, 32, 64)  # the row tiles up to MAX_M, each a tuned table column
-PROLOGUES = ("none", "rms_norm", "silu_mul")
+PROLOGUES = ("none", "rms_norm", "silu_mul", "layer_norm")
+ACTIVATIONS = ("none", "gelu", "relu")
 # Elements per load of the RMSNorm statistics (rows x columns): 16 x 512 is 32 float32 values a thread at 4
 # warps. Wider row tiles load fewer columns at a time, or the unrolled loads spill registers.
 _STATS_ELEMS = 16 * 512
@@ -54,7 +64,9 @@ def _skinny_gemm_kernel(
     x_ptr,  # [M, K] (prologue silu_mul: [M, 2K], gate then up), row stride stride_x
     w_ptr,  # [N, K], row stride stride_w
     out_ptr,  # [M, N] contiguous
-    norm_w_ptr,  # [K], read when PROLOGUE == 1
+    norm_w_ptr,  # [K], read when PROLOGUE is 1 or 3
+    norm_b_ptr,  # [K] LayerNorm bias, read when PROLOGUE == 3
+    bias_ptr,  # [N], read when HAS_BIAS
     res_ptr,  # [M, N] residual, row stride stride_res, read when HAS_RESIDUAL
     part_ptr,  # [SPLIT_K, M, N] float32 partials, used when SPLIT_K > 1
     count_ptr,  # [cdiv(N, BLOCK_N)] int32 zeros, used when SPLIT_K > 1 (left zero again)
@@ -66,15 +78,17 @@ def _skinny_gemm_kernel(
     stride_x,
     stride_w,
     stride_res,
-    PROLOGUE: tl.constexpr,  # 0 none, 1 rms_norm, 2 silu_mul
+    PROLOGUE: tl.constexpr,  # 0 none, 1 rms_norm, 2 silu_mul, 3 layer_norm
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # 0 none, 1 gelu (erf), 2 relu
     HAS_RESIDUAL: tl.constexpr,
-    IEEE: tl.constexpr,  # float32 inputs: full-precision dot rather than TF32
+    FP32_DOT: tl.constexpr,  # float32 inputs: tl.dot's input_precision ("tf32x3" or "ieee"); "" for 16-bit inputs
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    STATS_BLOCK: tl.constexpr,  # prologue rms_norm: columns per statistics load
-    STATS_ITERS: tl.constexpr,  # prologue rms_norm: cdiv(K, STATS_BLOCK); 0 otherwise
+    STATS_BLOCK: tl.constexpr,  # prologue rms_norm / layer_norm: columns per statistics load
+    STATS_ITERS: tl.constexpr,  # prologue rms_norm / layer_norm: cdiv(K, STATS_BLOCK); 0 otherwise
 ):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K): program (n, s) owns columns n*BLOCK_N.. over the s-th K range."""
     pid_n = tl.program_id(0)
@@ -88,18 +102,26 @@ def _skinny_gemm_kernel(
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
 
-    if PROLOGUE == 1:
-        # RMSNorm needs the whole row's statistics before any K slice: every program reads x's few rows once more
-        # (M x K, from L2) rather than a separate norm kernel writing and re-reading them. The loop is unrolled
-        # (STATS_ITERS is a constant) so its loads are issued together: one L2 round trip, not one per block.
-        sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if PROLOGUE == 1 or PROLOGUE == 3:
+        # A norm needs the whole row's statistics before any K slice: every program reads x's few rows once more
+        # (M x K, from L2) rather than a separate norm kernel writing and re-reading them. The loops are unrolled
+        # (STATS_ITERS is a constant) so their loads are issued together: one L2 round trip, not one per block.
         rs = tl.arange(0, STATS_BLOCK)
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if PROLOGUE == 3:  # LayerNorm: the mean first, then the variance around it (two passes, as torch)
+            for i in tl.static_range(STATS_ITERS):
+                # (its own mask name: compiled, a name shared with the main loop would be a loop-carried variable
+                # whose shape changes, which Triton rejects and the interpreter does not notice)
+                s_ok = (i * STATS_BLOCK + rs) < K
+                xs = tl.load(x_rows + i * STATS_BLOCK + rs[None, :], mask=m_ok[:, None] & s_ok[None, :], other=0.0)
+                mean += tl.sum(xs.to(tl.float32), 1)
+            mean = mean / K
+        sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         for i in tl.static_range(STATS_ITERS):
-            # (its own mask name: compiled, a name shared with the main loop would be a loop-carried variable
-            # whose shape changes, which Triton rejects and the interpreter does not notice)
             s_ok = (i * STATS_BLOCK + rs) < K
-            xs = tl.load(x_rows + i * STATS_BLOCK + rs[None, :], mask=m_ok[:, None] & s_ok[None, :], other=0.0)
-            xs = xs.to(tl.float32)
+            s_mask = m_ok[:, None] & s_ok[None, :]
+            xs = tl.load(x_rows + i * STATS_BLOCK + rs[None, :], mask=s_mask, other=0.0)
+            xs = tl.where(s_mask, xs.to(tl.float32) - mean[:, None], 0.0)
             sq += tl.sum(xs * xs, 1)
         rstd = 1.0 / tl.sqrt(sq / K + eps)
 
@@ -121,11 +143,17 @@ def _skinny_gemm_kernel(
                 # As RMSNorm: the normalised value rounded to the dtype, then the weight product rounded.
                 y = (x.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
                 x = (y * nw[None, :]).to(dtype)
+            elif PROLOGUE == 3:
+                nw = tl.load(norm_w_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+                nb = tl.load(norm_b_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+                # As nn.LayerNorm: everything in float32, one rounding at the end (masked columns come out 0).
+                y = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
+                x = (y * nw[None, :] + nb[None, :]).to(dtype)
         w = tl.load(w_rows + k0 + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(w, tl.trans(x), input_precision="ieee")
-        else:
+        if FP32_DOT == "":
             acc += tl.dot(w, tl.trans(x))
+        else:
+            acc += tl.dot(w, tl.trans(x), input_precision=FP32_DOT)
 
     out_offs = rm[None, :] * N + rn[:, None]  # [BLOCK_N, BLOCK_M] view of out[M, N]
     out_mask = n_ok[:, None] & m_ok[None, :]
@@ -140,15 +168,25 @@ def _skinny_gemm_kernel(
             for s in range(SPLIT_K):  # a fixed order: the sum does not depend on which program finished last
                 acc += tl.load(part_ptr + s * M * N + out_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + pid_n, 0)  # zero again for the next launch (also inside a CUDA graph)
-            _store_out(acc, out_ptr, out_offs, out_mask, res_ptr, rm, rn, stride_res, HAS_RESIDUAL)
+            _store_out(acc, out_ptr, out_offs, out_mask, bias_ptr, res_ptr, rm, rn, n_ok, stride_res, HAS_BIAS,
+                       ACTIVATION, HAS_RESIDUAL)
     else:
-        _store_out(acc, out_ptr, out_offs, out_mask, res_ptr, rm, rn, stride_res, HAS_RESIDUAL)
+        _store_out(acc, out_ptr, out_offs, out_mask, bias_ptr, res_ptr, rm, rn, n_ok, stride_res, HAS_BIAS, ACTIVATION,
+                   HAS_RESIDUAL)
 
 
 @triton.jit
-def _store_out(acc, out_ptr, out_offs, out_mask, res_ptr, rm, rn, stride_res, HAS_RESIDUAL: tl.constexpr):
+def _store_out(acc, out_ptr, out_offs, out_mask, bias_ptr, res_ptr, rm, rn, n_ok, stride_res, HAS_BIAS: tl.constexpr,
+               ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     dtype = out_ptr.dtype.element_ty
-    y = acc.to(dtype)  # the matmul's own rounding, as cuBLAS writes its output
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    y = acc.to(dtype)  # the matmul's own rounding, as cuBLAS writes its output (bias included)
+    if ACTIVATION == 1:  # GELU, the exact (erf) form as nn.GELU(), on the rounded output
+        yf = y.to(tl.float32)
+        y = (0.5 * yf * (1.0 + tl.math.erf(yf * 0.7071067811865476))).to(dtype)
+    elif ACTIVATION == 2:
+        y = tl.maximum(y, 0.0).to(dtype)
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + rm.to(tl.int64)[None, :] * stride_res + rn[:, None], mask=out_mask, other=0.0)
         y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
@@ -164,6 +202,7 @@ class GemmConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 4
+    fp32_dot: str = "tf32x3"  # float32 inputs only: tl.dot's input_precision, "tf32x3" or "ieee"
 
 
 def block_m(m: int) -> int:
@@ -192,8 +231,13 @@ class TunedEntry:
     baseline_us: float
 
 
-def table_key(n: int, k: int, bm: int) -> str:
-    return f"{n}x{k}x{bm}"
+FP32_DOTS = ("tf32x3", "ieee")
+
+
+def table_key(n: int, k: int, bm: int, dtype: torch.dtype = torch.bfloat16) -> str:
+    """16-bit shapes as "NxKxBM" (the models' matmuls); float32 ones (the routers') as "NxKxBM:float32", which are
+    other kernels (twice the bytes per tile) of what may be the same N and K."""
+    return f"{n}x{k}x{bm}" + (":float32" if dtype == torch.float32 else "")
 
 
 def layer_key(shapes: list[tuple[int, int]]) -> str:
@@ -233,20 +277,20 @@ def _table(device: torch.device) -> TunedTable | None:
     return _tuned_table(_device_name(device)) if device.type == "cuda" else None
 
 
-def _tuned(n: int, k: int, m: int, device: torch.device) -> TunedEntry | None:
+def _tuned(n: int, k: int, m: int, device: torch.device, dtype: torch.dtype) -> TunedEntry | None:
     table = _table(device)
-    return None if table is None else table.matmuls.get(table_key(n, k, block_m(m)))
+    return None if table is None else table.matmuls.get(table_key(n, k, block_m(m), dtype))
 
 
-def config_for(n: int, k: int, m: int, device: torch.device) -> GemmConfig:
-    entry = _tuned(n, k, m, device)
+def config_for(n: int, k: int, m: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
+    entry = _tuned(n, k, m, device, dtype)
     if entry is not None:
         return entry.config
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     return heuristic_config(n, k, m, sms)
 
 
-def max_rows(shapes: list[tuple[int, int]], device: torch.device) -> int:
+def max_rows(shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype = torch.bfloat16) -> int:
     """The most rows a layer with these (N, K) matmuls should run skinny (0: never). Up to the last row tile where
     the tuned table has every matmul and measured their sum no slower than cuBLAS with the separate ops, capped
     by the layer's measured step-level limit when the table has one. Untuned shapes and GPUs stay on cuBLAS: the
@@ -257,7 +301,7 @@ def max_rows(shapes: list[tuple[int, int]], device: torch.device) -> int:
         return 0
     rows = 0
     for bm in BLOCK_M_SIZES:
-        entries = [table.matmuls.get(table_key(n, k, bm)) for n, k in shapes]
+        entries = [table.matmuls.get(table_key(n, k, bm, dtype)) for n, k in shapes]
         if any(e is None for e in entries) or sum(e.us for e in entries) > sum(e.baseline_us for e in entries):
             break
         rows = bm
@@ -284,9 +328,18 @@ def _split_k_need(cfg: GemmConfig, m: int, n: int) -> tuple[int, int]:
     return cfg.split_k * m * n, triton.cdiv(n, cfg.block_n)
 
 
-def workspace_need(n: int, k: int, m: int, device: torch.device) -> tuple[int, int]:
+def workspace_need(n: int, k: int, m: int, device: torch.device, dtype: torch.dtype = torch.bfloat16
+                   ) -> tuple[int, int]:
     """(float32 partial elements, counters) one launch of this shape uses."""
-    return _split_k_need(config_for(n, k, m, device), m, n)
+    return _split_k_need(config_for(n, k, m, device, dtype), m, n)
+
+
+def workspace_for(shapes: list[tuple[int, int]], rows: int, device: torch.device,
+                  dtype: torch.dtype = torch.bfloat16) -> SplitKWorkspace:
+    """A workspace big enough for any launch of these (N, K) shapes at up to `rows` rows."""
+    tiles = {min(bm, rows) for bm in BLOCK_M_SIZES}  # the most rows of each row tile
+    needs = [workspace_need(n, k, m, device, dtype) for n, k in shapes for m in tiles]
+    return SplitKWorkspace(device, max(p for p, _ in needs), max(t for _, t in needs))
 
 
 def skinny_linear(
@@ -296,18 +349,25 @@ def skinny_linear(
     *,
     prologue: str = "none",
     norm_weight: torch.Tensor | None = None,
+    norm_bias: torch.Tensor | None = None,
     eps: float = 0.0,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
     residual: torch.Tensor | None = None,
     config: GemmConfig | None = None,
 ) -> torch.Tensor:
-    """prologue(x) @ weight^T (+ residual) -> new contiguous [M, N] in x's dtype.
+    """activation(prologue(x) @ weight^T + bias) (+ residual) -> new contiguous [M, N] in x's dtype.
 
-    prologue: "none"; "rms_norm" (RMSNorm of x with `norm_weight` and `eps` first); "silu_mul" (x is [M, 2K] =
-    [gate | up], the input is silu(gate) * up). `residual` [M, N] is added to the rounded product. A split-K
-    config needs `workspace` (SplitKWorkspace). Never synchronises, so it can be captured in a CUDA graph.
+    prologue: "none"; "rms_norm" (RMSNorm of x with `norm_weight` and `eps` first); "layer_norm" (LayerNorm with
+    `norm_weight`, `norm_bias` and `eps`); "silu_mul" (x is [M, 2K] = [gate | up], the input is silu(gate) * up).
+    `bias` [N] joins the product before its rounding; activation: "none", "gelu" (erf) or "relu"; `residual`
+    [M, N] is added last. A split-K config needs `workspace` (SplitKWorkspace). Never synchronises, so it can be
+    captured in a CUDA graph.
     """
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if x.dim() != 2 or weight.dim() != 2 or x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be 2-D, last dim contiguous")
     M = x.shape[0]
@@ -317,14 +377,20 @@ def skinny_linear(
     if x.shape[1] != (2 * K if prologue == "silu_mul" else K) or x.dtype != weight.dtype:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} {weight.dtype} "
                          f"with prologue {prologue!r}")
-    if prologue == "rms_norm" and (norm_weight is None or norm_weight.shape != (K,)):
-        raise ValueError(f"prologue 'rms_norm' needs norm_weight of shape ({K},)")
+    if prologue in ("rms_norm", "layer_norm") and (norm_weight is None or norm_weight.shape != (K,)):
+        raise ValueError(f"prologue {prologue!r} needs norm_weight of shape ({K},)")
+    if prologue == "layer_norm" and (norm_bias is None or norm_bias.shape != (K,)):
+        raise ValueError(f"prologue 'layer_norm' needs norm_bias of shape ({K},)")
+    if bias is not None and (bias.shape != (N,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [{N}], got {tuple(bias.shape)}")
     if residual is not None and (residual.shape != (M, N) or residual.stride(-1) != 1):
         raise ValueError(f"residual must be [{M}, {N}] with a contiguous last dim, got {tuple(residual.shape)}")
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    cfg = config or config_for(N, K, M, x.device)
+    cfg = config or config_for(N, K, M, x.device, x.dtype)
+    if cfg.fp32_dot not in FP32_DOTS:
+        raise ValueError(f"fp32_dot must be one of {FP32_DOTS}, got {cfg.fp32_dot!r}")
     if cfg.split_k > 1:
         need = _split_k_need(cfg, M, N)
         if workspace is None or not workspace.fits(*need):
@@ -338,13 +404,16 @@ def skinny_linear(
     _skinny_gemm_kernel[grid](
         x, weight, out,
         norm_weight if norm_weight is not None else out,
+        norm_bias if norm_bias is not None else out,
+        bias if bias is not None else out,
         residual if residual is not None else out,
         part, counts, M, N, K, triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k,
         eps, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
-        PROLOGUE=PROLOGUES.index(prologue), HAS_RESIDUAL=residual is not None,
-        IEEE=x.dtype == torch.float32, BLOCK_M=block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PROLOGUE=PROLOGUES.index(prologue), HAS_BIAS=bias is not None, ACTIVATION=ACTIVATIONS.index(activation),
+        HAS_RESIDUAL=residual is not None, FP32_DOT=cfg.fp32_dot if x.dtype == torch.float32 else "",
+        BLOCK_M=block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, STATS_BLOCK=stats_block,
-        STATS_ITERS=triton.cdiv(K, stats_block) if prologue == "rms_norm" else 0,
+        STATS_ITERS=triton.cdiv(K, stats_block) if prologue in ("rms_norm", "layer_norm") else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

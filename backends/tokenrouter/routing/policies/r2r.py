@@ -12,10 +12,15 @@ concatenates [h, proj(top-k), e] -> [S, 3H] -> Linear(3H, d) -> Linear(d, d) -> 
 large model (models[1]) when sigmoid(z) >= `threshold`. The small model's token is then dropped and the large
 model produces exactly one token and hands back (the base default lease); the large model's `route` answers
 "stay".
+
+On a GPU whose tuned table has the network's shapes, its linear layers run as skinny-matmul kernels with the
+LayerNorms, biases, GELUs and residual adds fused in (skinny_router.py), all but the head: a dot product per row
+(N = 1) is no matmul, and a kernel tiled for matmuls ran it 3x slower than torch's LayerNorm and GEMV.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -23,7 +28,10 @@ from torch import nn
 
 from tokenrouter.routing.policies._common import number_arg
 from tokenrouter.routing.policies.learned import LearnedRouterPolicy
+from tokenrouter.routing.policies.skinny_router import FusedLinear, SkinnyRouter
 from tokenrouter.routing.policy import StepResult, register
+
+log = logging.getLogger(__name__)
 
 NUM_BLOCKS = 6
 
@@ -42,7 +50,7 @@ class ResidualBlock(nn.Module):
         return x + self.fc2(self.act(self.fc1(self.norm(x))))
 
 
-class R2RRouter(nn.Module):
+class R2RRouter(SkinnyRouter):
     """R2R's router network (see the module docstring); `forward` returns [S] logits."""
 
     def __init__(self, hidden_size: int, top_k: int, d: int, num_blocks: int = NUM_BLOCKS) -> None:
@@ -56,11 +64,30 @@ class R2RRouter(nn.Module):
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, 1)
 
+    def fused_linears(self) -> list[FusedLinear]:
+        """The linear layers the kernel runs, in `forward`'s order, each with the ops fused into it."""
+        out = [FusedLinear("logits_proj", self.logits_proj), FusedLinear("in_proj", self.in_proj),
+               FusedLinear("mix", self.mix)]
+        for i, b in enumerate(self.blocks):
+            out += [FusedLinear(f"blocks.{i}.fc1", b.fc1, norm=b.norm, activation="gelu"),
+                    FusedLinear(f"blocks.{i}.fc2", b.fc2, residual=True)]
+        return out
+
     def forward(self, hidden: torch.Tensor, top_logits: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
+        if self.skinny(hidden.shape[0]):
+            return self._forward_skinny(hidden, top_logits, token_emb)
         x = torch.cat([hidden, self.logits_proj(top_logits), token_emb], dim=-1)
         x = self.mix(self.in_proj(x))
         for block in self.blocks:
             x = block(x)
+        return self.head(self.norm(x)).squeeze(-1)
+
+    def _forward_skinny(self, hidden: torch.Tensor, top_logits: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
+        ws = self.workspace
+        proj, in_proj, mix, *blocks = self.fused_linears()
+        x = mix(in_proj(torch.cat([hidden, proj(top_logits, ws), token_emb], dim=-1), ws), ws)
+        for fc1, fc2 in zip(blocks[::2], blocks[1::2]):
+            x = fc2(fc1(x, ws), ws, residual=x)
         return self.head(self.norm(x)).squeeze(-1)
 
 
@@ -79,6 +106,11 @@ class R2RPolicy(LearnedRouterPolicy):
 
     def build_net(self, hidden_size: int, vocab_size: int) -> nn.Module:
         return R2RRouter(hidden_size, min(self.top_k_logits, vocab_size), self.hidden_dim)
+
+    def setup(self, device: torch.device, dtype: torch.dtype, hidden_size: int, vocab_size: int) -> None:
+        super().setup(device, dtype, hidden_size, vocab_size)
+        if self.net is not None and self.skinny_gemm and self.net.use_skinny_gemm(torch.device(device)):
+            log.info("policy r2r: router matmuls through the skinny kernel for up to %d rows", self.net.skinny_max_m)
 
     def net_inputs(self, result: StepResult) -> tuple[torch.Tensor, ...]:
         k = self.net.top_k
