@@ -92,7 +92,16 @@ def test_the_table_decides(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not net.use_skinny_gemm(cuda) and net.workspace is None
 
 
-def test_policy_on_a_cpu_keeps_torch() -> None:
-    policy = R2RPolicy(["small", "large"], "small", {"hidden_dim": D, "top_k_logits": TOP_K})
-    policy.setup(torch.device("cpu"), torch.float32, HIDDEN, 100)
-    assert policy.net.workspace is None
+def test_policy_argument(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`router_kernel: auto` asks the table (a CPU never runs the kernel); `torch` never asks; anything else is a
+    clear error when the policy is built."""
+    asked = []
+    monkeypatch.setattr(R2RRouter, "use_skinny_gemm", lambda self, device: asked.append(device.type) or False)
+    for kernel, expect in (("auto", ["cpu"]), ("torch", [])):
+        asked.clear()
+        args = {"hidden_dim": D, "top_k_logits": TOP_K, "router_kernel": kernel}
+        policy = R2RPolicy(["small", "large"], "small", args)
+        policy.setup(torch.device("cpu"), torch.float32, HIDDEN, 100)
+        assert asked == expect and policy.net.workspace is None
+    with pytest.raises(ValueError, match="router_kernel"):
+        R2RPolicy(["small", "large"], "small", {"router_kernel": "cublas"})

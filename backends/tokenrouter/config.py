@@ -91,8 +91,7 @@ class ModelConfig:
     # Small batches run each layer's four matmuls as Triton skinny GEMMs with the norms, SwiGLU's activation and
     # the residual adds fused in (runner/skinny_gemm.py): seven kernels a layer instead of eleven. Only as far
     # as the tuned table (runner/skinny_gemm_tuned.json) measured them faster on this GPU for this model's
-    # shapes; elsewhere cuBLAS. Needs the triton attention backend (part of that fused path); false: cuBLAS. The
-    # same goes for the router network a policy runs in this model's step (R2R's: routing/policies/skinny_router.py).
+    # shapes; elsewhere cuBLAS. Needs the triton attention backend (part of that fused path); false: cuBLAS.
     skinny_gemm: bool = True
     # CUDA stream priority of this model's steps (and of its captured graphs). Models sharing a GPU compete for
     # its SMs: `high` lets the model whose short steps everything waits on (the small model that routes every

@@ -65,7 +65,6 @@ class Subserver:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.policy = policy
         policy.tokenizer = stop.tokenizer
-        policy.skinny_gemm = cfg.skinny_gemm
         a = self.runner.arch
         policy.setup(self.runner.device, self.runner.dtype, a.hidden_size, a.vocab_size)
         embed = self.runner.model.model.embed_tokens

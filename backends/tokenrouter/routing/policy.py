@@ -160,9 +160,6 @@ class Policy(ABC):
     # The deployment's tokenizer (None for token-id-only models), set by the subserver before `setup`,
     # for policies whose rule depends on text (e.g. a step delimiter).
     tokenizer: Any = None
-    # Whether the model's config allows Triton skinny matmuls in its step (its `skinny_gemm`), set by the subserver
-    # before `setup`: a policy's router network may run its layers through them (routing/policies/skinny_router.py).
-    skinny_gemm: bool = True
 
     def setup(self, device: torch.device, dtype: torch.dtype, hidden_size: int, vocab_size: int) -> None:
         """Called once in the subserver after its model loaded (e.g. build the router network there)."""

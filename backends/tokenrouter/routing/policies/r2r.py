@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenrouter.routing.policies._common import number_arg
+from tokenrouter.routing.policies._common import choice_arg, number_arg
 from tokenrouter.routing.policies.learned import LearnedRouterPolicy
 from tokenrouter.routing.policies.skinny_router import FusedLinear, SkinnyRouter
 from tokenrouter.routing.policy import StepResult, register
@@ -96,20 +96,23 @@ class R2RPolicy(LearnedRouterPolicy):
     """R2R: the large model writes one token whenever the router's probability is >= threshold."""
 
     name = "r2r"
-    ARGS = {**LearnedRouterPolicy.ARGS, "hidden_dim": 1024, "top_k_logits": 100}
+    # router_kernel: "auto" runs the network's linear layers through the skinny kernel where the tuned table has
+    # them for this GPU (skinny_router.py), "torch" always on its torch modules (cuBLAS on a GPU).
+    ARGS = {**LearnedRouterPolicy.ARGS, "hidden_dim": 1024, "top_k_logits": 100, "router_kernel": "auto"}
     RULE = ">="
 
     def __init__(self, models: list[str], model: str, args: dict[str, Any] | None = None) -> None:
         super().__init__(models, model, args)
         self.hidden_dim: int = number_arg(self, "hidden_dim", lo=1, integer=True)
         self.top_k_logits: int = number_arg(self, "top_k_logits", lo=1, integer=True)
+        self.router_kernel: str = choice_arg(self, "router_kernel", ("auto", "torch"))
 
     def build_net(self, hidden_size: int, vocab_size: int) -> nn.Module:
         return R2RRouter(hidden_size, min(self.top_k_logits, vocab_size), self.hidden_dim)
 
     def setup(self, device: torch.device, dtype: torch.dtype, hidden_size: int, vocab_size: int) -> None:
         super().setup(device, dtype, hidden_size, vocab_size)
-        if self.net is not None and self.skinny_gemm and self.net.use_skinny_gemm(torch.device(device)):
+        if self.net is not None and self.router_kernel == "auto" and self.net.use_skinny_gemm(torch.device(device)):
             log.info("policy r2r: router matmuls through the skinny kernel for up to %d rows", self.net.skinny_max_m)
 
     def net_inputs(self, result: StepResult) -> tuple[torch.Tensor, ...]:
