@@ -119,6 +119,19 @@ def test_bias_and_activation_match_torch(dtype, activation, prologue, residual, 
     assert int(ws.counts.count_nonzero()) == 0
 
 
+def test_layer_norm_of_rows_far_from_zero() -> None:
+    """LayerNorm's statistics in one pass stay exact when a row's mean is large against its spread (float32's sum
+    of squares minus the squared mean would lose the variance's third digit here), against a float64 reference."""
+    gen = torch.Generator().manual_seed(7)
+    K = 1100  # three statistics blocks at 16 rows, the last one partial
+    x = _randn(4, K, dtype=torch.float32, gen=gen) + 100.0
+    weight, norm_w, norm_b = (_randn(*shape, dtype=torch.float32, gen=gen) for shape in ((32, K), (K,), (K,)))
+    out = sg.skinny_linear(x, weight, prologue="layer_norm", norm_weight=norm_w, norm_bias=norm_b, eps=EPS,
+                           config=sg.GemmConfig(32, 128, 1))
+    ref = F.linear(F.layer_norm(x.double(), (K,), norm_w.double(), norm_b.double(), EPS), weight.double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-3)
+
+
 @pytest.mark.skipif(INTERPRET, reason="the interpreter runs programs in grid order: only compiled can the "
                     "arrival order of the splits vary")
 def test_split_k_is_deterministic() -> None:

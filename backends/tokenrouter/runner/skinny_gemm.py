@@ -10,8 +10,8 @@ few kernels as possible. The kernel therefore
   N dimension of 16;
 * fuses the element-wise op in front of it (`prologue`): RMSNorm of x (statistics over the whole row, then the
   normalised value times the norm weight, rounded where `RMSNorm` rounds), LayerNorm (mean and variance over the
-  row in two passes, then weight and bias, one rounding as `nn.LayerNorm`) or SwiGLU's silu(gate) * up (x holds
-  [gate | up], rounded where `fused_ops.silu_mul` rounds);
+  row in one pass, around the row's first element, then weight and bias, one rounding as `nn.LayerNorm`) or SwiGLU's
+  silu(gate) * up (x holds [gate | up], rounded where `fused_ops.silu_mul` rounds);
 * and what follows it: a bias (added to the float32 product before its rounding, as cuBLAS's epilogue does), an
   activation (GELU with erf, or ReLU, on the rounded value as torch applies it), and the residual add:
   y = round(act(round(x @ W^T + b)) + residual), as torch's `h + residual` is computed after the rounded matmul. A
@@ -104,25 +104,33 @@ def _skinny_gemm_kernel(
 
     if PROLOGUE == 1 or PROLOGUE == 3:
         # A norm needs the whole row's statistics before any K slice: every program reads x's few rows once more
-        # (M x K, from L2) rather than a separate norm kernel writing and re-reading them. The loops are unrolled
-        # (STATS_ITERS is a constant) so their loads are issued together: one L2 round trip, not one per block.
+        # (M x K, from L2) rather than a separate norm kernel writing and re-reading them. The loop is unrolled
+        # (STATS_ITERS is a constant) so its loads are issued together: one L2 round trip, not one per block.
         rs = tl.arange(0, STATS_BLOCK)
         mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if PROLOGUE == 3:  # LayerNorm: the mean first, then the variance around it (two passes, as torch)
-            for i in tl.static_range(STATS_ITERS):
-                # (its own mask name: compiled, a name shared with the main loop would be a loop-carried variable
-                # whose shape changes, which Triton rejects and the interpreter does not notice)
-                s_ok = (i * STATS_BLOCK + rs) < K
-                xs = tl.load(x_rows + i * STATS_BLOCK + rs[None, :], mask=m_ok[:, None] & s_ok[None, :], other=0.0)
-                mean += tl.sum(xs.to(tl.float32), 1)
-            mean = mean / K
-        sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_M], dtype=tl.float32)  # RMSNorm: sum of squares; LayerNorm: of deviations from shift
+        dev_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         for i in tl.static_range(STATS_ITERS):
+            # (its own mask name: compiled, a name shared with the main loop would be a loop-carried variable
+            # whose shape changes, which Triton rejects and the interpreter does not notice)
             s_ok = (i * STATS_BLOCK + rs) < K
             s_mask = m_ok[:, None] & s_ok[None, :]
-            xs = tl.load(x_rows + i * STATS_BLOCK + rs[None, :], mask=s_mask, other=0.0)
-            xs = tl.where(s_mask, xs.to(tl.float32) - mean[:, None], 0.0)
-            sq += tl.sum(xs * xs, 1)
+            xs = tl.load(x_rows + i * STATS_BLOCK + rs[None, :], mask=s_mask, other=0.0).to(tl.float32)
+            if PROLOGUE == 3:
+                # LayerNorm in one pass: sums of the deviations from each row's first element, which is near the
+                # mean on the scale of the spread, so float32 sums lose nothing when the mean dwarfs the spread
+                # (a plain sum of squares minus the squared mean would cancel to noise).
+                if i == 0:
+                    shift = tl.sum(tl.where(rs[None, :] == 0, xs, 0.0), 1)
+                dev = tl.where(s_mask, xs - shift[:, None], 0.0)
+                dev_sum += tl.sum(dev, 1)
+                sq += tl.sum(dev * dev, 1)
+            else:
+                sq += tl.sum(xs * xs, 1)
+        if PROLOGUE == 3:
+            dm = dev_sum / K
+            mean = shift + dm
+            sq = tl.maximum(sq - dm * dev_sum, 0.0)  # deviations from the mean: sum (x - shift)^2 - K dm^2
         rstd = 1.0 / tl.sqrt(sq / K + eps)
 
     k_begin = pid_k * k_per_split
