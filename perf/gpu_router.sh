@@ -31,7 +31,7 @@ if [ "${TUNE:-1}" = 1 ]; then
 fi
 
 step "step profiles"
-for batch in 8 1; do
+for batch in ${PROFILE_BATCHES:-8 1}; do
   for args in "" "--router" "--router --router-cublas"; do
     timeout 90 python3 perf/profile_step.py --model qwen3-0.6b --batch $batch $args >> $res/profile.log 2>&1
   done
