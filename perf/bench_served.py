@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                 report["results"].append(row)
                 write(report)  # after every run: a run cut short keeps what it measured
                 print(f"C={c} run {run}: {_fmt(row.get('output_tok_s'))} tok/s, TTFT p50 / p99 "
-                      f"{_fmt(row.get('ttft_ms_p50'))} / {_fmt(row.get('ttft_ms_p99'))} ms, {row['errors']} errors",
+                      f"{_fmt(row.get('ttft_ms_p50'))} / {_fmt(row.get('ttft_ms_p99'))} ms, large share "
+                      f"{_fmt(row.get('large_share'), 3)}, {row['errors']} errors",
                       flush=True)
     print(markdown(report))
     failed = any(r.get("errors") for r in report.get("results", [])) or any(
