@@ -104,11 +104,17 @@ def router_specs(spec: str, m: int) -> list[tuple]:
     arch = ArchConfig.from_dir(ROOT / "perf" / "models" / model)
     policy = make_policy(policy_name, ["small", "large"], "small")
     with torch.device("meta"):
-        net = policy.build_net(arch.hidden_size, arch.vocab_size)
+        net = policy.build_net(arch.hidden_size, arch.vocab_size) if hasattr(policy, "build_net") else None
+    if not hasattr(net, "fused_linears"):
+        raise SystemExit(f"--routers {spec}: policy {policy_name!r} has no router network for the skinny kernel")
     specs = {}  # one per distinct kernel: R2R's six blocks share two
     for f in net.fused_linears():
         rest = (*f.shape, f.prologue, f.residual, m, "float32", f.linear.bias is not None, f.activation)
         specs.setdefault(rest, f"{policy_name}/{f.name}")
+    shapes = [rest[:2] for rest in specs]
+    if len(set(shapes)) != len(shapes):  # the table keys entries by N x K x rows x dtype, not by the fused ops
+        raise SystemExit(f"--routers {spec}: two layers of one shape with different fused ops; the table can hold "
+                         "one config per shape")
     return [(name, *rest) for rest, name in specs.items()]
 
 

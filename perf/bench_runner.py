@@ -243,8 +243,8 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
                                       "eager_ms": e * 1e3, "replay_ms": r and r * 1e3,
                                       "plain_graph_ms": plain["graph_ms"], "plain_replay_ms": plain["replay_ms"]})
                 print(f"{name} decode+r2r ({kind}) b={batch}: graph {_ms(g)} ms (without router "
-                      f"{plain['graph_ms']:.2f} ms), replay alone {_ms(r)} ms (without router "
-                      f"{plain['replay_ms']:.2f} ms), eager {_ms(e)} ms", flush=True)
+                      f"{_f(plain['graph_ms'])} ms), replay alone {_ms(r)} ms (without router "
+                      f"{_f(plain['replay_ms'])} ms), eager {_ms(e)} ms", flush=True)
     bm.check_integrity([])
     runner = None  # drop the weights before the next model loads
     gc.collect()

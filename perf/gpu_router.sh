@@ -18,8 +18,9 @@ table=backends/tokenrouter/runner/skinny_gemm_tuned.json
 
 step "kernel and router tests, compiled"
 # (the router's, and the kernel cases its layers use; the whole of test_skinny_gemm.py compiles for minutes)
-timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_router_skinny.py tests/test_skinny_gemm.py \
-  -k "${TESTS_K:-router or bias or rejects or hopper or deterministic or policy or table}" > $res/gpu_tests.log 2>&1
+timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/test_router_skinny.py tests/test_skinny_gemm.py \
+  -k "${TESTS_K:-router or bias or rejects or hopper or deterministic or policy or table or far_from or matches_torch or only_where}" \
+  > $res/gpu_tests.log 2>&1
 tail -3 $res/gpu_tests.log
 
 if [ "${TUNE:-1}" = 1 ]; then
@@ -42,7 +43,7 @@ step "step times in graphs"
 timeout 200 python3 perf/bench_runner.py --models qwen3-0.6b --quick --colocate '' --out $res/runner_router.json \
   2>&1 | grep -E "r2r|router" | tail -12
 
-if [ -n "${ENGINE:-1}" ]; then
+if [ -n "${ENGINE-1}" ]; then
   # Routed R2R in process (Qwen3-0.6B + Qwen3-32B), the router on the kernel and on cuBLAS, side by side; the
   # threshold is the one perf/evaluate.py calibrated to a ~10 % large share on its prompts (2026-12-02).
   python3 -m tokenrouter.cli make-bench-tokenizer > /dev/null 2>&1

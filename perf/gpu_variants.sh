@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One deployment in a few variants, side by side in one device call: each variant is the config with a JSON merge
-# patch applied (written beside the original, so that its relative paths hold), then
+# One deployment in a few variants, side by side in one device call: each variant is the config with a JSON object
+# merged into it (objects merge key by key, any other value replaces; written beside the original, so that its
+# relative paths hold, and removed at the end), then
 #   inprocess: perf/bench_engine.py (routed, C=8 and 16) per variant;
 #   served:    tokenrouter serve + perf/bench_served.py (C=8 three runs, C=16 one; POINTS overrides) per variant.
 # Usage (repository root, on the GPU machine):
@@ -15,11 +16,13 @@ cfg=${2:?deployment YAML}
 mode=${3:?inprocess or served}
 shift 3
 variants=()
+written=()
 bundle=.gpu
 while [ $# -gt 0 ]; do
   if [ "$1" = -- ]; then bundle=${2:?bundle}; break; fi
   variants+=("$1"); shift
 done
+case $mode in inprocess|served) ;; *) echo "MODE must be inprocess or served, got '$mode'"; exit 2;; esac
 archive=results_variants_$mode.tgz
 if [ "$mode" = served ]; then source perf/gpu_env.sh; else source perf/gpu_results.sh; fi  # (work, res, step)
 export PYTHONPATH=$PWD/backends TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
@@ -28,11 +31,12 @@ export PYTHONPATH=$PWD/backends TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 for variant in "${variants[@]}"; do
   name=${variant%%=*}
   c=$(dirname "$cfg")/_variant_$name.yaml
+  written+=("$c")
   python3 - "$cfg" "$c" "${variant#*=}" <<'PY' || { echo "could not write $c"; exit 1; }
 import json, sys, yaml
 def merge(base, patch):
     for k, v in patch.items():
-        base[k] = merge(base.get(k) or {}, v) if isinstance(v, dict) else v
+        base[k] = merge(base[k] if isinstance(base.get(k), dict) else {}, v) if isinstance(v, dict) else v
     return base
 cfg = merge(yaml.safe_load(open(sys.argv[1])), json.loads(sys.argv[3]))
 yaml.safe_dump(cfg, open(sys.argv[2], "w"), sort_keys=False)
@@ -57,4 +61,5 @@ PY
   fi
   stop_server
 done
+rm -f "${written[@]}"
 step "done"

@@ -1,9 +1,10 @@
 """The skinny matmul kernel (runner/skinny_gemm.py) against torch, and the model's skinny path against its cuBLAS
 path, via Triton's interpreter (TRITON_INTERPRET=0 on a GPU runs the same checks compiled).
 
-The kernel cases cover each prologue (none, RMSNorm, silu * up) with and without the residual add, split-K with a
-ragged last split, N and K that are not multiples of the tiles, and strided rows; the counters of split-K must be
-zero again after every launch (a CUDA graph replays the same launch).
+The kernel cases cover each prologue (none, RMSNorm, silu * up, LayerNorm) with and without the residual add, the
+bias and activation epilogue of a router's layers, split-K with a ragged last split, N and K that are not
+multiples of the tiles, and strided rows; the counters of split-K must be zero again after every launch (a CUDA
+graph replays the same launch).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 needs a CUDA GPU", allow_module_level=True)
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 EPS = 1e-6
-# float32: the dot runs in full precision (IEEE), only the summation order differs from torch (partial sums of
-# ~sqrt(K) in magnitude, so a few 1e-5 absolute where terms cancel). float16: the prologues round where torch
+# float32: the dot runs in three TF32 passes (compiled; float32-grade products) or in full precision under the
+# interpreter, and the summation order differs from torch (partial sums of ~sqrt(K) in magnitude, so a few 1e-5
+# absolute where terms cancel). float16: the prologues round where torch
 # does, then an ulp or two from float32 summation order.
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-4}, torch.float16: {"rtol": 2e-3, "atol": 2e-3}}
 
@@ -119,12 +121,16 @@ def test_bias_and_activation_match_torch(dtype, activation, prologue, residual, 
     assert int(ws.counts.count_nonzero()) == 0
 
 
-def test_layer_norm_of_rows_far_from_zero() -> None:
+@pytest.mark.parametrize("outlier", [False, True])
+def test_layer_norm_of_rows_far_from_zero(outlier: bool) -> None:
     """LayerNorm's statistics in one pass stay exact when a row's mean is large against its spread (float32's sum
-    of squares minus the squared mean would lose the variance's third digit here), against a float64 reference."""
+    of squares minus the squared mean would lose the variance's third digit here), also when the row's first
+    column is an outlier (30 sigma), against a float64 reference."""
     gen = torch.Generator().manual_seed(7)
     K = 1100  # three statistics blocks at 16 rows, the last one partial
     x = _randn(4, K, dtype=torch.float32, gen=gen) + 100.0
+    if outlier:
+        x[:, 0] += 30.0
     weight, norm_w, norm_b = (_randn(*shape, dtype=torch.float32, gen=gen) for shape in ((32, K), (K,), (K,)))
     out = sg.skinny_linear(x, weight, prologue="layer_norm", norm_weight=norm_w, norm_bias=norm_b, eps=EPS,
                            config=sg.GemmConfig(32, 128, 1))
@@ -178,6 +184,8 @@ def test_rejects_bad_calls() -> None:
         sg.skinny_linear(x, w, prologue="layer_norm", norm_weight=torch.ones(32, device=DEVICE))
     with pytest.raises(ValueError, match="bias"):
         sg.skinny_linear(x, w, bias=torch.zeros(15, device=DEVICE))
+    with pytest.raises(ValueError, match="K >= 1"):
+        sg.skinny_linear(x[:, :0], w[:, :0])
     with pytest.raises(ValueError, match="fp32_dot"):
         sg.skinny_linear(x, w, config=sg.GemmConfig(16, 16, 1, fp32_dot="tf32"))
     with pytest.raises(ValueError, match="at most"):
@@ -266,17 +274,23 @@ def test_layer_caps_rule() -> None:
 
 def test_model_skinny_only_where_the_table_says(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An untuned model stays on cuBLAS; a tuned one is capped at its rows; a model with a q/k/v bias (which the
-    kernel lacks) never runs skinny; the workspace fits the rows it may run."""
+    kernel lacks) never runs skinny; the workspace fits the rows it may run. The table is read for the weights'
+    dtype: entries tuned in bfloat16 do not turn the float32 tiny model skinny (its launches would look up
+    float32 configs the workspace was not sized for)."""
     from tokenrouter.runner.model import layer_shapes
 
     runner = _runner(tiny_dir)
     assert not runner.skinny_gemm and runner.model.workspace is None  # no table for the tiny model
     shapes = layer_shapes(runner.arch)
-    _table(monkeypatch, {sg.table_key(n, k, bm): _entry(1.0, 2.0) for n, k in shapes for bm in sg.BLOCK_M_SIZES},
-           {sg.layer_key(shapes): 8})
+    entries = {sg.table_key(n, k, bm): _entry(1.0, 2.0) for n, k in shapes for bm in sg.BLOCK_M_SIZES}
+    _table(monkeypatch, entries, {sg.layer_key(shapes): 8})
+    assert not _runner(tiny_dir).skinny_gemm  # bfloat16 entries only
+    entries = {sg.table_key(n, k, bm, torch.float32): _entry(1.0, 2.0)
+               for n, k in shapes for bm in sg.BLOCK_M_SIZES}
+    _table(monkeypatch, entries, {sg.layer_key(shapes): 8})
     runner = _runner(tiny_dir)
     assert runner.skinny_gemm and runner.model.skinny_max_m == 8
-    need = max(sg.workspace_need(n, k, 8, DEVICE)[0] for n, k in shapes)
+    need = max(sg.workspace_need(n, k, 8, DEVICE, torch.float32)[0] for n, k in shapes)
     assert runner.model.workspace.partials.numel() == need  # 2 splits x 8 rows x the widest N
     runner.model.arch = dataclasses.replace(runner.arch, qkv_bias=True)
     runner.model.workspace = None

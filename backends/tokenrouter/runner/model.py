@@ -164,17 +164,18 @@ class CausalLM(nn.Module):
 
     def use_skinny_gemm(self, device: torch.device) -> bool:
         """Route batches of up to `skinny_max_m` tokens (skinny_gemm.max_rows: what the tuned table measured faster
-        on this device) through `DecoderLayer.forward_stream` (fused path only; the skinny kernel has no bias).
-        Returns whether it did."""
+        on this device, for the weights' dtype) through `DecoderLayer.forward_stream` (fused path only; that path
+        passes no q/k/v bias). Returns whether it did."""
         if not self.fused or self.arch.qkv_bias:
             return False
         from tokenrouter.runner import skinny_gemm
 
         shapes = layer_shapes(self.arch)
-        self.skinny_max_m = skinny_gemm.max_rows(shapes, device)
+        dtype = self.model.embed_tokens.weight.dtype  # float32 weights have table entries (and kernels) of their own
+        self.skinny_max_m = skinny_gemm.max_rows(shapes, device, dtype)
         if self.skinny_max_m == 0:
             return False
-        self.workspace = skinny_gemm.workspace_for(shapes, self.skinny_max_m, device)
+        self.workspace = skinny_gemm.workspace_for(shapes, self.skinny_max_m, device, dtype)
         return True
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:  # [T, hidden]

@@ -23,7 +23,7 @@ a TF32 high part and a TF32 remainder, errors of float32's order), or in plain I
 tuned config says so (`GemmConfig.fp32_dot`): at a few rows both only stream the weight, and the tensor-core path
 keeps the kernel's layout where IEEE dot falls back to the CUDA cores.
 
-N and M are runtime arguments (K too, except the RMSNorm statistics' unrolled loop count), so a model's shapes
+N and M are runtime arguments (K too, except the norm statistics' unrolled loop count), so a model's shapes
 share compiled variants. Tile sizes and split counts come per (N, K, M) from a table measured on the target GPU
 by perf/bench_gemm.py and persisted beside this module (`skinny_gemm_tuned.json`, which also caps the rows per
 model from step-level measurements, perf/bench_runner.py); a model whose shapes or GPU it lacks stays on cuBLAS.
@@ -117,11 +117,12 @@ def _skinny_gemm_kernel(
             s_mask = m_ok[:, None] & s_ok[None, :]
             xs = tl.load(x_rows + i * STATS_BLOCK + rs[None, :], mask=s_mask, other=0.0).to(tl.float32)
             if PROLOGUE == 3:
-                # LayerNorm in one pass: sums of the deviations from each row's first element, which is near the
-                # mean on the scale of the spread, so float32 sums lose nothing when the mean dwarfs the spread
-                # (a plain sum of squares minus the squared mean would cancel to noise).
+                # LayerNorm in one pass: sums of the deviations from the mean of the row's first block (already in
+                # registers), which is near the row's mean on the scale of its spread. So float32 sums lose
+                # nothing when the mean dwarfs the spread (a plain sum of squares minus the squared mean would
+                # cancel to noise), and a single outlier column cannot throw the shift off.
                 if i == 0:
-                    shift = tl.sum(tl.where(rs[None, :] == 0, xs, 0.0), 1)
+                    shift = tl.sum(xs, 1) / tl.sum(s_ok.to(tl.float32), 0)
                 dev = tl.where(s_mask, xs - shift[:, None], 0.0)
                 dev_sum += tl.sum(dev, 1)
                 sq += tl.sum(dev * dev, 1)
@@ -382,6 +383,8 @@ def skinny_linear(
     N, K = weight.shape
     if M > MAX_M:
         raise ValueError(f"skinny_linear takes at most {MAX_M} rows, got {M}")
+    if K == 0:
+        raise ValueError("skinny_linear needs K >= 1 (a norm over no columns is undefined)")
     if x.shape[1] != (2 * K if prologue == "silu_mul" else K) or x.dtype != weight.dtype:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} {weight.dtype} "
                          f"with prologue {prologue!r}")
