@@ -10,8 +10,8 @@ few kernels as possible. The kernel therefore
   N dimension of 16;
 * fuses the element-wise op in front of it (`prologue`): RMSNorm of x (statistics over the whole row, then the
   normalised value times the norm weight, rounded where `RMSNorm` rounds), LayerNorm (mean and variance over the
-  row in one pass, around the row's first element, then weight and bias, one rounding as `nn.LayerNorm`) or SwiGLU's
-  silu(gate) * up (x holds [gate | up], rounded where `fused_ops.silu_mul` rounds);
+  row in one pass, around the mean of its first block, then weight and bias, one rounding as `nn.LayerNorm`) or
+  SwiGLU's silu(gate) * up (x holds [gate | up], rounded where `fused_ops.silu_mul` rounds);
 * and what follows it: a bias (added to the float32 product before its rounding, as cuBLAS's epilogue does), an
   activation (GELU with erf, or ReLU, on the rounded value as torch applies it), and the residual add:
   y = round(act(round(x @ W^T + b)) + residual), as torch's `h + residual` is computed after the rounded matmul. A

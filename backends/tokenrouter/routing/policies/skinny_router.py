@@ -3,9 +3,9 @@
 A router runs inside the small model's CUDA graph on every step, on a handful of rows, in float32: each linear
 layer only streams its weight. On cuBLAS, R2R's network (55 M float32 parameters) took 0.50 ms of a 1.4 ms
 Qwen3-0.6B step on an H200 (perf/results/skinny_h200_2026-12-02): cuBLAS picks a CUDA-core GEMV for float32 at a
-few rows, and each LayerNorm, bias, GELU and residual add is a kernel of its own. Here each linear layer is one
-kernel with the LayerNorm in front and the bias, activation and residual add behind it. The policy's argument
-`router_kernel: torch` keeps the torch modules whatever the table says.
+few rows, and each LayerNorm, bias, GELU and residual add is a kernel of its own. Here each of the network's
+`fused_linears` is one kernel with the LayerNorm in front and the bias, activation and residual add behind it.
+The policy's argument `router_kernel: torch` keeps the torch modules whatever the table says.
 
 Only where the tuned table (`skinny_gemm_tuned.json`) has every one of the network's float32 shapes on this GPU,
 measured no slower than cuBLAS with the separate ops (`perf/bench_gemm.py --routers r2r`), and only up to the rows
