@@ -56,8 +56,8 @@ class Case:
     """One matmul at one M: its inputs, weight copies and workspace on the GPU. A spec is (name, N, K, prologue,
     residual, M, dtype, bias, activation); the models' matmuls are bfloat16 without bias or activation."""
 
-    def __init__(self, name: str, n: int, k: int, prologue: str, residual: bool, m: int, dtype: str = "bfloat16",
-                 bias: bool = False, activation: str = "none", *, l2_bytes: int) -> None:
+    def __init__(self, name: str, n: int, k: int, prologue: str, residual: bool, m: int, dtype: str, bias: bool,
+                 activation: str, *, l2_bytes: int) -> None:
         self.spec = (name, n, k, prologue, residual, m, dtype, bias, activation)
         self.name, self.n, self.k, self.prologue, self.has_residual, self.m = self.spec[:6]
         self.activation = activation
@@ -218,7 +218,8 @@ def main() -> int:
         arch = ArchConfig.from_dir(ROOT / "perf" / "models" / model)
         for bm in tiles:
             for name, n, k, prologue, residual in layer_matmuls(arch):
-                specs.append((model, (f"{model}/{name}", n, k, prologue, residual, ROWS[bm])))
+                specs.append((model, (f"{model}/{name}", n, k, prologue, residual, ROWS[bm], "bfloat16", False,
+                                      "none")))
     for router in filter(None, args.routers.split(",")):
         specs += [(router, spec) for bm in tiles for spec in router_specs(router, ROWS[bm])]
     # Shapes shared by models (none today) are tuned once.
@@ -231,7 +232,7 @@ def main() -> int:
         case = Case(*spec, l2_bytes=l2)
         ranked[spec] = timed(case, firsts[spec])
         del case
-    seconds = {s: variants([c for _, c in ranked[s][:3]], float32=len(s) > 6 and s[6] == "float32") for s in unique}
+    seconds = {s: variants([c for _, c in ranked[s][:3]], float32=s[6] == "float32") for s in unique}
     precompile(list(seconds.items()), args.workers)
     results = {}
     for spec in unique:  # round 2: other warp and stage counts for the best three; then the baseline
@@ -256,8 +257,7 @@ def main() -> int:
     table = json.loads(table_path.read_text()) if table_path.exists() else {}
     entries = table.setdefault(device_name, {}).setdefault("matmuls", {})
     for spec, r in results.items():
-        dtype = getattr(torch, spec[6]) if len(spec) > 6 else torch.bfloat16
-        entries[sg.table_key(spec[1], spec[2], sg.block_m(spec[5]), dtype)] = {
+        entries[sg.table_key(spec[1], spec[2], sg.block_m(spec[5]), getattr(torch, spec[6]))] = {
             "config": r["config"], "us": round(r["us"], 2), "baseline_us": round(r["baseline_us"], 2)}
     table_path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     if args.report:
@@ -278,7 +278,7 @@ def report(results: dict, device_name: str, bandwidth: float) -> str:
                      f"{r['us'] / r['floor_us']:.2f} | {r['baseline_us']:.1f} | {r['us'] / r['baseline_us']:.2f} | "
                      f"{r['heuristic_us']:.1f} | {c['block_n']}x{c['block_k']} split {c['split_k']}, "
                      f"{c['num_warps']} warps, {c['num_stages']} stages"
-                     f"{', ' + c['fp32_dot'] if len(spec) > 6 and spec[6] == 'float32' else ''} |")
+                     f"{', ' + c['fp32_dot'] if spec[6] == 'float32' else ''} |")
     return "\n".join(lines) + "\n"
 
 

@@ -151,11 +151,10 @@ def r2r_hook(runner: ModelRunner, skinny: bool = True):
     linear layers through the skinny kernel where the tuned table has them, or (`skinny=False`) on cuBLAS."""
     from tokenrouter.routing.policy import make_policy, step_hook
 
-    policy = make_policy("r2r", ["small", "large"], "small", {"threshold": 0.5})
+    args = {"threshold": 0.5, "router_kernel": "auto" if skinny else "torch"}
+    policy = make_policy("r2r", ["small", "large"], "small", args)
     a = runner.arch
     policy.setup(runner.device, runner.dtype, a.hidden_size, a.vocab_size)
-    if not skinny:
-        policy.net.workspace = None  # the torch modules (cuBLAS), as on an untuned GPU
     hook = step_hook(policy, runner.model.model.embed_tokens)
     hook.router_matmuls = "skinny" if policy.net.workspace is not None else "cuBLAS"
     print(f"R2R router: {hook.router_matmuls} (skinny up to {policy.net.skinny_max_m} rows)", flush=True)
