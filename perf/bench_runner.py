@@ -8,6 +8,9 @@ no graph), so the ratio is side by side. At the end the three models are loaded 
 (the coordinated budget of config/mixture) and each runs a graph decode step.
 
     python perf/bench_runner.py --out perf/results/runner_h200.json [--models qwen3-0.6b,qwen3-32b] [--quick]
+
+`--pdl on,off` runs each model once per setting of programmatic dependent launch (runner/pdl.py; `noprefetch`:
+PDL without the skinny matmuls' weight prefetch), side by side in one process.
 """
 
 from __future__ import annotations
@@ -161,8 +164,19 @@ def r2r_hook(runner: ModelRunner, skinny: bool = True):
     return hook
 
 
+PDL_MODES = ("on", "off", "noprefetch")
+
+
+def set_pdl(mode: str) -> None:
+    """Programmatic dependent launch for kernels launched from now on (graphs captured after this call)."""
+    from tokenrouter.runner import pdl, skinny_gemm
+
+    pdl.ENABLED = mode != "off"
+    skinny_gemm.PREFETCH_WEIGHTS = mode == "on"
+
+
 def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_router: bool,
-                skinny: bool = True, profile: bool = False) -> dict:
+                skinny: bool = True, profile: bool = False, pdl_mode: str = "on", decode_only: bool = False) -> dict:
     path = ROOT / "perf" / "models" / name
     kv_tokens = {"qwen3-0.6b": 600_000, "qwen3-8b": 300_000, "qwen3-32b": 160_000}[name]
     cfg = ModelConfig(name=name, path=str(path), dtype="bfloat16", device="cuda:0", load_format="dummy",
@@ -175,14 +189,15 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
     capture_s = time.perf_counter() - t0
     num_graphs = len(runner.graphs.graphs) if runner.graphs is not None else 0
     print(f"{name}: loaded in {load_s:.1f} s, {num_graphs} CUDA graphs captured in {capture_s:.1f} s, skinny matmuls "
-          f"{'up to ' + str(runner.model.skinny_max_m) + ' rows' if runner.skinny_gemm else 'off'}", flush=True)
+          f"{'up to ' + str(runner.model.skinny_max_m) + ' rows' if runner.skinny_gemm else 'off'}, PDL {pdl_mode}",
+          flush=True)
     bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
     arch = runner.arch
     floor_bytes = decode_floor_bytes(arch)
     floor = floor_bytes / bandwidth
     iters = 5 if quick else 20
     out: dict = {"model": name, "attention": runner.attn_backend.name, "weight_read_floor_ms": floor * 1e3,
-                 "skinny_gemm": runner.skinny_gemm, "skinny_max_m": runner.model.skinny_max_m,
+                 "skinny_gemm": runner.skinny_gemm, "skinny_max_m": runner.model.skinny_max_m, "pdl": pdl_mode,
                  "load_s": load_s, "num_graphs": num_graphs, "capture_s": capture_s,
                  "graph_pool_mib": torch.cuda.memory_reserved() / 2**20,
                  "decode": [], "extend": [], "prefill": [], "router": []}
@@ -213,14 +228,15 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
     if profile:
         out["profile_b8"] = profile_decode(runner, bm, batch=8, context=1024)
     # Suffixes a returning request brings: 1..64 tokens for one request, and 8 requests x 1..10 tokens.
-    for batch, new in ((1, 2), (1, 4), (1, 8), (1, 16), (1, 32), (1, 64), (8, 2), (8, 4), (8, 8), (8, 10)):
+    suffixes = ((1, 2), (1, 4), (1, 8), (1, 16), (1, 32), (1, 64), (8, 2), (8, 4), (8, 8), (8, 10))
+    for batch, new in () if decode_only else suffixes:
         g, e = case(batch, 1024, new)
         row = {"batch": batch, "suffix": new, "tokens": batch * new, "graph_ms": g and g * 1e3, "eager_ms": e * 1e3}
         if batch == 8 and g is not None and decode8["graph_ms"]:
             row["graph_x_decode_b8"] = g * 1e3 / decode8["graph_ms"]
         out["extend"].append(row)
         print(f"{name} extend {batch}x{new} on 1k: graph {_ms(g)} ms, eager {_ms(e)} ms", flush=True)
-    for length in (100, 8192):
+    for length in () if decode_only else (100, 8192):
         g, e = case(1, 0, length, max(3, iters // 2))
         out["prefill"].append({"tokens": length, "graph_ms": g and g * 1e3, "eager_ms": e * 1e3,
                                "tok_per_s": length / min(x for x in (g, e) if x is not None)})
@@ -286,7 +302,9 @@ def layer_caps(results: dict) -> dict[str, int]:
     count (those within the table's own row limit)."""
     caps = {}
     for name in dict.fromkeys(m["model"] for m in results["models"]):
-        runs = {m["skinny_gemm"]: m for m in results["models"] if m["model"] == name}
+        # (with several --pdl settings, the first one's runs: the setting the caps are for)
+        pdl_mode = results["models"][0].get("pdl", "on")
+        runs = {m["skinny_gemm"]: m for m in results["models"] if m["model"] == name and m.get("pdl", "on") == pdl_mode}
         if True not in runs or False not in runs:
             continue
         limit = runs[True]["skinny_max_m"]
@@ -331,8 +349,9 @@ def markdown(results: dict) -> str:
              "the KV bytes a decode step reads.", ""]
     for m in results["models"]:
         matmuls = f"skinny matmuls up to {m['skinny_max_m']} rows" if m.get("skinny_gemm") else "cuBLAS matmuls"
-        lines += [f"## {m['model']}, {matmuls} (attention: {m['attention']}, weight-read floor "
-                  f"{m['weight_read_floor_ms']:.2f} ms, {m['num_graphs']} graphs captured in {m['capture_s']:.1f} s)",
+        lines += [f"## {m['model']}, {matmuls}, PDL {m.get('pdl', 'on')} (attention: {m['attention']}, "
+                  f"weight-read floor {m['weight_read_floor_ms']:.2f} ms, {m['num_graphs']} graphs captured in "
+                  f"{m['capture_s']:.1f} s)",
                   "",
                   "| decode batch | context | graph ms | x floor | replay alone ms | x (weights + KV) floor | eager ms "
                   "| x floor | eager / graph |",
@@ -390,10 +409,17 @@ def main() -> int:
                          "table (runner/skinny_gemm_tuned.json)")
     ap.add_argument("--caps-from", metavar="RESULTS_JSON",
                     help="no benchmark: compute the row limits from a saved --skinny-gemm both run into --layer-caps")
+    ap.add_argument("--pdl", default="on",
+                    help="comma list of on, off, noprefetch: programmatic dependent launch settings, each model run "
+                         "once per setting (the first one's runs set --layer-caps)")
+    ap.add_argument("--decode-only", action="store_true", help="skip the extend and prefill cases")
     ap.add_argument("--profile", action="store_true",
                     help="also the kernel breakdown of each model's b8 1k decode step (torch.profiler)")
     ap.add_argument("--out", default=str(ROOT / "perf" / "results" / "runner.json"))
     args = ap.parse_args()
+    pdl_modes = args.pdl.split(",")
+    if set(pdl_modes) - set(PDL_MODES):
+        ap.error(f"--pdl takes a comma list of {', '.join(PDL_MODES)}, got {args.pdl!r}")
     if args.layer_caps and not args.caps_from and args.skinny_gemm != "both":
         ap.error("--layer-caps needs --skinny-gemm both (or --caps-from a saved run of it)")
     if args.caps_from:
@@ -416,10 +442,13 @@ def main() -> int:
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.skinny_gemm]
     for name in args.models.split(","):
         with_router = name == "qwen3-0.6b" and not args.no_router
-        for skinny in modes:
-            results["models"].append(bench_model(name, bw, args.attention, args.quick, with_router, skinny,
-                                                 args.profile))
-            Path(args.out).write_text(json.dumps(results, indent=2))
+        for pdl_mode in pdl_modes:
+            set_pdl(pdl_mode)
+            for skinny in modes:
+                results["models"].append(bench_model(name, bw, args.attention, args.quick, with_router, skinny,
+                                                     args.profile, pdl_mode, args.decode_only))
+                Path(args.out).write_text(json.dumps(results, indent=2))
+    set_pdl(pdl_modes[0])
     if args.colocate:
         pairs = [(p.split(":")[0], float(p.split(":")[1])) for p in args.colocate.split(",")]
         results["colocate"] = colocate(pairs)

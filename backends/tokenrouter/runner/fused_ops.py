@@ -22,6 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenrouter.runner import pdl
+from tokenrouter.runner.pdl import wait_for_predecessor
+
 # Columns per program of silu_mul: wide enough for full-width vector accesses, small enough that short rows
 # (decode, T = 1) still spread over many programs.
 _SILU_BLOCK = 1024
@@ -58,8 +61,10 @@ def _rms_norm_kernel(
     stride_x,
     N: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     """Grid (T,): one row per program."""
+    wait_for_predecessor(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -81,8 +86,10 @@ def _add_rms_norm_kernel(
     stride_res,
     N: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     """Grid (T,): new_res = x + res (rounded to the dtype), out = RMSNorm(new_res)."""
+    wait_for_predecessor(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -156,11 +163,13 @@ def _qk_norm_rope_store_kernel(
     HALF_PAD: tl.constexpr,
     HAS_Q_NORM: tl.constexpr,
     HAS_K_NORM: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     """Grid (T,): one token's q (normed, rotated, to q_out), k (normed, rotated) and v (as is) into the cache.
 
     Heads are tiled as [heads, HALF_PAD] halves so rotate-half is element-wise between the two tiles.
     """
+    wait_for_predecessor(PDL)
     t = tl.program_id(0).to(tl.int64)
     HALF = HEAD_DIM // 2
     dtype = q_out_ptr.dtype.element_ty
@@ -213,8 +222,10 @@ def _silu_mul_kernel(
     stride_in,
     INTER: tl.constexpr,  # intermediate size I
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     """Grid (T, cdiv(I, BLOCK)): silu(gate) * up over one BLOCK-column slice of one row."""
+    wait_for_predecessor(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < INTER
@@ -251,7 +262,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if T == 0:
         return out
     block = triton.next_power_of_2(N)
-    _rms_norm_kernel[(T,)](x, weight, out, eps, x.stride(0), N=N, BLOCK=block, num_warps=_num_warps(block))
+    _rms_norm_kernel[(T,)](x, weight, out, eps, x.stride(0), N=N, BLOCK=block, num_warps=_num_warps(block),
+                           **pdl.launch_args(x.device))
     return out
 
 
@@ -278,7 +290,7 @@ def add_rms_norm(
     block = triton.next_power_of_2(N)
     _add_rms_norm_kernel[(T,)](
         x, residual, weight, out, new_residual, eps, x.stride(0), residual.stride(0),
-        N=N, BLOCK=block, num_warps=_num_warps(block),
+        N=N, BLOCK=block, num_warps=_num_warps(block), **pdl.launch_args(x.device),
     )  # fmt: skip
     return out, new_residual
 
@@ -358,7 +370,7 @@ def qk_norm_rope_store(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HQ_PAD=hq_pad, HKV_PAD=triton.next_power_of_2(num_kv_heads), HALF_PAD=half_pad,
         HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None,
-        num_warps=_num_warps(hq_pad * half_pad * 2),
+        num_warps=_num_warps(hq_pad * half_pad * 2), **pdl.launch_args(qkv.device),
     )  # fmt: skip
     return q
 
@@ -379,6 +391,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(_SILU_BLOCK, triton.next_power_of_2(inter))
     _silu_mul_kernel[(T, triton.cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), INTER=inter, BLOCK=block, num_warps=_num_warps(block)
+        gate_up, out, gate_up.stride(0), INTER=inter, BLOCK=block, num_warps=_num_warps(block),
+        **pdl.launch_args(gate_up.device),
     )
     return out

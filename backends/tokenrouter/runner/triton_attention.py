@@ -20,8 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenrouter.runner import pdl
 from tokenrouter.runner.attention import AttentionBackend
 from tokenrouter.runner.forward_batch import ForwardBatch
+from tokenrouter.runner.pdl import wait_for_predecessor
 
 _LOG2E = math.log2(math.e)
 # Cap on KV splits per (sequence, KV head) in decode: more splits than this only grow the reduction.
@@ -128,11 +130,13 @@ def _decode_split_kernel(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DIRECT_OUT: tl.constexpr,  # num_splits == 1: write the final output, no reduce kernel
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     """Grid (B, Hkv, num_splits): one sequence's single query, all GROUP query heads of one KV head, one KV split.
 
     In a mixed batch the sequences with q_len != 1 belong to the extend kernel and are skipped here.
     """
+    wait_for_predecessor(PDL)  # first: the early returns below must have waited too
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -194,8 +198,10 @@ def _decode_reduce_kernel(
     D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # next power of two >= num_splits
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     """Grid (B, Hq): merge one head's split partials, weighting each by exp2(lse_split - lse_max)."""
+    wait_for_predecessor(PDL)  # first: the early returns below must have waited too
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tok = tl.load(cu_seqlens_q_ptr + seq)
@@ -251,6 +257,7 @@ def _extend_kernel(
     Q_PER_PROG: tl.constexpr,  # BLOCK_M // GROUP queries per program
     SKIP_DECODE: tl.constexpr,  # q_len == 1 rows are left to the decode kernel (mixed batches)
     SPLIT: tl.constexpr,  # num_splits > 1: write per-split partials for _extend_reduce_kernel
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     """Grid (B, Hkv, cdiv(max_q_len, Q_PER_PROG) * num_splits): Q_PER_PROG new tokens x GROUP heads of one KV
     head, over one KV split.
@@ -261,6 +268,7 @@ def _extend_kernel(
     A short suffix over a long prefix (a request returning from another model) has only a few such programs,
     each walking the whole prefix: with SPLIT the keys are divided among num_splits programs, as in decode.
     """
+    wait_for_predecessor(PDL)  # first: the early returns below must have waited too
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     if SPLIT:
@@ -360,9 +368,11 @@ def _extend_reduce_kernel(
     BLOCK_M: tl.constexpr,
     Q_PER_PROG: tl.constexpr,
     SKIP_DECODE: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     """Grid (B, Hkv, cdiv(max_q_len, Q_PER_PROG)), the extend kernel's tiles: merge each (token, head) row's split
     partials. Only the rows the extend kernel owns are touched (decode rows belong to the decode kernel)."""
+    wait_for_predecessor(PDL)  # first: the early returns below must have waited too
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -550,6 +560,7 @@ class TritonAttention(AttentionBackend):
 
     def _launch(self, kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         """Run `kernel`, or only compile it for these arguments while `precompile` runs (counting variants)."""
+        kwargs.update(pdl.launch_args(args[0].device))  # args[0]: q
         if self._compile_only is None:
             kernel[grid](*args, **kwargs)
             return

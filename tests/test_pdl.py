@@ -1,0 +1,133 @@
+"""Programmatic dependent launch (runner/pdl.py): off where it cannot work, and on a Hopper GPU the same results bit
+for bit as without it, eagerly and in CUDA graphs (kernels overlapping their predecessors must still see every
+write before theirs: the split-K counters and partials one launch leaves for the next, the KV pool, the residual
+stream). The GPU cases run on the GPU machine: `TRITON_INTERPRET=0 python -m pytest tests/test_pdl.py`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenrouter.runner import pdl
+
+HOPPER = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+          and os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+
+def test_off_where_it_cannot_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert not pdl.enabled(cpu)
+    assert pdl.launch_args(cpu) == {"PDL": False}  # no launch_pdl option: the interpreter has no such launch
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert pdl.launch_args(torch.device("cuda", 0)) == {"PDL": False}  # TOKENROUTER_PDL=0, before any device query
+
+
+def test_environment_turns_it_off() -> None:
+    import subprocess
+    import sys
+
+    code = "from tokenrouter.runner import pdl; print(pdl.ENABLED)"
+    env = {**os.environ, "TOKENROUTER_PDL": "0"}
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+
+
+def _chain(x: torch.Tensor, weights: list[torch.Tensor], norm: torch.Tensor, workspace, configs) -> torch.Tensor:
+    """A decoder-like chain of dependent skinny matmuls sharing one split-K workspace: a normed matmul, then a
+    residual one, over and over (each launch reads what the one before wrote)."""
+    from tokenrouter.runner.skinny_gemm import skinny_linear
+
+    stream = x
+    for i in range(0, len(weights), 2):
+        h = skinny_linear(stream, weights[i], workspace, prologue="rms_norm", norm_weight=norm, eps=1e-6,
+                          config=configs[0])
+        stream = skinny_linear(h, weights[i + 1], workspace, residual=stream, config=configs[1])
+    return stream
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm_90+) GPU, compiled")
+@pytest.mark.parametrize("rows", [1, 8])
+def test_skinny_chain_same_with_and_without_pdl(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    from tokenrouter.runner import skinny_gemm as sg
+
+    if not pdl._triton_has_pdl():
+        pytest.skip("this Triton has no launch_pdl option")
+    dev = torch.device("cuda", 0)
+    g = torch.Generator(device=dev).manual_seed(0)
+    hidden, inter = 1024, 3072
+    weights = [torch.randn(n, k, device=dev, generator=g, dtype=torch.bfloat16) / k**0.5
+               for _ in range(12) for n, k in ((inter, hidden), (hidden, inter))]
+    norm = torch.rand(hidden, device=dev, generator=g, dtype=torch.bfloat16) + 0.5
+    x = torch.randn(rows, hidden, device=dev, generator=g, dtype=torch.bfloat16)
+    # split-K on both, so consecutive launches hand the same counters and partials to each other
+    configs = (sg.GemmConfig(64, 128, 4), sg.GemmConfig(32, 128, 8))
+    workspace = sg.SplitKWorkspace(dev, 8 * rows * inter, 128)
+
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    ref = _chain(x, weights, norm, workspace, configs)
+    for prefetch in (True, False):
+        monkeypatch.setattr(pdl, "ENABLED", True)
+        monkeypatch.setattr(sg, "PREFETCH_WEIGHTS", prefetch)
+        assert pdl.enabled(dev)
+        assert torch.equal(_chain(x, weights, norm, workspace, configs), ref)  # eager
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            _chain(x, weights, norm, workspace, configs)  # compile outside the capture
+            with torch.cuda.graph(graph, stream=stream):
+                out = _chain(x, weights, norm, workspace, configs)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, ref)
+    assert int(workspace.counts.count_nonzero()) == 0
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm_90+) GPU, compiled")
+def test_model_same_with_and_without_pdl(monkeypatch: pytest.MonkeyPatch, tiny_dir: Path) -> None:
+    """The tiny model's decode and extend steps through graphs and eagerly (fused ops, attention's split and
+    reduce, qk-norm + RoPE + KV write, all launched with PDL): the same logits and KV pool bit for bit."""
+    from tokenrouter.config import ModelConfig
+    from tokenrouter.engine.block_manager import BlockManager
+    from tokenrouter.engine.sequence import Sequence
+    from tokenrouter.runner.forward_batch import ScheduledChunk
+    from tokenrouter.runner.model_runner import ModelRunner
+    from tokenrouter.sampling_params import SamplingParams
+
+    if not pdl._triton_has_pdl():
+        pytest.skip("this Triton has no launch_pdl option")
+    results = []
+    for enabled in (False, True):
+        monkeypatch.setattr(pdl, "ENABLED", enabled)
+        cfg = ModelConfig(name="small", path=str(tiny_dir / "small"), dtype="bfloat16", device="cuda:0",
+                          kv_cache_tokens=16384)
+        runner = ModelRunner(cfg, default_kv_tokens=0)
+        runner.setup_step(None)
+        assert runner.graphs is not None
+        bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
+        g = torch.Generator().manual_seed(3)
+        seqs = [Sequence(f"r{i}", torch.randint(3, 200, (n,), generator=g).tolist(), n, SamplingParams())
+                for i, n in enumerate((5, 40, 130, 17))]
+        logits = []
+        for new in ("prefill", 1, 1, 3, 1):  # prefill (eager), decodes and an extend (graphs)
+            chunks = []
+            for s in seqs:
+                if new != "prefill":
+                    s.token_ids += torch.randint(3, 200, (new,), generator=g).tolist()
+                assert bm.ensure(s, s.num_tokens)
+                chunks.append(ScheduledChunk(s, s.num_tokens - s.num_computed_tokens))
+            logits.append(runner.forward(chunks).logits.clone())
+            for c in chunks:
+                c.seq.num_computed_tokens += c.num_new_tokens
+        torch.cuda.synchronize()
+        results.append((logits, runner.kv_cache.clone()))
+        for s in seqs:
+            bm.release(s)
+        del runner
+    for a, b in zip(results[0][0], results[1][0]):
+        assert torch.equal(a, b)
+    assert torch.equal(results[0][1], results[1][1])
