@@ -9,8 +9,8 @@ no graph), so the ratio is side by side. At the end the three models are loaded 
 
     python perf/bench_runner.py --out perf/results/runner_h200.json [--models qwen3-0.6b,qwen3-32b] [--quick]
 
-`--pdl on,off` runs each model once per setting of programmatic dependent launch (runner/pdl.py; `noprefetch`:
-PDL without the skinny matmuls' weight prefetch), side by side in one process.
+`--pdl on,off` runs each model once per setting of programmatic dependent launch (runner/pdl.py), side by side in
+one process.
 """
 
 from __future__ import annotations
@@ -164,15 +164,14 @@ def r2r_hook(runner: ModelRunner, skinny: bool = True):
     return hook
 
 
-PDL_MODES = ("on", "off", "noprefetch")
+PDL_MODES = ("on", "off")
 
 
 def set_pdl(mode: str) -> None:
     """Programmatic dependent launch for kernels launched from now on (graphs captured after this call)."""
-    from tokenrouter.runner import pdl, skinny_gemm
+    from tokenrouter.runner import pdl
 
-    pdl.ENABLED = mode != "off"
-    skinny_gemm.PREFETCH_WEIGHTS = mode == "on"
+    pdl.ENABLED = mode == "on"
 
 
 def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_router: bool,
@@ -410,8 +409,8 @@ def main() -> int:
     ap.add_argument("--caps-from", metavar="RESULTS_JSON",
                     help="no benchmark: compute the row limits from a saved --skinny-gemm both run into --layer-caps")
     ap.add_argument("--pdl", default="on",
-                    help="comma list of on, off, noprefetch: programmatic dependent launch settings, each model run "
-                         "once per setting (the first one's runs set --layer-caps)")
+                    help="comma list of on, off: programmatic dependent launch settings, each model run once per "
+                         "setting (the first one's runs set --layer-caps)")
     ap.add_argument("--decode-only", action="store_true", help="skip the extend and prefill cases")
     ap.add_argument("--profile", action="store_true",
                     help="also the kernel breakdown of each model's b8 1k decode step (torch.profiler)")

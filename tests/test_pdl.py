@@ -68,22 +68,20 @@ def test_skinny_chain_same_with_and_without_pdl(monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.setattr(pdl, "ENABLED", False)
     ref = _chain(x, weights, norm, workspace, configs)
-    for prefetch in (True, False):
-        monkeypatch.setattr(pdl, "ENABLED", True)
-        monkeypatch.setattr(sg, "PREFETCH_WEIGHTS", prefetch)
-        assert pdl.enabled(dev)
-        assert torch.equal(_chain(x, weights, norm, workspace, configs), ref)  # eager
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            _chain(x, weights, norm, workspace, configs)  # compile outside the capture
-            with torch.cuda.graph(graph, stream=stream):
-                out = _chain(x, weights, norm, workspace, configs)
-        for _ in range(3):
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, ref)
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert pdl.enabled(dev)
+    assert torch.equal(_chain(x, weights, norm, workspace, configs), ref)  # eager
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _chain(x, weights, norm, workspace, configs)  # compile outside the capture
+        with torch.cuda.graph(graph, stream=stream):
+            out = _chain(x, weights, norm, workspace, configs)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
     assert int(workspace.counts.count_nonzero()) == 0
 
 

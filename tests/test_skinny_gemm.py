@@ -347,25 +347,21 @@ from tokenrouter.runner import skinny_gemm as sg
 kernel = sg._skinny_gemm_kernel
 # (the row tiles, block_k, warps and stages the H200 table uses)
 # and the float32 router layers (LayerNorm in front, bias and GELU behind; TF32x3 and IEEE dots)
-# and launched with PDL (pdl.py), with and without the weight prefetch
-for prologue, residual, split, bm, bk, warps, stages, dot, bias, act, line in (
-        (0, True, 1, 16, 128, 4, 4, "", 0, 0, -1), (1, False, 2, 16, 256, 4, 3, "", 0, 0, -1),
-        (2, True, 3, 32, 64, 8, 6, "", 0, 0, -1), (1, False, 4, 64, 128, 8, 4, "", 0, 0, -1),
-        (3, False, 2, 16, 64, 4, 4, "tf32x3", 1, 1, -1), (0, True, 4, 16, 128, 4, 3, "ieee", 1, 2, -1),
-        (1, False, 1, 16, 256, 4, 3, "", 0, 0, 64), (2, True, 8, 16, 64, 8, 4, "", 0, 0, 64),
-        (0, True, 4, 16, 128, 4, 3, "", 0, 0, 0), (3, False, 2, 16, 64, 4, 4, "tf32x3", 1, 1, 32)):
+# and launched with PDL (pdl.py)
+for prologue, residual, split, bm, bk, warps, stages, dot, bias, act, pdl in (
+        (0, True, 1, 16, 128, 4, 4, "", 0, 0, False), (1, False, 2, 16, 256, 4, 3, "", 0, 0, False),
+        (2, True, 3, 32, 64, 8, 6, "", 0, 0, False), (1, False, 4, 64, 128, 8, 4, "", 0, 0, False),
+        (3, False, 2, 16, 64, 4, 4, "tf32x3", 1, 1, False), (0, True, 4, 16, 128, 4, 3, "ieee", 1, 2, False),
+        (1, False, 1, 16, 256, 4, 3, "", 0, 0, True), (2, True, 8, 16, 64, 8, 4, "", 0, 0, True)):
     consts = dict(PROLOGUE=prologue, HAS_BIAS=bool(bias), ACTIVATION=act, HAS_RESIDUAL=residual, FP32_DOT=dot,
                   BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk, SPLIT_K=split, STATS_BLOCK=16 * 512 // bm,
-                  STATS_ITERS=2 if prologue in (1, 3) else 0, PDL=line >= 0, PREFETCH_LINE=max(line, 0))
+                  STATS_ITERS=2 if prologue in (1, 3) else 0, PDL=pdl)
     elem = "*fp32" if dot else "*bf16"
     sig = {n: elem if n.endswith("_ptr") else "fp32" if n == "eps" else "i32" for n in kernel.arg_names}
     sig.update(part_ptr="*fp32", count_ptr="*i32", **{c: "constexpr" for c in consts})
     ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": warps, "num_stages": stages, "launch_pdl": line >= 0}).asm["ptx"]
-    # PDL: the wait and the release are in the code; the prefetch only where asked for
-    assert ("griddepcontrol.wait" in ptx) == (line >= 0), consts
-    assert ("griddepcontrol.launch_dependents" in ptx) == (line >= 0), consts
-    assert ("prefetch.global.L2" in ptx) == (line > 0), consts
+                         options={"num_warps": warps, "num_stages": stages, "launch_pdl": pdl}).asm["ptx"]
+    assert ("griddepcontrol.wait" in ptx) == pdl, consts  # PDL: the kernel waits for its predecessor
 print("compiled")
 """
 

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from tokenrouter.runner import pdl
-from tokenrouter.runner.pdl import prefetch_l2, wait_for_predecessor
+from tokenrouter.runner.pdl import wait_for_predecessor
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +93,9 @@ def _skinny_gemm_kernel(
     STATS_BLOCK: tl.constexpr,  # prologue rms_norm / layer_norm: columns per statistics load
     STATS_ITERS: tl.constexpr,  # prologue rms_norm / layer_norm: cdiv(K, STATS_BLOCK); 0 otherwise
     PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
-    PREFETCH_LINE: tl.constexpr,  # under PDL: weight elements per 128-byte line to prefetch by; 0 = no prefetch
 ):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K): program (n, s) owns columns n*BLOCK_N.. over the s-th K range."""
+    wait_for_predecessor(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     dtype = out_ptr.dtype.element_ty
@@ -107,14 +107,6 @@ def _skinny_gemm_kernel(
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
     k_begin = pid_k * k_per_split
-    if PDL and PREFETCH_LINE > 0:
-        # The weights are the bulk of the bytes and no kernel writes them: start this program's slice toward L2
-        # while the previous kernel is still finishing (one address per line; clamped, so every address is valid).
-        rl = tl.arange(0, BLOCK_K // PREFETCH_LINE) * PREFETCH_LINE
-        w_lines = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_w
-        for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
-            prefetch_l2(w_lines + tl.minimum(k0 + rl, K - 1)[None, :])
-    wait_for_predecessor(PDL)
 
     if PROLOGUE == 1 or PROLOGUE == 3:
         # A norm needs the whole row's statistics before any K slice: every program reads x's few rows once more
@@ -364,17 +356,6 @@ def workspace_for(shapes: list[tuple[int, int]], rows: int, device: torch.device
     return SplitKWorkspace(device, max(p for p, _ in needs), max(t for _, t in needs))
 
 
-# Prefetch the weight slice toward L2 before waiting on the previous kernel (under PDL only); benchmarks turn it off to
-# measure what it adds.
-PREFETCH_WEIGHTS = True
-
-
-def _prefetch_line(cfg: GemmConfig, dtype: torch.dtype) -> int:
-    """Weight elements per 128-byte line when the kernel prefetches its slice (0: it does not)."""
-    line = 128 // dtype.itemsize
-    return line if PREFETCH_WEIGHTS and cfg.block_k % line == 0 else 0
-
-
 def skinny_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -436,7 +417,6 @@ def skinny_linear(
         part, counts = out, out  # never read: SPLIT_K == 1 compiles the branch away
     grid = (triton.cdiv(N, cfg.block_n), cfg.split_k)
     stats_block = _STATS_ELEMS // block_m(M)
-    launch = pdl.launch_args(x.device)
     _skinny_gemm_kernel[grid](
         x, weight, out,
         norm_weight if norm_weight is not None else out,
@@ -450,7 +430,6 @@ def skinny_linear(
         BLOCK_M=block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, STATS_BLOCK=stats_block,
         STATS_ITERS=triton.cdiv(K, stats_block) if prologue in ("rms_norm", "layer_norm") else 0,
-        PREFETCH_LINE=_prefetch_line(cfg, x.dtype) if launch["PDL"] else 0, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **launch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_args(x.device),
     )  # fmt: skip
     return out
