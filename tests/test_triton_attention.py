@@ -128,19 +128,6 @@ def test_decode_matches_torch(shape: tuple[int, int, int, int], num_splits: int 
     assert rel_err(out, reference(q, k, v, batch)) <= RTOL
 
 
-def test_split_counters_left_zero_for_the_next_layer() -> None:
-    """Split decode merges in the last program to finish: the layers of a step share one counter per (sequence,
-    KV head), so each merge must leave it zero, and the next layer (the same scratch) must merge correctly again."""
-    q, k, v, batch = make_case([(1, kv) for kv in (1, 5, 37, 70)], 4, 8, 2, 16, seed=7)
-    backend = TritonAttention(decode_block_n=16, num_kv_splits=4)
-    backend.prepare(batch)
-    ref = reference(q, k, v, batch)
-    for _ in range(3):  # three "layers" on the same state
-        assert rel_err(backend.forward(q, k, v, batch, q.shape[-1] ** -0.5), ref) <= RTOL
-    counters = [t for key, t in batch.attn_state.scratch.items() if key[0] == "decode_counts"]
-    assert len(counters) == 1 and int(counters[0].count_nonzero()) == 0
-
-
 @pytest.mark.parametrize("num_splits", [1, 2, 3])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_extend_matches_torch(shape: tuple[int, int, int, int], num_splits: int) -> None:
@@ -227,14 +214,14 @@ def test_precompile_covers_every_variant_a_step_can_launch(
     def record(kernel, grid, *args, **kwargs):
         assert backend._compile_only is not None  # only ever compiled, never run, while precompiling
         backend._compile_only.add((kernel, tuple(sorted(kwargs.items()))))
-        keys = {k: v for k, v in kwargs.items() if k in ("DIRECT_OUT", "SKIP_DECODE", "SPLIT")}
+        keys = {k: v for k, v in kwargs.items() if k in ("DIRECT_OUT", "SPLITS_PAD", "SKIP_DECODE", "SPLIT")}
         seen.setdefault(kernel.fn.__name__, set()).add(tuple(sorted(keys.items())))
 
     monkeypatch.setattr(backend, "_launch", record)
     assert backend.precompile(q, k_cache, v_cache, batch, 0.25) == sum(len(c) for c in seen.values())
     assert backend._compile_only is None and backend.num_kv_splits is None and real_launch
     assert seen["_decode_split_kernel"] == {(("DIRECT_OUT", True),), (("DIRECT_OUT", False),)}
-    assert "_decode_reduce_kernel" not in seen  # the last split program merges: no reduce kernel
+    assert {dict(c)["SPLITS_PAD"] for c in seen["_decode_reduce_kernel"]} == {2, 4, 8, 16, 32, 64}
     assert seen["_extend_kernel"] == {(("SKIP_DECODE", d), ("SPLIT", s)) for d in (False, True) for s in (False, True)}
     assert {dict(c)["SKIP_DECODE"] for c in seen["_extend_reduce_kernel"]} == {False, True}
 
@@ -245,27 +232,26 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tokenrouter.runner import triton_attention as ta
 
-kernel = ta._decode_split_kernel
-for direct, pdl in ((False, True), (False, False), (True, True), (True, False)):
-    consts = dict(NUM_HEADS=16, HEAD_DIM=128, D_PAD=128, GROUP=2, GROUP_PAD=16, PAGE=16, BLOCK_N=64,
-                  DIRECT_OUT=direct, PDL=pdl)
-    scratch = "*bf16" if direct else None  # one split: `out` stands in for the scratch it never touches
-    types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "mid_o_ptr": scratch or "*fp32",
-             "mid_lse_ptr": scratch or "*fp32", "count_ptr": scratch or "*i32", "block_tables_ptr": "*i32",
-             "cu_seqlens_q_ptr": "*i32", "kv_lens_ptr": "*i32", "sm_scale_log2": "fp32"}
-    sig = {n: types.get(n, "i32") for n in kernel.arg_names}
-    sig.update({c: "constexpr" for c in consts})
-    ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": 4, "num_stages": 3, "launch_pdl": pdl}).asm["ptx"]
-    assert ("atom" in ptx) == (not direct)  # several splits: the finish counter
-    assert ("griddepcontrol.wait" in ptx) == pdl
+for kernel, consts in (
+        (ta._decode_split_kernel, dict(NUM_HEADS=16, HEAD_DIM=128, D_PAD=128, GROUP=2, GROUP_PAD=16, PAGE=16,
+                                       BLOCK_N=64, DIRECT_OUT=False)),
+        (ta._decode_reduce_kernel, dict(NUM_HEADS=16, HEAD_DIM=128, D_PAD=128, BLOCK_N=64, SPLITS_PAD=4))):
+    for pdl in (False, True):
+        types = {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "block_tables_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
+                 "kv_lens_ptr": "*i32", "sm_scale_log2": "fp32"}
+        sig = {n: types.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in kernel.arg_names}
+        sig.update({c: "constexpr" for c in consts}, PDL="constexpr")
+        ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs={**consts, "PDL": pdl}),
+                             target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": 4, "num_stages": 3, "launch_pdl": pdl}).asm["ptx"]
+        assert ("griddepcontrol.wait" in ptx) == pdl  # PDL: the kernel waits for its predecessor first
 print("compiled")
 """
 
 
 def test_decode_compiles_for_hopper() -> None:
-    """The interpreter runs programs one after another and misses what only the compiler rejects: compile the split
-    decode kernel (with its merge by the last program, and under PDL) for sm_90, no GPU needed (Triton's ptxas)."""
+    """The interpreter has no grid-dependency ops and runs PDL off: compile the decode kernels both ways for sm_90,
+    no GPU needed (Triton's ptxas)."""
     import os
     import subprocess
     import sys

@@ -108,7 +108,6 @@ def _decode_split_kernel(
     o_ptr,  # [T, Hq, D], written directly when DIRECT_OUT
     mid_o_ptr,  # [B, Hq, num_splits, HEAD_DIM] float32, per-split normalised output
     mid_lse_ptr,  # [B, Hq, num_splits] float32, per-split log2-sum-exp2 of the scores
-    count_ptr,  # [B, Hkv] int32 zeros (left zero again): splits finished per sequence and KV head
     block_tables_ptr,  # [B, max_blocks] int32
     cu_seqlens_q_ptr,  # [B + 1] int32
     kv_lens_ptr,  # [B] int32
@@ -130,14 +129,10 @@ def _decode_split_kernel(
     GROUP_PAD: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    DIRECT_OUT: tl.constexpr,  # num_splits == 1: write the final output, nothing to merge
+    DIRECT_OUT: tl.constexpr,  # num_splits == 1: write the final output, no reduce kernel
     PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     """Grid (B, Hkv, num_splits): one sequence's single query, all GROUP query heads of one KV head, one KV split.
-
-    With several splits each program writes its partial output and log-sum-exp, and the last of a sequence's
-    non-empty splits to finish (a counter per sequence and KV head) merges them into the output: no reduce kernel,
-    which in a decode step is one launch per layer that only waits on this one.
 
     In a mixed batch the sequences with q_len != 1 belong to the extend kernel and are skipped here.
     """
@@ -183,43 +178,52 @@ def _decode_split_kernel(
         o_ptrs = o_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=q_mask)
     else:
-        rows = (seq * NUM_HEADS + head) * num_splits  # [GROUP_PAD] first split's row of each head
-        tl.store(mid_o_ptr + (rows + split)[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
-        tl.store(mid_lse_ptr + rows + split, m_i + tl.log2(l_i), mask=g_ok)
-        # Every thread's stores before the one atomic (the barrier), and acq_rel on it: this program's partial is
-        # visible before its count, and the last program sees every partial (as in skinny_gemm's split-K).
-        tl.debug_barrier()
-        counter = count_ptr + seq * (NUM_HEADS // GROUP) + kv_head
-        active = (kv_len + split_len - 1) // split_len  # the non-empty splits, each of which counts once
-        if tl.atomic_add(counter, 1) == active - 1:
-            _merge_splits(mid_o_ptr, mid_lse_ptr, rows, active, o_ptr + tok * stride_ot + head[:, None] * stride_oh,
-                          d, d_ok, g_ok, HEAD_DIM, GROUP_PAD, D_PAD)
-            tl.atomic_xchg(counter, 0)  # zero again for the next layer and step (also inside a CUDA graph)
+        row = (seq * NUM_HEADS + head) * num_splits + split  # [GROUP_PAD]
+        tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
+        tl.store(mid_lse_ptr + row, m_i + tl.log2(l_i), mask=g_ok)
 
 
-@triton.jit
-def _merge_splits(mid_o_ptr, mid_lse_ptr, rows, num_splits, o_ptrs, d, d_ok, g_ok, HEAD_DIM: tl.constexpr,
-                  GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr):
-    """Merge splits 0..num_splits-1 of each head row (`rows`: each head's first split row) into `o_ptrs` [GROUP_PAD,
-    1] + d: the partials weighted by exp2(lse - running max), summed in split order (the result does not depend on
-    which program merges)."""
-    lse_max = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    num = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
-    den = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    for s in range(num_splits):
-        # .cg: from L2, where the other programs' partials are, not from a stale L1 line
-        lse = tl.load(mid_lse_ptr + rows + s, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
-        new_max = tl.maximum(lse_max, lse)
-        ref = tl.where(new_max == float("-inf"), 0.0, new_max)
-        alpha = tl.exp2(lse_max - ref)
-        w = tl.exp2(lse - ref)
-        part = tl.load(mid_o_ptr + (rows + s)[:, None] * HEAD_DIM + d[None, :], mask=g_ok[:, None] & d_ok[None, :],
-                       other=0.0, cache_modifier=".cg")
-        num = num * alpha[:, None] + part * w[:, None]
-        den = den * alpha + w
-        lse_max = new_max
-    out = num / tl.where(den > 0.0, den, 1.0)[:, None]
-    tl.store(o_ptrs + d[None, :], out.to(o_ptrs.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(
+    mid_o_ptr,  # [B, Hq, num_splits, HEAD_DIM] float32
+    mid_lse_ptr,  # [B, Hq, num_splits] float32
+    o_ptr,  # [T, Hq, D]
+    cu_seqlens_q_ptr,  # [B + 1] int32
+    kv_lens_ptr,  # [B] int32
+    num_splits,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # next power of two >= num_splits
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
+):
+    """Grid (B, Hq): merge one head's split partials, weighting each by exp2(lse_split - lse_max)."""
+    wait_for_predecessor(PDL)  # first: the early returns below must have waited too
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    tok = tl.load(cu_seqlens_q_ptr + seq)
+    if tl.load(cu_seqlens_q_ptr + seq + 1) - tok != 1:
+        return  # an extend row of a mixed batch
+    kv_len = tl.load(kv_lens_ptr + seq)
+    split_len = (kv_len + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N  # as in the split kernel
+    s = tl.arange(0, SPLITS_PAD)
+    s_ok = (s < num_splits) & (s * split_len < kv_len)  # splits the split kernel actually wrote
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    row = (seq * NUM_HEADS + head) * num_splits + s  # [SPLITS_PAD]
+    lse = tl.load(mid_lse_ptr + row, mask=s_ok, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    # Only an empty sequence (kv_len == 0) has no split; keep its output 0 instead of NaN.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max)  # [SPLITS_PAD], 0 for skipped splits
+    part = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    num = tl.sum(part * w[:, None], 0)  # [D_PAD]
+    den = tl.sum(w, 0)
+    out = num / tl.where(den > 0.0, den, 1.0)
+    tl.store(o_ptr + tok * stride_ot + head * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
@@ -437,15 +441,6 @@ def _split_scratch(
     return state.scratch[key]
 
 
-def _split_counters(state: _TritonState, seqs: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
-    """The decode splits' finish counters [seqs, Hkv], zero, allocated once per step (captured with a graph: zeroed at
-    every replay) and shared by every layer, each merging program leaving its counter zero for the next layer."""
-    key = ("decode_counts", seqs, num_kv_heads, device)
-    if key not in state.scratch:
-        state.scratch[key] = torch.zeros(seqs * num_kv_heads, dtype=torch.int32, device=device)
-    return state.scratch[key]
-
-
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -537,7 +532,7 @@ class TritonAttention(AttentionBackend):
     def precompile(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
                    scale: float) -> int:
         """Every variant a step can launch, compiled before serving: decode with one split (direct output)
-        and with several (partials, merged by the last split program), extend with and without decode rows
+        and with each power-of-two split count (the reduce's SPLITS_PAD), extend with and without decode rows
         beside it (SKIP_DECODE) and with and without splits. `batch` gives the tensors' types and layouts (the
         eager path's, which graphs share); nothing is launched."""
         # A few rows are enough (a variant does not depend on the row count) and keep the extend's split scratch
@@ -629,19 +624,25 @@ class TritonAttention(AttentionBackend):
         d_pad = max(16, _next_pow2(head_dim))
         cfg = self._decode_config(d_pad)
         splits = self._pick_num_splits(q.device, state.num_decode, num_kv_heads, state.max_decode_kv_len)
-        mid_o = mid_lse = counts = out  # with one split the kernel writes `out` directly, never the scratch
+        mid_o = mid_lse = out  # with one split the kernel writes `out` directly, never the scratch
         if splits > 1:
             mid_o, mid_lse = _split_scratch(state, "decode", B, num_heads, splits, head_dim, q.device)
-            counts = _split_counters(state, B, num_kv_heads, q.device)
         # Grid over all B sequences: in a mixed batch the extend rows' programs return at once.
         self._launch(_decode_split_kernel, (B, num_kv_heads, splits),
-            q, k_cache, v_cache, out, mid_o, mid_lse, counts, batch.block_tables, batch.cu_seqlens_q, batch.kv_lens,
+            q, k_cache, v_cache, out, mid_o, mid_lse, batch.block_tables, batch.cu_seqlens_q, batch.kv_lens,
             scale * _LOG2E, splits,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             out.stride(0), out.stride(1), batch.block_tables.stride(0),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group,
             GROUP_PAD=max(16, _next_pow2(group)), PAGE=batch.block_size, DIRECT_OUT=splits == 1, **cfg,
         )  # fmt: skip
+        if splits > 1:
+            self._launch(_decode_reduce_kernel, (B, num_heads),
+                mid_o, mid_lse, out, batch.cu_seqlens_q, batch.kv_lens, splits, out.stride(0), out.stride(1),
+                NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_N=cfg["BLOCK_N"],
+                SPLITS_PAD=_next_pow2(splits),
+                num_warps=4, num_stages=1,
+            )  # fmt: skip
 
     def _extend(
         self,
