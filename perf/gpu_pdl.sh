@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Programmatic dependent launch (runner/pdl.py) on one GPU, two device calls (each under 10 minutes):
-#   runner: the PDL tests and the kernels' tests compiled; the decode step with and without skinny matmuls under
-#           PDL on / off / on without the weight prefetch (perf/bench_runner.py --pdl, replay times side by side),
+#   runner: the PDL tests and the kernels' tests compiled; the decode step with and without skinny matmuls with
+#           PDL on and off (perf/bench_runner.py --pdl, replay times side by side),
 #           whose PDL-on runs write the step-level skinny row caps into this checkout's table (copied into the
 #           results: commit it before the engine call). MODELS picks the models (default qwen3-0.6b).
 #   engine: routed in process (perf/bench_engine.py, C=1, 8, 16), PDL off then on, each in its own process.
@@ -41,9 +41,9 @@ timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_pdl.py tests/tes
   > $res/gpu_tests.log 2>&1
 tail -3 $res/gpu_tests.log
 
-step "decode steps: skinny on / off x PDL on / off / noprefetch"
+step "decode steps: skinny on / off x PDL on / off"
 timeout 420 python3 perf/bench_runner.py --models ${MODELS:-qwen3-0.6b} --quick --decode-only --no-router --colocate '' \
-  --skinny-gemm both --pdl on,off,noprefetch --layer-caps $table --out $res/runner_pdl.json 2>&1 \
+  --skinny-gemm both --pdl on,off --layer-caps $table --out $res/runner_pdl.json 2>&1 \
   | grep -E "decode b=|skinny matmuls up to|loaded" | tee $res/runner_pdl.log | grep -v "ctx= 8192"
 cp $table $res/
 step "done"
