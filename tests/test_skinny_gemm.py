@@ -10,7 +10,7 @@ graph replays the same launch).
 from __future__ import annotations
 
 # isort: off
-from triton_interpreter import INTERPRET  # first: before anything here imports triton
+from triton_interpreter import INTERPRET, compile_for_hopper  # first: before anything here imports triton
 # isort: on
 
 import dataclasses  # noqa: E402
@@ -369,20 +369,4 @@ print("compiled")
 def test_compiles_for_hopper() -> None:
     """The interpreter runs kernels as Python and misses what only the compiler rejects (a loop-carried variable
     that changes shape did once); compile each prologue for sm_90 here, no GPU needed (Triton's ptxas)."""
-    import os
-    import subprocess
-    import sys
-
-    import triton
-
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError:
-        pytest.skip(f"triton {triton.__version__} has no CUDA backend to compile with")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1] / "backends"),
-                                         env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+    compile_for_hopper(_COMPILE_FOR_HOPPER)
