@@ -167,6 +167,12 @@ def r2r_hook(runner: ModelRunner, skinny: bool = True):
 PDL_MODES = ("on", "off")
 
 
+def pdl_active(device: torch.device) -> bool:
+    from tokenrouter.runner import pdl
+
+    return pdl.enabled(device)
+
+
 def set_pdl(mode: str) -> None:
     """Programmatic dependent launch for kernels launched from now on (graphs captured after this call)."""
     from tokenrouter.runner import pdl
@@ -197,6 +203,7 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
     iters = 5 if quick else 20
     out: dict = {"model": name, "attention": runner.attn_backend.name, "weight_read_floor_ms": floor * 1e3,
                  "skinny_gemm": runner.skinny_gemm, "skinny_max_m": runner.model.skinny_max_m, "pdl": pdl_mode,
+                 "pdl_active": pdl_active(runner.device),  # "on" is only asked for: pre-Hopper GPUs run without
                  "load_s": load_s, "num_graphs": num_graphs, "capture_s": capture_s,
                  "graph_pool_mib": torch.cuda.memory_reserved() / 2**20,
                  "decode": [], "extend": [], "prefill": [], "router": []}
@@ -416,7 +423,7 @@ def main() -> int:
                     help="also the kernel breakdown of each model's b8 1k decode step (torch.profiler)")
     ap.add_argument("--out", default=str(ROOT / "perf" / "results" / "runner.json"))
     args = ap.parse_args()
-    pdl_modes = args.pdl.split(",")
+    pdl_modes = list(dict.fromkeys(args.pdl.split(",")))  # each setting once
     if set(pdl_modes) - set(PDL_MODES):
         ap.error(f"--pdl takes a comma list of {', '.join(PDL_MODES)}, got {args.pdl!r}")
     if args.layer_caps and not args.caps_from and args.skinny_gemm != "both":

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Programmatic dependent launch (runner/pdl.py) on one GPU, two device calls (each under 10 minutes):
-#   runner: the PDL tests and the kernels' tests compiled; the decode step with and without skinny matmuls with
+#   runner: the PDL tests and the kernel tests compiled (fused ops, attention, the runner against transformers;
+#           test_skinny_gemm.py compiles for minutes: TESTS adds it); the decode step with and without skinny matmuls with
 #           PDL on and off (perf/bench_runner.py --pdl, replay times side by side),
 #           whose PDL-on runs write the step-level skinny row caps into this checkout's table (copied into the
 #           results: commit it before the engine call). MODELS picks the models (default qwen3-0.6b).
@@ -22,7 +23,7 @@ python3 -c 'import triton, torch; print("triton", triton.__version__, "torch", t
 
 engine() {  # engine NAME [ENV=VALUE]: routed in process
   step "in-process engine, $1"
-  env ${2:-} timeout 280 python3 perf/bench_engine.py --config "$cfg" --variants routed --concurrency ${CONC:-1,8,16} \
+  env ${2:+"$2"} timeout 280 python3 perf/bench_engine.py --config "$cfg" --variants routed --concurrency ${CONC:-1,8,16} \
     --prompt-len 100 --output-len 256 --isolate on --out-dir $res --name engine_pdl_$1 > $res/engine_pdl_$1.log 2>&1
   grep "^| routed" $res/engine_pdl_$1.md 2> /dev/null || tail -5 $res/engine_pdl_$1.log
 }
@@ -36,13 +37,14 @@ if [ "$mode" = engine ]; then
 fi
 
 step "PDL and kernel tests, compiled"
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_pdl.py tests/test_fused_ops.py \
-  tests/test_gpu_runner.py tests/test_skinny_gemm.py -k "${TESTS_K:-pdl or fused or greedy or hopper or matches_torch}" \
-  > $res/gpu_tests.log 2>&1
+# (about 180 s on an H200; the two timeouts together stay under a device call's 600 s)
+timeout 260 python3 -m pytest -q -p no:cacheprovider tests/test_pdl.py tests/test_fused_ops.py \
+  tests/test_triton_attention.py tests/test_gpu_runner.py ${TESTS:-} > $res/gpu_tests.log 2>&1
+echo "pytest exit code $?" >> $res/gpu_tests.log
 tail -3 $res/gpu_tests.log
 
 step "decode steps: skinny on / off x PDL on / off"
-timeout 420 python3 perf/bench_runner.py --models ${MODELS:-qwen3-0.6b} --quick --decode-only --no-router --colocate '' \
+timeout 300 python3 perf/bench_runner.py --models ${MODELS:-qwen3-0.6b} --quick --decode-only --no-router --colocate '' \
   --skinny-gemm both --pdl on,off --layer-caps $table --out $res/runner_pdl.json 2>&1 \
   | grep -E "decode b=|skinny matmuls up to|loaded" | tee $res/runner_pdl.log | grep -v "ctx= 8192"
 cp $table $res/

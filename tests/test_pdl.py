@@ -11,13 +11,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenrouter.runner import pdl
 
-HOPPER = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-          and os.environ.get("TRITON_INTERPRET", "0") != "1")
+def _pdl():
+    """The module as imported now: a kernel test module that switches to the interpreter (triton_interpreter.py)
+    re-imports it, so a reference taken at collection could be a stale one."""
+    from tokenrouter.runner import pdl
+
+    return pdl
+
+
+def _need_hopper():
+    """pdl, on a Hopper GPU with compiled kernels and a Triton that launches with PDL; else the test skips (decided
+    when the test runs: another module may have switched Triton to its interpreter since collection)."""
+    pdl = _pdl()
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9):
+        pytest.skip("needs a Hopper (sm_90+) GPU")
+    if pdl._interpreted() or not pdl._triton_has_pdl():
+        pytest.skip("needs compiled kernels and a Triton with the launch_pdl option")
+    return pdl
 
 
 def test_off_where_it_cannot_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    pdl = _pdl()
     cpu = torch.device("cpu")
     assert not pdl.enabled(cpu)
     assert pdl.launch_args(cpu) == {"PDL": False}  # no launch_pdl option: the interpreter has no such launch
@@ -25,14 +40,15 @@ def test_off_where_it_cannot_work(monkeypatch: pytest.MonkeyPatch) -> None:
     assert pdl.launch_args(torch.device("cuda", 0)) == {"PDL": False}  # TOKENROUTER_PDL=0, before any device query
 
 
-def test_environment_turns_it_off() -> None:
+@pytest.mark.parametrize(("value", "on"), [("0", False), ("off", False), ("False", False), ("1", True), ("", True)])
+def test_environment_turns_it_off(value: str, on: bool) -> None:
     import subprocess
     import sys
 
     code = "from tokenrouter.runner import pdl; print(pdl.ENABLED)"
-    env = {**os.environ, "TOKENROUTER_PDL": "0"}
+    env = {**os.environ, "TOKENROUTER_PDL": value}
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          check=True).stdout.strip() == "False"
+                          check=True).stdout.strip() == str(on)
 
 
 def _chain(x: torch.Tensor, weights: list[torch.Tensor], norm: torch.Tensor, workspace, configs) -> torch.Tensor:
@@ -48,13 +64,11 @@ def _chain(x: torch.Tensor, weights: list[torch.Tensor], norm: torch.Tensor, wor
     return stream
 
 
-@pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm_90+) GPU, compiled")
 @pytest.mark.parametrize("rows", [1, 8])
 def test_skinny_chain_same_with_and_without_pdl(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    pdl = _need_hopper()
     from tokenrouter.runner import skinny_gemm as sg
 
-    if not pdl._triton_has_pdl():
-        pytest.skip("this Triton has no launch_pdl option")
     dev = torch.device("cuda", 0)
     g = torch.Generator(device=dev).manual_seed(0)
     hidden, inter = 1024, 3072
@@ -85,7 +99,6 @@ def test_skinny_chain_same_with_and_without_pdl(monkeypatch: pytest.MonkeyPatch,
     assert int(workspace.counts.count_nonzero()) == 0
 
 
-@pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm_90+) GPU, compiled")
 def test_model_same_with_and_without_pdl(monkeypatch: pytest.MonkeyPatch, tiny_dir: Path) -> None:
     """The tiny model's decode and extend steps through graphs and eagerly (fused ops, attention's split and
     reduce, qk-norm + RoPE + KV write, all launched with PDL): the same logits and KV pool bit for bit."""
@@ -96,8 +109,7 @@ def test_model_same_with_and_without_pdl(monkeypatch: pytest.MonkeyPatch, tiny_d
     from tokenrouter.runner.model_runner import ModelRunner
     from tokenrouter.sampling_params import SamplingParams
 
-    if not pdl._triton_has_pdl():
-        pytest.skip("this Triton has no launch_pdl option")
+    pdl = _need_hopper()
     results = []
     for enabled in (False, True):
         monkeypatch.setattr(pdl, "ENABLED", enabled)
@@ -129,3 +141,15 @@ def test_model_same_with_and_without_pdl(monkeypatch: pytest.MonkeyPatch, tiny_d
     for a, b in zip(results[0][0], results[1][0]):
         assert torch.equal(a, b)
     assert torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("value", ["1", "true", "on"])
+def test_interpreter_in_any_spelling_keeps_it_off(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """Triton reads TRITON_INTERPRET as a boolean: under its interpreter, which has no grid-dependency ops, no
+    kernel may be launched with PDL, however the variable is spelt."""
+    pdl = _pdl()
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert pdl._interpreted()
+    monkeypatch.setattr(pdl, "_triton_has_pdl", lambda: True)
+    monkeypatch.setattr(pdl, "_device_has_pdl", lambda device: True)
+    assert pdl.launch_args(torch.device("cuda", 0)) == {"PDL": False}

@@ -345,6 +345,12 @@ from triton.compiler import ASTSource
 from tokenrouter.runner import skinny_gemm as sg
 
 kernel = sg._skinny_gemm_kernel
+
+def waits_first(ptx):  # PDL: the grid-dependency wait before the kernel's first global memory access
+    body = ptx[ptx.index(".entry"):]
+    hits = [i for i in (body.find(op) for op in ("ld.global", "st.global", "atom.", "red.", "cp.async")) if i >= 0]
+    return 0 <= body.find("griddepcontrol.wait") < min(hits)
+
 # (the row tiles, block_k, warps and stages the H200 table uses)
 # and the float32 router layers (LayerNorm in front, bias and GELU behind; TF32x3 and IEEE dots)
 # and launched with PDL (pdl.py)
@@ -362,6 +368,7 @@ for prologue, residual, split, bm, bk, warps, stages, dot, bias, act, pdl in (
     ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": warps, "num_stages": stages, "launch_pdl": pdl}).asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == pdl, consts  # PDL: the kernel waits for its predecessor
+    assert waits_first(ptx) or not pdl, consts
 print("compiled")
 """
 

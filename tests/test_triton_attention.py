@@ -231,6 +231,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tokenrouter.runner import triton_attention as ta
 
+def waits_first(ptx):  # PDL: the grid-dependency wait before the kernel's first global memory access
+    body = ptx[ptx.index(".entry"):]
+    hits = [i for i in (body.find(op) for op in ("ld.global", "st.global", "atom.", "red.", "cp.async")) if i >= 0]
+    return 0 <= body.find("griddepcontrol.wait") < min(hits)
+
+
 for kernel, consts in (
         (ta._decode_split_kernel, dict(NUM_HEADS=16, HEAD_DIM=128, D_PAD=128, GROUP=2, GROUP_PAD=16, PAGE=16,
                                        BLOCK_N=64, DIRECT_OUT=False)),
@@ -244,6 +250,7 @@ for kernel, consts in (
                              target=GPUTarget("cuda", 90, 32),
                              options={"num_warps": 4, "num_stages": 3, "launch_pdl": pdl}).asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) == pdl  # PDL: the kernel waits for its predecessor first
+        assert waits_first(ptx) or not pdl
 print("compiled")
 """
 

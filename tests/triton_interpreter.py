@@ -17,7 +17,9 @@ import sys
 os.environ.setdefault("TRITON_INTERPRET", "1")
 INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 KERNEL_MODULES = (
-    "tokenrouter.runner.fused_ops", "tokenrouter.runner.triton_attention", "tokenrouter.runner.skinny_gemm"
+    # pdl's jit helper is called from the others' kernels: a compiled one cannot be called by interpreted kernels
+    "tokenrouter.runner.pdl", "tokenrouter.runner.fused_ops", "tokenrouter.runner.triton_attention",
+    "tokenrouter.runner.skinny_gemm",
 )
 
 

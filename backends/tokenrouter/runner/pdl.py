@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED = os.environ.get("TOKENROUTER_PDL", "1") != "0"
+ENABLED = os.environ.get("TOKENROUTER_PDL", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 @cache
@@ -47,10 +47,18 @@ def _device_has_pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def _interpreted() -> bool:
+    """Triton's interpreter runs the kernels (it reads TRITON_INTERPRET as a boolean: 1, true, on, ...)."""
+    knob = getattr(getattr(getattr(triton, "knobs", None), "runtime", None), "interpret", None)
+    if knob is not None:
+        return bool(knob)
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL now."""
-    return (ENABLED and device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
-            and _triton_has_pdl() and _device_has_pdl(device))
+    return (ENABLED and device.type == "cuda" and not _interpreted() and _triton_has_pdl()
+            and _device_has_pdl(device))
 
 
 def launch_args(device: torch.device) -> dict[str, Any]:

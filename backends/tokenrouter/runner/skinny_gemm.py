@@ -106,7 +106,6 @@ def _skinny_gemm_kernel(
     rk = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
-    k_begin = pid_k * k_per_split
 
     if PROLOGUE == 1 or PROLOGUE == 3:
         # A norm needs the whole row's statistics before any K slice: every program reads x's few rows once more
@@ -140,6 +139,7 @@ def _skinny_gemm_kernel(
             sq = tl.maximum(sq - dm * dev_sum, 0.0)  # deviations from the mean: sum (x - shift)^2 - K dm^2
         rstd = 1.0 / tl.sqrt(sq / K + eps)
 
+    k_begin = pid_k * k_per_split
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
         k_ok = (k0 + rk) < K

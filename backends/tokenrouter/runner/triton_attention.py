@@ -560,7 +560,7 @@ class TritonAttention(AttentionBackend):
 
     def _launch(self, kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         """Run `kernel`, or only compile it for these arguments while `precompile` runs (counting variants)."""
-        kwargs.update(pdl.launch_args(args[0].device))  # args[0]: q
+        kwargs.update(pdl.launch_args(args[0].device))  # (every kernel's first argument is on the launch's device)
         if self._compile_only is None:
             kernel[grid](*args, **kwargs)
             return
