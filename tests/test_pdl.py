@@ -153,3 +153,56 @@ def test_interpreter_in_any_spelling_keeps_it_off(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(pdl, "_triton_has_pdl", lambda: True)
     monkeypatch.setattr(pdl, "_device_has_pdl", lambda device: True)
     assert pdl.launch_args(torch.device("cuda", 0)) == {"PDL": False}
+
+
+_EVERY_KERNEL_WAITS_FIRST = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tokenrouter.runner import fused_ops as f, skinny_gemm as sg, triton_attention as ta
+
+# Every kernel the runner launches, each with the constexprs of one layer of a Qwen3-0.6B-like model.
+KERNELS = [
+    (f._rms_norm_kernel, dict(N=1024, BLOCK=1024)),
+    (f._add_rms_norm_kernel, dict(N=1024, BLOCK=1024)),
+    (f._qk_norm_rope_store_kernel, dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, HQ_PAD=16, HKV_PAD=8, HALF_PAD=64,
+                                        HAS_Q_NORM=True, HAS_K_NORM=True)),
+    (f._silu_mul_kernel, dict(INTER=3072, BLOCK=1024)),
+    (ta._decode_split_kernel, dict(NUM_HEADS=16, HEAD_DIM=128, D_PAD=128, GROUP=2, GROUP_PAD=16, PAGE=16, BLOCK_N=64,
+                                   DIRECT_OUT=False)),
+    (ta._decode_reduce_kernel, dict(NUM_HEADS=16, HEAD_DIM=128, D_PAD=128, BLOCK_N=64, SPLITS_PAD=4)),
+    (ta._extend_kernel, dict(HEAD_DIM=128, D_PAD=128, GROUP=2, PAGE=16, BLOCK_M=128, BLOCK_N=32, Q_PER_PROG=64,
+                             SKIP_DECODE=True, SPLIT=True)),
+    (ta._extend_reduce_kernel, dict(HEAD_DIM=128, D_PAD=128, GROUP=2, BLOCK_M=128, Q_PER_PROG=64, SKIP_DECODE=True)),
+    (sg._skinny_gemm_kernel, dict(PROLOGUE=1, HAS_BIAS=False, ACTIVATION=0, HAS_RESIDUAL=True, FP32_DOT="", BLOCK_M=16,
+                                  BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, STATS_BLOCK=512, STATS_ITERS=2)),
+]
+POINTERS = {"pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "mid_o_ptr": "*fp32",
+            "mid_lse_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32", "block_tables_ptr": "*i32",
+            "cu_seqlens_q_ptr": "*i32", "kv_lens_ptr": "*i32"}
+MEMORY = ("ld.global", "st.global", "atom.", "red.", "cp.async")
+found = {v.fn.__name__ for m in (f, sg, ta) for v in vars(m).values()
+         if type(v).__name__ == "JITFunction" and v.fn.__name__.endswith("_kernel")}
+assert found == {k.fn.__name__ for k, _ in KERNELS}, found  # a new kernel must be listed here
+for kernel, consts in KERNELS:
+    consts = {**consts, "PDL": True}
+    assert {p.name for p in kernel.params if p.is_constexpr} == set(consts), kernel.fn.__name__
+    sig = {n: POINTERS.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n in ("eps", "sm_scale_log2") else "i32"
+           for n in kernel.arg_names}
+    sig.update({c: "constexpr" for c in consts})
+    ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4, "num_stages": 2, "launch_pdl": True}).asm["ptx"]
+    body = ptx[ptx.index(".entry"):]
+    first = min(i for i in (body.find(op) for op in MEMORY) if i >= 0)
+    assert body.count("griddepcontrol.wait") == 1 and body.index("griddepcontrol.wait") < first, kernel.fn.__name__
+print("compiled")
+"""
+
+
+def test_every_kernel_waits_before_touching_memory() -> None:
+    """The PDL rule, checked where it matters, in the compiled code: each of the runner's Triton kernels, launched
+    with PDL, has its one grid-dependency wait before its first global load, store or atomic (compiled for sm_90 on
+    the CPU with Triton's ptxas). A kernel added to those modules fails here until it is listed, with its wait."""
+    from triton_interpreter import compile_for_hopper
+
+    compile_for_hopper(_EVERY_KERNEL_WAITS_FIRST)
