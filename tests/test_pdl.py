@@ -149,10 +149,13 @@ def test_interpreter_in_any_spelling_keeps_it_off(monkeypatch: pytest.MonkeyPatc
     kernel may be launched with PDL, however the variable is spelt."""
     pdl = _pdl()
     monkeypatch.setenv("TRITON_INTERPRET", value)
+    pdl._interpreted.cache_clear()  # (asked once per process otherwise)
     assert pdl._interpreted()
     monkeypatch.setattr(pdl, "_triton_has_pdl", lambda: True)
     monkeypatch.setattr(pdl, "_device_has_pdl", lambda device: True)
     assert pdl.launch_args(torch.device("cuda", 0)) == {"PDL": False}
+    monkeypatch.undo()
+    pdl._interpreted.cache_clear()
 
 
 _EVERY_KERNEL_WAITS_FIRST = """

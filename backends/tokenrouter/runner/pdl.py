@@ -47,8 +47,10 @@ def _device_has_pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+@cache
 def _interpreted() -> bool:
-    """Triton's interpreter runs the kernels (it reads TRITON_INTERPRET as a boolean: 1, true, on, ...)."""
+    """Triton's interpreter runs the kernels (it reads TRITON_INTERPRET as a boolean: 1, true, on, ...). Asked once:
+    triton decides it at import, and `enabled` runs at every launch."""
     knob = getattr(getattr(getattr(triton, "knobs", None), "runtime", None), "interpret", None)
     if knob is not None:
         return bool(knob)
@@ -57,8 +59,8 @@ def _interpreted() -> bool:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL now."""
-    return (ENABLED and device.type == "cuda" and not _interpreted() and _triton_has_pdl()
-            and _device_has_pdl(device))
+    return (ENABLED and device.type == "cuda" and _triton_has_pdl() and _device_has_pdl(device)
+            and not _interpreted())
 
 
 def launch_args(device: torch.device) -> dict[str, Any]:
