@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "backends"))
 from tokenrouter.config import ModelConfig  # noqa: E402
 from tokenrouter.engine.block_manager import BlockManager  # noqa: E402
 from tokenrouter.engine.sequence import Sequence  # noqa: E402
+from tokenrouter.runner import pdl  # noqa: E402
 from tokenrouter.runner.arch import ArchConfig  # noqa: E402
 from tokenrouter.runner.forward_batch import ScheduledChunk  # noqa: E402
 from tokenrouter.runner.model_runner import ModelRunner  # noqa: E402
@@ -167,16 +168,8 @@ def r2r_hook(runner: ModelRunner, skinny: bool = True):
 PDL_MODES = ("on", "off")
 
 
-def pdl_active(device: torch.device) -> bool:
-    from tokenrouter.runner import pdl
-
-    return pdl.enabled(device)
-
-
 def set_pdl(mode: str) -> None:
     """Programmatic dependent launch for kernels launched from now on (graphs captured after this call)."""
-    from tokenrouter.runner import pdl
-
     pdl.ENABLED = mode == "on"
 
 
@@ -203,7 +196,7 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
     iters = 5 if quick else 20
     out: dict = {"model": name, "attention": runner.attn_backend.name, "weight_read_floor_ms": floor * 1e3,
                  "skinny_gemm": runner.skinny_gemm, "skinny_max_m": runner.model.skinny_max_m, "pdl": pdl_mode,
-                 "pdl_active": pdl_active(runner.device),  # "on" is only asked for: pre-Hopper GPUs run without
+                 "pdl_active": pdl.enabled(runner.device),  # "on" is only asked for: pre-Hopper GPUs run without
                  "load_s": load_s, "num_graphs": num_graphs, "capture_s": capture_s,
                  "graph_pool_mib": torch.cuda.memory_reserved() / 2**20,
                  "decode": [], "extend": [], "prefill": [], "router": []}
@@ -307,9 +300,9 @@ def layer_caps(results: dict) -> dict[str, int]:
     measured batch's graph replay was no slower with skinny matmuls than without. Only batches that ran skinny
     count (those within the table's own row limit)."""
     caps = {}
+    # (with several --pdl settings, the first one's runs: the setting the caps are for)
+    pdl_mode = results["models"][0].get("pdl", "on") if results["models"] else "on"
     for name in dict.fromkeys(m["model"] for m in results["models"]):
-        # (with several --pdl settings, the first one's runs: the setting the caps are for)
-        pdl_mode = results["models"][0].get("pdl", "on")
         runs = {m["skinny_gemm"]: m for m in results["models"] if m["model"] == name and m.get("pdl", "on") == pdl_mode}
         if True not in runs or False not in runs:
             continue
