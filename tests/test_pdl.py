@@ -174,9 +174,10 @@ KERNELS = [
     (ta._decode_split_kernel, dict(NUM_HEADS=16, HEAD_DIM=128, D_PAD=128, GROUP=2, GROUP_PAD=16, PAGE=16, BLOCK_N=64,
                                    DIRECT_OUT=False)),
     (ta._decode_reduce_kernel, dict(NUM_HEADS=16, HEAD_DIM=128, D_PAD=128, BLOCK_N=64, SPLITS_PAD=4)),
-    (ta._extend_kernel, dict(HEAD_DIM=128, D_PAD=128, GROUP=2, PAGE=16, BLOCK_M=128, BLOCK_N=32, Q_PER_PROG=64,
+    (ta._extend_kernel, dict(HEAD_DIM=128, D_PAD=128, GROUP=2, PAGE=16, BLOCK_M=64, BLOCK_N=64, Q_PER_PROG=32,
                              SKIP_DECODE=True, SPLIT=True)),
-    (ta._extend_reduce_kernel, dict(HEAD_DIM=128, D_PAD=128, GROUP=2, BLOCK_M=128, Q_PER_PROG=64, SKIP_DECODE=True)),
+    (ta._extend_reduce_kernel, dict(HEAD_DIM=128, D_PAD=128, GROUP=2, GROUP_PAD=2, SPLITS_PAD=16, Q_PER_PROG=32,
+                                    BLOCK_N=64, SKIP_DECODE=True)),
     (sg._skinny_gemm_kernel, dict(PROLOGUE=1, HAS_BIAS=False, ACTIVATION=0, HAS_RESIDUAL=True, FP32_DOT="", BLOCK_M=16,
                                   BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, STATS_BLOCK=512, STATS_ITERS=2)),
 ]

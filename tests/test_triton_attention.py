@@ -19,9 +19,12 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed; the Triton attention backend cannot be tested")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from tokenrouter.runner.attention import TorchAttention  # noqa: E402
 from tokenrouter.runner.forward_batch import ForwardBatch  # noqa: E402
-from tokenrouter.runner.triton_attention import TritonAttention  # noqa: E402
+from tokenrouter.runner.triton_attention import TritonAttention, _extend_num_splits  # noqa: E402
 
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 needs a CUDA GPU", allow_module_level=True)
@@ -169,6 +172,53 @@ def test_split_heuristic() -> None:
     assert backend._pick_num_splits(dev, 4, 8, 8192) == 17
 
 
+@triton.jit
+def _split_rule_kernel(args_ptr, out_ptr, Q_PER_PROG: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`_extend_num_splits` for one case per program."""
+    a = args_ptr + tl.program_id(0) * 6
+    used = _extend_num_splits(tl.load(a), tl.load(a + 1), tl.load(a + 2), tl.load(a + 3), tl.load(a + 4),
+                              tl.load(a + 5), Q_PER_PROG, BLOCK_N)  # fmt: skip
+    tl.store(out_ptr + tl.program_id(0), used)
+
+
+def extend_splits(cases: list[tuple[int, int, int]], q_per_prog: int, kv_heads: int = 8, max_splits: int = 16,
+                  target: int = 2 * 132, block_n: int = 64) -> list[int]:
+    """The KV splits each (q_len, kv_len, batch tokens) case uses, as the extend kernel decides on the device."""
+    args = torch.tensor([[q, kv, t, kv_heads, max_splits, target] for q, kv, t in cases], dtype=torch.int32,
+                        device=DEVICE)  # fmt: skip
+    out = torch.empty(len(cases), dtype=torch.int32, device=DEVICE)
+    _split_rule_kernel[(len(cases),)](args, out, Q_PER_PROG=q_per_prog, BLOCK_N=block_n)
+    return out.tolist()
+
+
+def test_extend_split_rule_fills_the_gpu_with_the_batch_it_sees() -> None:
+    """On an H200 (target 2 programs x 132 SMs), a batch of requests returning with 10 tokens over a 1k context:
+    fewer splits the more sequences the batch has (estimated on the device as batch tokens / q_len), never
+    more than the launch has or than the context has key tiles."""
+    # Qwen3-32B: 8 query heads per KV head in 64-row tiles -> 8 queries per program, two programs per suffix.
+    batches = [(10, 1034, 10 * n) for n in (1, 4, 8, 12)]
+    assert extend_splits(batches, q_per_prog=8) == [16, 4, 2, 1]
+    # Qwen3-0.6B: 2 query heads per KV head -> 32 queries per program, one program per suffix.
+    assert extend_splits(batches, q_per_prog=32) == [16, 8, 4, 2]
+    # A short context has fewer key tiles than splits; the launch's split count caps the rest.
+    assert extend_splits([(10, 200, 10), (10, 8192, 10)], q_per_prog=8, max_splits=5) == [4, 5]
+    # A long prompt's chunk fills the GPU alone; a lone token in a big mixed batch still gets one split.
+    assert extend_splits([(2048, 2048, 2048), (2, 512, 2000)], q_per_prog=8) == [1, 1]
+
+
+def test_extend_splits_decided_per_sequence_match_torch() -> None:
+    """Left to the device (no forced split count), one sequence of a batch splits its keys and another does not:
+    the reduce merges exactly the splits each sequence's programs wrote. On the CPU (4 "SMs", 8 programs
+    wanted): the 8-token suffix is alone in its estimate (2 programs -> 4 splits), the 2-token one is one of five
+    (10 programs -> 1 split); the decode row goes to the decode kernel."""
+    q, k, v, batch = make_case([(8, 200), (2, 40), (1, 60)], 16, 4, 2, 16, seed=5)
+    backend = TritonAttention(decode_block_n=16, extend_block_m=16, extend_block_n=16)
+    if INTERPRET:
+        assert extend_splits([(8, 200, 11), (2, 40, 11)], q_per_prog=8, kv_heads=2, max_splits=4, target=8,
+                             block_n=16) == [4, 1]  # fmt: skip
+    assert rel_err(run_triton(backend, q, k, v, batch), reference(q, k, v, batch)) <= RTOL
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_and_forward_without_prepare(dtype: torch.dtype) -> None:
     """16-bit in, 16-bit out (float32 softmax inside); forward also works when prepare was not called."""
@@ -201,28 +251,35 @@ def test_precompile_covers_every_variant_a_step_can_launch(
 ) -> None:
     """`precompile` (run before serving) reaches every constexpr combination a batch can need: decode with
     one split (direct output) and each power-of-two split count of the reduce, extend with and without decode
-    rows beside it and with and without splits; it launches nothing (compile only) and restores the backend.
-    The wide case is Qwen3-32B's attention (64 heads of 128) under a batch of 2,048 tokens: its extend scratch
-    cap must not hold the precompile at one split."""
-    _, k_cache, v_cache, batch = make_case([(1, 40), (7, 30)], 16, 4, 2, 16)
-    q = torch.empty(rows, heads, head_dim)  # nothing runs: only its shape, dtype and layout matter
+    rows beside it and with and without splits, with the short-suffix tile and the prefill tile; it launches
+    nothing (compile only) and restores the backend. The wide case is Qwen3-32B's attention (64 heads of 128)
+    under a batch of 2,048 tokens: its extend scratch cap must not hold the precompile at one split."""
+    _, k_cache, v_cache, batch = make_case([(1, 40), (7, 30)], 16, 4, 2, 16, dtype=torch.bfloat16)
+    q = torch.empty(rows, heads, head_dim, dtype=torch.bfloat16)  # nothing runs: only its type and layout matter
     backend = TritonAttention(num_kv_splits=None)
     seen: dict[str, set] = {}
+    tiles: set[tuple[int, int]] = set()
+    variants: set[tuple] = set()
     real_launch = backend._launch
 
     def record(kernel, grid, *args, **kwargs):
         assert backend._compile_only is not None  # only ever compiled, never run, while precompiling
         backend._compile_only.add((kernel, tuple(sorted(kwargs.items()))))
+        variants.add((kernel.fn.__name__, tuple(sorted(kwargs.items()))))
         keys = {k: v for k, v in kwargs.items() if k in ("DIRECT_OUT", "SPLITS_PAD", "SKIP_DECODE", "SPLIT")}
         seen.setdefault(kernel.fn.__name__, set()).add(tuple(sorted(keys.items())))
+        if kernel.fn.__name__ == "_extend_kernel":
+            tiles.add((kwargs["BLOCK_M"], kwargs["BLOCK_N"]))
 
     monkeypatch.setattr(backend, "_launch", record)
-    assert backend.precompile(q, k_cache, v_cache, batch, 0.25) == sum(len(c) for c in seen.values())
+    assert backend.precompile(q, k_cache, v_cache, batch, 0.25) == len(variants)
     assert backend._compile_only is None and backend.num_kv_splits is None and real_launch
     assert seen["_decode_split_kernel"] == {(("DIRECT_OUT", True),), (("DIRECT_OUT", False),)}
     assert {dict(c)["SPLITS_PAD"] for c in seen["_decode_reduce_kernel"]} == {2, 4, 8, 16, 32, 64}
     assert seen["_extend_kernel"] == {(("SKIP_DECODE", d), ("SPLIT", s)) for d in (False, True) for s in (False, True)}
     assert {dict(c)["SKIP_DECODE"] for c in seen["_extend_reduce_kernel"]} == {False, True}
+    assert {dict(c)["SPLITS_PAD"] for c in seen["_extend_reduce_kernel"]} == {2, 4, 8, 16}
+    assert tiles == {(64, 64), (128, 32)}  # short suffixes, prefills
 
 
 _COMPILE_DECODE_FOR_HOPPER = """

@@ -32,6 +32,12 @@ _MAX_KV_SPLITS = 64
 # on their bytes (a big mixed batch with one short suffix would otherwise allocate hundreds of MB per step).
 _MAX_EXTEND_SPLITS = 16
 _MAX_EXTEND_SCRATCH_BYTES = 64 << 20
+# Extend programs with work to aim for per SM. A short suffix's partials are q_len x GROUP rows per split, as
+# many bytes as a few hundred keys of K/V, so extend wants fewer programs than decode: perf/bench_attention.py
+# (perf/results/attention_h200_2026-12-02) measured 2 per SM within 3 % of the best split count per case.
+_EXTEND_PROGRAMS_PER_SM = 2
+# Suffixes up to this many tokens (every extend graph of the default config) get the short-suffix tile.
+_SHORT_EXTEND_TOKENS = 128
 # A split shorter than this does too little work to pay for its share of the reduction.
 _MIN_TOKENS_PER_SPLIT = 256
 # Decode programs to aim for per SM: a few resident programs per SM hide the block-table -> K/V load latency.
@@ -226,7 +232,21 @@ def _decode_reduce_kernel(
     tl.store(o_ptr + tok * stride_ot + head * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+@triton.jit
+def _extend_num_splits(q_len, kv_len, total_tokens, num_kv_heads, max_splits, target_programs,
+                       Q_PER_PROG: tl.constexpr, BLOCK_N: tl.constexpr):
+    """How many of the launched KV splits a sequence uses: enough programs with work for the whole batch to reach
+    `target_programs`, estimating the batch as total_tokens / q_len sequences like this one (a CUDA graph's
+    launch is fixed for any batch it replays, so this is decided on the device), and no split shorter than a
+    key tile. The extend kernel and its reduce compute it alike."""
+    seqs = tl.maximum(total_tokens // q_len, 1)
+    programs = seqs * num_kv_heads * ((q_len + Q_PER_PROG - 1) // Q_PER_PROG)
+    splits = tl.maximum(target_programs // programs, 1)
+    splits = tl.minimum(splits, (kv_len + BLOCK_N - 1) // BLOCK_N)
+    return tl.maximum(tl.minimum(splits, max_splits), 1)
+
+
+@triton.jit(do_not_specialize=["num_splits", "target_programs", "stride_bt"])
 def _extend_kernel(
     q_ptr,  # [T, Hq, D]
     k_ptr,  # [num_slots, Hkv, D]
@@ -238,7 +258,8 @@ def _extend_kernel(
     cu_seqlens_q_ptr,  # [B + 1] int32
     kv_lens_ptr,  # [B] int32
     sm_scale_log2,
-    num_splits,
+    num_splits,  # launched splits (the grid); a sequence uses _extend_num_splits of them
+    target_programs,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -266,7 +287,8 @@ def _extend_kernel(
     all heads of the group at once. Keys are visited in two phases: tiles strictly before the first query's
     position need no mask (every row sees them), the rest up to the last query's position get the causal mask.
     A short suffix over a long prefix (a request returning from another model) has only a few such programs,
-    each walking the whole prefix: with SPLIT the keys are divided among num_splits programs, as in decode.
+    each walking the whole prefix: with SPLIT the keys are divided among up to num_splits programs, as in
+    decode; the programs of splits the sequence does not use return at once.
     """
     wait_for_predecessor(PDL)  # first: the early returns below must have waited too
     seq = tl.program_id(0)
@@ -292,6 +314,12 @@ def _extend_kernel(
     if skip:
         return
     kv_len = tl.load(kv_lens_ptr + seq)
+    if SPLIT:
+        total_tokens = tl.load(cu_seqlens_q_ptr + tl.num_programs(0))
+        used = _extend_num_splits(q_len, kv_len, total_tokens, tl.num_programs(1), num_splits, target_programs,
+                                  Q_PER_PROG, BLOCK_N)
+        if split >= used:
+            return
     prefix = kv_len - q_len  # cached tokens before the new ones
 
     rows = tl.arange(0, BLOCK_M)
@@ -320,7 +348,7 @@ def _extend_kernel(
     if SPLIT:
         # This split's keys: a BLOCK_N-aligned share of the sequence (as in the decode kernel), so both phase
         # boundaries below stay tile-aligned. Rows may see no key here; the reduce kernel drops those splits.
-        split_len = (kv_len + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N
+        split_len = (kv_len + used * BLOCK_N - 1) // (used * BLOCK_N) * BLOCK_N
         lo = split * split_len
         hi = tl.minimum(lo + split_len, causal_end)
     else:
@@ -353,63 +381,69 @@ def _extend_kernel(
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "target_programs"])
 def _extend_reduce_kernel(
     mid_o_ptr,  # [T, Hq, num_splits, HEAD_DIM] float32
     mid_lse_ptr,  # [T, Hq, num_splits] float32
     o_ptr,  # [T, Hq, D]
     cu_seqlens_q_ptr,  # [B + 1]
+    kv_lens_ptr,  # [B]
     num_splits,
+    target_programs,
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    Q_PER_PROG: tl.constexpr,
+    GROUP_PAD: tl.constexpr,  # next power of two >= GROUP
+    SPLITS_PAD: tl.constexpr,  # next power of two >= num_splits
+    Q_PER_PROG: tl.constexpr,  # the extend kernel's, for _extend_num_splits
+    BLOCK_N: tl.constexpr,
     SKIP_DECODE: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
-    """Grid (B, Hkv, cdiv(max_q_len, Q_PER_PROG)), the extend kernel's tiles: merge each (token, head) row's split
-    partials. Only the rows the extend kernel owns are touched (decode rows belong to the decode kernel)."""
+    """Grid (max_q_len, B, Hkv): one new token's GROUP query heads of one KV head, every split's partial merged
+    in one load (weights exp2(lse_split - lse_max)), as the decode reduce does. Only the rows the extend kernel
+    owns are touched (decode rows belong to the decode kernel).
+
+    One program per token rather than per query tile: merging the splits in a loop made each program wait for
+    one load per split, and with few sequences that latency, not bandwidth, set the kernel's time."""
     wait_for_predecessor(PDL)  # first: the early returns below must have waited too
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    m = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    m_first = tl.program_id(2) * Q_PER_PROG
-    skip = m_first >= q_len
+    skip = m >= q_len  # the grid is sized for the longest sequence
     if SKIP_DECODE:
         skip = skip | (q_len == 1)
     if skip:
         return
-    rows = tl.arange(0, BLOCK_M)
-    m_idx = m_first + rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    row_ok = (rows < Q_PER_PROG * GROUP) & (m_idx < q_len)
+    total_tokens = tl.load(cu_seqlens_q_ptr + tl.num_programs(1))
+    used = _extend_num_splits(q_len, tl.load(kv_lens_ptr + seq), total_tokens, tl.num_programs(2), num_splits,
+                              target_programs, Q_PER_PROG, BLOCK_N)
+    tok = (q_start + m).to(tl.int64)
+    g = tl.arange(0, GROUP_PAD)
+    s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D_PAD)
+    g_ok = g < GROUP
     d_ok = d < HEAD_DIM
-    tok = (q_start + m_idx).to(tl.int64)
-    base = (tok * (tl.num_programs(1) * GROUP) + head) * num_splits  # [BLOCK_M]
-    # Online merge over the splits: every real row saw its own position's key in some split, so lse_max ends
-    # finite; splits a row saw nothing of carry lse = -inf and weigh 0.
-    lse_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    num = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    den = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for s in range(0, num_splits):
-        lse = tl.load(mid_lse_ptr + base + s, mask=row_ok, other=float("-inf"))
-        new_max = tl.maximum(lse_max, lse)
-        ref = tl.where(new_max == float("-inf"), 0.0, new_max)
-        alpha = tl.exp2(lse_max - ref)
-        w = tl.exp2(lse - ref)
-        part = tl.load(mid_o_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :],
-                       mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-        num = num * alpha[:, None] + part * w[:, None]
-        den = den * alpha + w
-        lse_max = new_max
+    head = kv_head * GROUP + g  # [GROUP_PAD]
+    row = (tok * (tl.num_programs(2) * GROUP) + head)[:, None] * num_splits + s[None, :]  # [GROUP_PAD, SPLITS_PAD]
+    row_ok = g_ok[:, None] & (s < used)[None, :]  # the splits the extend kernel wrote
+    # Every real row saw its own position's key in some split, so lse_max is finite; splits a row saw nothing
+    # of carry lse = -inf and weigh 0.
+    lse = tl.load(mid_lse_ptr + row, mask=row_ok, other=float("-inf"))
+    lse_max = tl.max(lse, 1)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # padding heads: keep them NaN-free
+    w = tl.exp2(lse - lse_max[:, None])  # [GROUP_PAD, SPLITS_PAD]
+    part = tl.load(mid_o_ptr + row[:, :, None] * HEAD_DIM + d[None, None, :],
+                   mask=row_ok[:, :, None] & d_ok[None, None, :], other=0.0)  # [GROUP_PAD, SPLITS_PAD, D_PAD]
+    num = tl.sum(part * w[:, :, None], 1)  # [GROUP_PAD, D_PAD]
+    den = tl.sum(w, 1)
     out = num / tl.where(den > 0.0, den, 1.0)[:, None]
-    o_ptrs = o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    o_ptrs = o_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
 @dataclass
@@ -421,8 +455,9 @@ class _TritonState:
     max_decode_kv_len: int
     max_extend_q_len: int
     max_extend_kv_len: int = 0
-    # CUDA graphs: the number of sequences to size the extend KV split for (lengths are unknown on the host).
-    extend_seqs_hint: int = 0
+    # A CUDA graph's batch: lengths are unknown on the host, so the extend's KV splits are always launched and
+    # each sequence decides on the device how many it uses.
+    in_graph: bool = False
     # Split scratch reused by every layer of the step (`_split_scratch`).
     scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -489,15 +524,16 @@ class TritonAttention(AttentionBackend):
 
     def graph_state(self, num_seqs: int, num_tokens: int, has_extend: bool, max_kv_len: int) -> _TritonState:
         # Every row may be a decode row (the decode grid covers all sequences and skips the others on the
-        # device); the extend grid is sized for the longest possible suffix. Splits are picked for the longest
-        # context, so short ones leave most splits empty (those programs return at once).
+        # device); the extend grid is sized for the longest possible suffix. Decode splits are picked for the
+        # longest context, so short ones leave most splits empty (those programs return at once); the extend's
+        # are decided per sequence on the device (_extend_num_splits).
         return _TritonState(
             num_decode=num_seqs,
             num_extend=1 if has_extend else 0,
             max_decode_kv_len=max_kv_len,
             max_extend_q_len=num_tokens,
             max_extend_kv_len=max_kv_len,
-            extend_seqs_hint=num_seqs,
+            in_graph=True,
         )
 
     def forward(
@@ -533,8 +569,8 @@ class TritonAttention(AttentionBackend):
                    scale: float) -> int:
         """Every variant a step can launch, compiled before serving: decode with one split (direct output)
         and with each power-of-two split count (the reduce's SPLITS_PAD), extend with and without decode rows
-        beside it (SKIP_DECODE) and with and without splits. `batch` gives the tensors' types and layouts (the
-        eager path's, which graphs share); nothing is launched."""
+        beside it (SKIP_DECODE) and with and without splits, with the short-suffix tile and the prefill tile.
+        `batch` gives the tensors' types and layouts (the eager path's, which graphs share); nothing is launched."""
         # A few rows are enough (a variant does not depend on the row count) and keep the extend's split scratch
         # under its byte cap, which would otherwise hold a large batch of a wide model at one split and leave
         # the split variants uncompiled.
@@ -548,12 +584,13 @@ class TritonAttention(AttentionBackend):
             for splits in counts:
                 self.num_kv_splits = splits
                 for num_decode, num_extend in ((seqs, 0), (0, seqs), (seqs, seqs)):
-                    state = _TritonState(num_decode=num_decode, num_extend=num_extend, max_decode_kv_len=1 << 20,
-                                         max_extend_q_len=tokens, max_extend_kv_len=1 << 20)
-                    if num_decode:
-                        self._decode(q, k_cache, v_cache, out, batch, state, scale)
-                    if num_extend:
-                        self._extend(q, k_cache, v_cache, out, batch, state, scale)
+                    for max_q_len in (tokens, _SHORT_EXTEND_TOKENS + 1):  # the two extend tiles
+                        state = _TritonState(num_decode=num_decode, num_extend=num_extend, max_decode_kv_len=1 << 20,
+                                             max_extend_q_len=max_q_len, max_extend_kv_len=1 << 20)
+                        if num_decode and max_q_len == tokens:
+                            self._decode(q, k_cache, v_cache, out, batch, state, scale)
+                        if num_extend:
+                            self._extend(q, k_cache, v_cache, out, batch, state, scale)
             return len(self._compile_only)
         finally:
             self._compile_only, self.num_kv_splits = None, forced
@@ -592,17 +629,22 @@ class TritonAttention(AttentionBackend):
         """
         return {"BLOCK_N": self.decode_block_n or (64 if d_pad <= 128 else 32), "num_warps": 4, "num_stages": 3}
 
-    def _extend_config(self, d_pad: int, elem_size: int) -> dict[str, int]:
+    def _extend_config(self, d_pad: int, elem_size: int, max_q_len: int) -> dict[str, int]:
         """Row/key tiles and launch shape of the extend kernel.
 
-        From the same H200 sweep: 128 rows x 32 keys, 4 warps, 2 stages was the best geometric mean over
-        prefill/extend/mixed batches and needs little shared memory (2 x 8 KiB per K/V stage), so it also fits
-        smaller GPUs. float32 or head_dim > 128 get smaller row tiles to keep the accumulator in registers.
+        Prefill and long extends, from the same H200 sweep: 128 rows x 32 keys, 4 warps, 2 stages was the best
+        geometric mean over prefill/extend/mixed batches and needs little shared memory (2 x 8 KiB per K/V
+        stage), so it also fits smaller GPUs. Short suffixes over a cached prefix (up to _SHORT_EXTEND_TOKENS,
+        what a request returning from another model brings) read far more keys than they have queries: 64 x 64
+        tiles, within 3 % of the best configuration per case for Qwen3-0.6B and -32B, 1-12 requests x 10 tokens
+        over 1k and 8k tokens (perf/results/attention_h200_2026-12-02). float32 or head_dim > 128 get smaller
+        tiles to keep the accumulator in registers and the K/V stages in shared memory.
         """
         big = d_pad <= 128 and elem_size <= 2
+        short = max_q_len <= _SHORT_EXTEND_TOKENS
         return {
-            "BLOCK_M": self.extend_block_m or (128 if big else 64),
-            "BLOCK_N": self.extend_block_n or 32,
+            "BLOCK_M": self.extend_block_m or (64 if short or not big else 128),
+            "BLOCK_N": self.extend_block_n or (64 if short and big else 32),
             "num_warps": 4,
             "num_stages": 2,
         }
@@ -658,31 +700,40 @@ class TritonAttention(AttentionBackend):
         num_kv_heads = k_cache.shape[1]
         group = num_heads // num_kv_heads
         d_pad = max(16, _next_pow2(head_dim))
-        cfg = self._extend_config(d_pad, k_cache.element_size())
+        cfg = self._extend_config(d_pad, k_cache.element_size(), state.max_extend_q_len)
         cfg["BLOCK_M"] = max(cfg["BLOCK_M"], _next_pow2(group))  # at least one query (all its heads) per program
         q_per_prog = cfg["BLOCK_M"] // group
         num_m = triton.cdiv(state.max_extend_q_len, q_per_prog)
-        # Programs with real work: a graph only knows its bounds, so it assumes the case splits are for (one
-        # short suffix per sequence); eagerly, the longest suffix's tile count for every extend sequence.
-        programs = state.extend_seqs_hint or state.num_extend * num_m
+        # Splits launched: as many as a single sequence could use; each sequence uses as many of them as the batch
+        # needs to fill the GPU (_extend_num_splits, decided on the device). A forced count is used as given.
         per_split = q.shape[0] * num_heads * (head_dim + 1) * 4  # float32 partial output + lse per split
-        splits = min(self._pick_num_splits(q.device, programs, num_kv_heads, state.max_extend_kv_len),
-                     _MAX_EXTEND_SPLITS, max(1, _MAX_EXTEND_SCRATCH_BYTES // per_split))  # fmt: skip
+        if self.num_kv_splits is not None:
+            splits, target = max(1, self.num_kv_splits), 1 << 30
+        else:
+            target = _EXTEND_PROGRAMS_PER_SM * self._sm_count(q.device)
+            splits = min(triton.cdiv(target, num_kv_heads), triton.cdiv(state.max_extend_kv_len, cfg["BLOCK_N"]))
+            if not state.in_graph and state.num_extend * num_kv_heads * num_m >= target:
+                splits = 1  # a prefill fills the GPU without splits: no partials, no reduce
+        splits = max(1, min(splits, _MAX_EXTEND_SPLITS, _MAX_EXTEND_SCRATCH_BYTES // per_split))
         skip_decode = state.num_decode > 0
         mid_o = mid_lse = out  # never read without SPLIT
         if splits > 1:
             mid_o, mid_lse = _split_scratch(state, "extend", q.shape[0], num_heads, splits, head_dim, q.device)
         self._launch(_extend_kernel, (batch.num_seqs, num_kv_heads, num_m * splits),
             q, k_cache, v_cache, out, mid_o, mid_lse, batch.block_tables, batch.cu_seqlens_q, batch.kv_lens,
-            scale * _LOG2E, splits,
+            scale * _LOG2E, splits, target,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             out.stride(0), out.stride(1), batch.block_tables.stride(0),
             HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, PAGE=batch.block_size,
             Q_PER_PROG=q_per_prog, SKIP_DECODE=skip_decode, SPLIT=splits > 1, **cfg,
         )  # fmt: skip
         if splits > 1:
-            self._launch(_extend_reduce_kernel, (batch.num_seqs, num_kv_heads, num_m),
-                mid_o, mid_lse, out, batch.cu_seqlens_q, splits, out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, BLOCK_M=cfg["BLOCK_M"], Q_PER_PROG=q_per_prog,
-                SKIP_DECODE=skip_decode, num_warps=4, num_stages=1,
+            splits_pad, group_pad = _next_pow2(splits), _next_pow2(group)
+            # One reduce program per (token, sequence, KV head); tokens on the grid's first axis, the only one
+            # without a 65,535 limit.
+            self._launch(_extend_reduce_kernel, (state.max_extend_q_len, batch.num_seqs, num_kv_heads),
+                mid_o, mid_lse, out, batch.cu_seqlens_q, batch.kv_lens, splits, target, out.stride(0),
+                out.stride(1), HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, GROUP_PAD=group_pad,
+                SPLITS_PAD=splits_pad, Q_PER_PROG=q_per_prog, BLOCK_N=cfg["BLOCK_N"], SKIP_DECODE=skip_decode,
+                num_warps=8 if group_pad * splits_pad * d_pad >= 16384 else 4, num_stages=1,
             )  # fmt: skip
