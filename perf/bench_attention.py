@@ -14,6 +14,7 @@ floor (K/V bytes read / copy bandwidth measured in the same run). What the defau
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import sys
@@ -30,8 +31,13 @@ from _common import command_line, machine_info, now_iso  # noqa: E402
 from bench_runner import copy_bandwidth, median_gpu_seconds  # noqa: E402
 
 from tokenrouter.runner.arch import ArchConfig  # noqa: E402
-from tokenrouter.runner.cuda_graph import graph_shapes, pick_shape  # noqa: E402
+from tokenrouter.runner.cuda_graph import GraphShape, graph_shapes, pick_shape  # noqa: E402
 from tokenrouter.runner.forward_batch import ForwardBatch  # noqa: E402
+
+try:
+    from tokenrouter.runner.cuda_graph import fewest_tokens
+except ImportError:  # a tree from before it (only used where graph_state takes the bound)
+    fewest_tokens = None
 from tokenrouter.runner.triton_attention import TritonAttention  # noqa: E402
 
 PAGE = 16
@@ -49,12 +55,15 @@ class SweptAttention(TritonAttention):
         return dict(self.extend_cfg)
 
 
+SHAPES = graph_shapes(64, 128, 256)  # the runner's graphs under the default config
+
+
 def make_batch(batch: int, new: int, context: int, pool_blocks: int, device: torch.device,
-               gen: torch.Generator) -> tuple[ForwardBatch, int, int]:
+               gen: torch.Generator) -> tuple[ForwardBatch, GraphShape]:
     """`batch` sequences of `context` cached + `new` new tokens, padded to the graph shape the runner would
     replay (padding sequences have no tokens, padding tokens belong to no sequence); returns the batch and the
-    shape's (sequences, tokens)."""
-    shape = pick_shape(graph_shapes(64, 128, 256), batch, batch * new)
+    shape."""
+    shape = pick_shape(SHAPES, batch, batch * new)
     if shape is None:
         raise ValueError(f"no graph shape for {batch} x {new}")
     seqs, tokens = shape.num_seqs, shape.num_tokens
@@ -78,14 +87,18 @@ def make_batch(batch: int, new: int, context: int, pool_blocks: int, device: tor
         logits_indices=torch.zeros(seqs, dtype=torch.int64, device=device),
         block_size=PAGE,
     )
-    return fb, seqs, tokens
+    return fb, shape
 
 
 def time_layers(backend: TritonAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
-                seqs: int, tokens: int, iters: int) -> float:
+                shape: GraphShape, iters: int) -> float:
     """Seconds per layer of one graph that runs the attention of every layer (k, v: [L, slots, Hkv, D])."""
     scale = q.shape[-1] ** -0.5
-    fb.attn_state = backend.graph_state(seqs, tokens, tokens > seqs, MAX_MODEL_LEN)
+    bounds = (shape.num_seqs, shape.num_tokens, shape.has_extend, MAX_MODEL_LEN)
+    if "min_tokens" in inspect.signature(backend.graph_state).parameters:
+        fb.attn_state = backend.graph_state(*bounds, min_tokens=fewest_tokens(SHAPES, shape))
+    else:  # a tree from before the lower bound (perf/gpu_extend.sh runs this script against a baseline)
+        fb.attn_state = backend.graph_state(*bounds)
     layers = k.shape[0]
 
     def step() -> None:
@@ -114,7 +127,7 @@ SPLITS = "1,2,3,4,6,8,12,16"
 
 def extend_configs(tiles: str, splits: str) -> list[tuple[dict[str, int], int]]:
     out = []
-    for tile in tiles.split(","):
+    for tile in filter(None, tiles.split(",")):
         m, n, stages, warps = (int(x) for x in tile.split("x"))
         for sp in splits.split(","):
             out.append(({"BLOCK_M": m, "BLOCK_N": n, "num_stages": stages, "num_warps": warps}, int(sp)))
@@ -138,23 +151,25 @@ def bench_model(name: str, bandwidth: float, configs: list[tuple[dict[str, int],
         for batch in batches:
             kv_bytes = batch * (context + new) * hkv * d * 2 * 2
             floor = kv_bytes / bandwidth
-            fb_d, seqs_d, tok_d = make_batch(batch, 1, context + new - 1, pool_blocks, dev, gen)
-            q_d = torch.randn(tok_d, hq, d, dtype=torch.bfloat16, device=dev)
-            decode = time_layers(TritonAttention(), q_d, k, v, fb_d, seqs_d, tok_d, iters)
-            fb, seqs, tokens = make_batch(batch, new, context, pool_blocks, dev, gen)
-            q = torch.randn(tokens, hq, d, dtype=torch.bfloat16, device=dev)
-            default = time_layers(TritonAttention(), q, k, v, fb, seqs, tokens, iters)
+            fb_d, shape_d = make_batch(batch, 1, context + new - 1, pool_blocks, dev, gen)
+            q_d = torch.randn(shape_d.num_tokens, hq, d, dtype=torch.bfloat16, device=dev)
+            decode = time_layers(TritonAttention(), q_d, k, v, fb_d, shape_d, iters)
+            fb, shape = make_batch(batch, new, context, pool_blocks, dev, gen)
+            q = torch.randn(shape.num_tokens, hq, d, dtype=torch.bfloat16, device=dev)
+            default = time_layers(TritonAttention(), q, k, v, fb, shape, iters)
             swept = []
             for cfg, splits in configs:
-                t = time_layers(SweptAttention(cfg, splits), q, k, v, fb, seqs, tokens, iters)
+                t = time_layers(SweptAttention(cfg, splits), q, k, v, fb, shape, iters)
                 swept.append({**cfg, "splits": splits, "us": t * 1e6})
-            best = min(swept, key=lambda r: r["us"])
-            case = {"batch": batch, "new": new, "context": context, "graph_seqs": seqs, "graph_tokens": tokens,
+            best = min(swept, key=lambda r: r["us"], default=None)
+            case = {"batch": batch, "new": new, "context": context, "graph_seqs": shape.num_seqs,
+                    "graph_tokens": shape.num_tokens,
                     "floor_us": floor * 1e6, "decode_us": decode * 1e6, "default_us": default * 1e6,
                     "best": best, "swept": swept}
             out["cases"].append(case)
             print(f"{name} {batch}x{new} on {context}: floor {floor * 1e6:.1f} us, decode {decode * 1e6:.1f}, "
-                  f"extend default {default * 1e6:.1f}, best {best['us']:.1f} ({best})", flush=True)
+                  f"extend default {default * 1e6:.1f}" + (f", best {best['us']:.1f} ({best})" if best else ""),
+                  flush=True)
     del k, v
     torch.cuda.empty_cache()
     return out
@@ -164,6 +179,8 @@ def summary(results: dict) -> list[str]:
     """For each swept configuration, its geometric-mean time over the cases relative to each case's best."""
     lines = []
     for m in results["models"]:
+        if not m["cases"] or not m["cases"][0]["swept"]:
+            continue
         keys = [tuple(r[x] for x in ("BLOCK_M", "BLOCK_N", "num_stages", "num_warps", "splits"))
                 for r in m["cases"][0]["swept"]]
         score = {}
@@ -181,7 +198,8 @@ def summary(results: dict) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen3-32b,qwen3-0.6b")
-    ap.add_argument("--tiles", default=TILES, help="extend tiles to sweep: BLOCK_MxBLOCK_NxSTAGESxWARPS,...")
+    ap.add_argument("--tiles", default=TILES,
+                    help="extend tiles to sweep, BLOCK_MxBLOCK_NxSTAGESxWARPS,...; '' times the default alone")
     ap.add_argument("--splits", default=SPLITS, help="KV split counts to sweep")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", type=Path, required=True)

@@ -15,7 +15,7 @@ from tokenrouter.config import ModelConfig
 from tokenrouter.engine.block_manager import BlockManager
 from tokenrouter.engine.sequence import Sequence
 from tokenrouter.routing.policy import make_policy, step_hook
-from tokenrouter.runner.cuda_graph import GraphShape, graph_shapes, pick_shape
+from tokenrouter.runner.cuda_graph import GraphShape, fewest_tokens, graph_shapes, pick_shape
 from tokenrouter.runner.forward_batch import ScheduledChunk
 from tokenrouter.runner.model_runner import ModelRunner
 from tokenrouter.sampling_params import SamplingParams
@@ -98,6 +98,18 @@ class _Driver:
         for seq in self.seqs:
             self.bm.release(seq)
         assert self.bm.num_free_blocks == self.bm.num_blocks
+
+
+def test_fewest_tokens_bounds_every_batch_a_graph_replays() -> None:
+    """The lower bound the attention sizes a graph's extend splits by: every batch that picks a shape has at
+    least that many tokens."""
+    shapes = graph_shapes(64, 128, 256)
+    for seqs in range(1, 65):
+        for tokens in range(seqs, 129):
+            shape = pick_shape(shapes, seqs, tokens)
+            if shape is not None:
+                assert tokens >= fewest_tokens(shapes, shape), (seqs, tokens, shape)
+    assert fewest_tokens(shapes, GraphShape(80, 16)) == 65  # 8 requests x 10 tokens replay (80, 16)
 
 
 def test_padded_graph_step_matches_plain_forward(tiny_dir: Path) -> None:

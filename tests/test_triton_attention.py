@@ -206,6 +206,17 @@ def test_extend_split_rule_fills_the_gpu_with_the_batch_it_sees() -> None:
     assert extend_splits([(2048, 2048, 2048), (2, 512, 2000)], q_per_prog=8) == [1, 1]
 
 
+@pytest.mark.parametrize("q_per_prog", [8, 32])
+def test_extend_launch_bound_covers_every_sequence(q_per_prog: int) -> None:
+    """The host launches at most cdiv(target, Hkv * max(1, tokens // (2 * q_per_prog))) splits for a batch of at
+    least `tokens` new tokens (`_extend`): no sequence of such a batch would use more on the device."""
+    target, kv_heads = 2 * 132, 8
+    cases = [(q, 4096, t) for t in range(2, 130, 3) for q in range(2, t + 1, max(1, t // 12))]
+    used = extend_splits(cases, q_per_prog=q_per_prog, kv_heads=kv_heads, max_splits=1 << 10, target=target)
+    for (q, _, t), u in zip(cases, used):
+        assert u <= -(-target // (kv_heads * max(1, t // (2 * q_per_prog)))), (q, t, u)
+
+
 def test_extend_splits_decided_per_sequence_match_torch() -> None:
     """Left to the device (no forced split count), one sequence of a batch splits its keys and another does not:
     the reduce merges exactly the splits each sequence's programs wrote. On the CPU (4 "SMs", 8 programs

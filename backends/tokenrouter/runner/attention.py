@@ -28,9 +28,11 @@ class AttentionBackend(ABC):
         (a backend whose kernels compile on first use); returns how many it compiled or found compiled."""
         return 0
 
-    def graph_state(self, num_seqs: int, num_tokens: int, has_extend: bool, max_kv_len: int) -> Any:
+    def graph_state(self, num_seqs: int, num_tokens: int, has_extend: bool, max_kv_len: int,
+                    min_tokens: int = 1) -> Any:
         """Launch state for every batch that a CUDA graph of this shape will replay (lengths unknown on the
-        host: only bounds). Set as `batch.attn_state` instead of calling `prepare`."""
+        host: only bounds; `min_tokens`: the fewest new tokens such a batch has). Set as `batch.attn_state`
+        instead of calling `prepare`."""
         raise NotImplementedError(f"attention backend {self.name!r} cannot run in a CUDA graph")
 
     @staticmethod

@@ -78,6 +78,14 @@ def pick_shape(shapes: list[GraphShape], num_seqs: int, num_tokens: int) -> Grap
     return best
 
 
+def fewest_tokens(shapes: list[GraphShape], shape: GraphShape) -> int:
+    """The fewest tokens of a batch that replays `shape` (`pick_shape` over `shapes`): more than any smaller
+    graph of its kind that holds as many sequences; an extend has at least one sequence of two tokens."""
+    below = [s.num_tokens for s in shapes
+             if s.has_extend == shape.has_extend and s.num_tokens < shape.num_tokens and s.num_seqs >= shape.num_seqs]
+    return max(below, default=1 if shape.has_extend else 0) + 1
+
+
 @dataclass
 class GraphOutputs:
     """Static result tensors of one graph: rows past the batch's real sequences are padding."""
@@ -215,7 +223,8 @@ class CudaGraphRunner:
         if shape not in self.batches or fresh:
             batch = self.inputs.batch(shape, self.block_size)
             batch.attn_state = self.backend.graph_state(
-                shape.num_seqs, shape.num_tokens, shape.has_extend, self.max_model_len
+                shape.num_seqs, shape.num_tokens, shape.has_extend, self.max_model_len,
+                min_tokens=fewest_tokens(self.shapes, shape),
             )
             self.batches[shape] = batch
         return self.batches[shape]

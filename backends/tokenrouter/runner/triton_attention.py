@@ -303,8 +303,11 @@ def _extend_kernel(
         num_m = tl.num_programs(2)
     # Causal work grows with m_block: hand out the longest query tiles first so the short ones fill the tail.
     m_block = num_m - 1 - m_prog
+    # Every length this program needs, loaded at once: most programs of a graph's grid return after these.
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    kv_len = tl.load(kv_lens_ptr + seq)
+    total_tokens = tl.load(cu_seqlens_q_ptr + tl.num_programs(0))
     m_first = m_block * Q_PER_PROG  # first new token (index within the sequence's new tokens) of this program
     # The grid is sized for the longest sequence; shorter ones have nothing here.
     skip = m_first >= q_len
@@ -313,9 +316,7 @@ def _extend_kernel(
         skip = skip | (q_len == 1)
     if skip:
         return
-    kv_len = tl.load(kv_lens_ptr + seq)
     if SPLIT:
-        total_tokens = tl.load(cu_seqlens_q_ptr + tl.num_programs(0))
         used = _extend_num_splits(q_len, kv_len, total_tokens, tl.num_programs(1), num_splits, target_programs,
                                   Q_PER_PROG, BLOCK_N)
         if split >= used:
@@ -458,6 +459,9 @@ class _TritonState:
     # A CUDA graph's batch: lengths are unknown on the host, so the extend's KV splits are always launched and
     # each sequence decides on the device how many it uses.
     in_graph: bool = False
+    # The fewest new tokens a batch of this launch has (the whole batch's when eager; a graph's lower bound):
+    # bounds how many extend splits any of its sequences can use.
+    min_tokens: int = 1
     # Split scratch reused by every layer of the step (`_split_scratch`).
     scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -520,9 +524,11 @@ class TritonAttention(AttentionBackend):
             max_decode_kv_len=max(dec_kv, default=0),
             max_extend_q_len=max(ext_q, default=0),
             max_extend_kv_len=max((kv for q, kv in zip(batch.q_lens_cpu, batch.kv_lens_cpu) if q != 1), default=0),
+            min_tokens=sum(batch.q_lens_cpu),
         )
 
-    def graph_state(self, num_seqs: int, num_tokens: int, has_extend: bool, max_kv_len: int) -> _TritonState:
+    def graph_state(self, num_seqs: int, num_tokens: int, has_extend: bool, max_kv_len: int,
+                    min_tokens: int = 1) -> _TritonState:
         # Every row may be a decode row (the decode grid covers all sequences and skips the others on the
         # device); the extend grid is sized for the longest possible suffix. Decode splits are picked for the
         # longest context, so short ones leave most splits empty (those programs return at once); the extend's
@@ -534,6 +540,7 @@ class TritonAttention(AttentionBackend):
             max_extend_q_len=num_tokens,
             max_extend_kv_len=max_kv_len,
             in_graph=True,
+            min_tokens=min_tokens,
         )
 
     def forward(
@@ -711,7 +718,11 @@ class TritonAttention(AttentionBackend):
             splits, target = max(1, self.num_kv_splits), 1 << 30
         else:
             target = _EXTEND_PROGRAMS_PER_SM * self._sm_count(q.device)
-            splits = min(triton.cdiv(target, num_kv_heads), triton.cdiv(state.max_extend_kv_len, cfg["BLOCK_N"]))
+            # The most any sequence can use: _extend_num_splits gives a sequence at least about
+            # num_kv_heads * tokens / (2 * q_per_prog) programs before splitting. Launching no more keeps a graph's
+            # grid (sized for its longest suffix and most sequences) from being mostly programs that return.
+            least = num_kv_heads * max(1, state.min_tokens // (2 * q_per_prog))
+            splits = min(triton.cdiv(target, least), triton.cdiv(state.max_extend_kv_len, cfg["BLOCK_N"]))
             if not state.in_graph and state.num_extend * num_kv_heads * num_m >= target:
                 splits = 1  # a prefill fills the GPU without splits: no partials, no reduce
         splits = max(1, min(splits, _MAX_EXTEND_SPLITS, _MAX_EXTEND_SCRATCH_BYTES // per_split))
