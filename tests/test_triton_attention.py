@@ -218,7 +218,7 @@ def test_extend_launch_bound_covers_every_sequence(q_per_prog: int) -> None:
 
 
 def test_extend_splits_decided_per_sequence_match_torch() -> None:
-    """Left to the device (no forced split count), one sequence of a batch splits its keys and another does not:
+    """In a CUDA graph's launch (lengths unknown on the host), one sequence splits its keys and another does not:
     the reduce merges exactly the splits each sequence's programs wrote. On the CPU (4 "SMs", 8 programs
     wanted): the 8-token suffix is alone in its estimate (2 programs -> 4 splits), the 2-token one is one of five
     (10 programs -> 1 split); the decode row goes to the decode kernel."""
@@ -227,7 +227,10 @@ def test_extend_splits_decided_per_sequence_match_torch() -> None:
     if INTERPRET:
         assert extend_splits([(8, 200, 11), (2, 40, 11)], q_per_prog=8, kv_heads=2, max_splits=4, target=8,
                              block_n=16) == [4, 1]  # fmt: skip
-    assert rel_err(run_triton(backend, q, k, v, batch), reference(q, k, v, batch)) <= RTOL
+    # The state a graph of this batch's shape launches with (graph_state), the batch's own lengths as its bounds.
+    b = dataclasses.replace(batch, attn_state=backend.graph_state(3, 11, True, 200, min_tokens=11))
+    out = backend.forward(q, k, v, b, q.shape[-1] ** -0.5)
+    assert rel_err(out, reference(q, k, v, batch)) <= RTOL
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -36,8 +36,10 @@ _MAX_EXTEND_SCRATCH_BYTES = 64 << 20
 # many bytes as a few hundred keys of K/V, so extend wants fewer programs than decode: perf/bench_attention.py
 # (perf/results/attention_h200_2026-12-02) measured 2 per SM within 3 % of the best split count per case.
 _EXTEND_PROGRAMS_PER_SM = 2
-# Suffixes up to this many tokens (every extend graph of the default config) get the short-suffix tile.
+# Graphs of up to this many tokens (every extend graph of the default config) get the short-suffix tile.
 _SHORT_EXTEND_TOKENS = 128
+# A target no batch reaches: every launched split is used (as far as the sequence's context has key tiles).
+_EVERY_SPLIT = 1 << 30
 # A split shorter than this does too little work to pay for its share of the reduction.
 _MIN_TOKENS_PER_SPLIT = 256
 # Decode programs to aim for per SM: a few resident programs per SM hide the block-table -> K/V load latency.
@@ -459,8 +461,8 @@ class _TritonState:
     # A CUDA graph's batch: lengths are unknown on the host, so the extend's KV splits are always launched and
     # each sequence decides on the device how many it uses.
     in_graph: bool = False
-    # The fewest new tokens a batch of this launch has (the whole batch's when eager; a graph's lower bound):
-    # bounds how many extend splits any of its sequences can use.
+    # The fewest new tokens a batch this graph replays has: bounds how many extend splits any of its sequences
+    # can use.
     min_tokens: int = 1
     # Split scratch reused by every layer of the step (`_split_scratch`).
     scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -524,7 +526,6 @@ class TritonAttention(AttentionBackend):
             max_decode_kv_len=max(dec_kv, default=0),
             max_extend_q_len=max(ext_q, default=0),
             max_extend_kv_len=max((kv for q, kv in zip(batch.q_lens_cpu, batch.kv_lens_cpu) if q != 1), default=0),
-            min_tokens=sum(batch.q_lens_cpu),
         )
 
     def graph_state(self, num_seqs: int, num_tokens: int, has_extend: bool, max_kv_len: int,
@@ -576,7 +577,7 @@ class TritonAttention(AttentionBackend):
                    scale: float) -> int:
         """Every variant a step can launch, compiled before serving: decode with one split (direct output)
         and with each power-of-two split count (the reduce's SPLITS_PAD), extend with and without decode rows
-        beside it (SKIP_DECODE) and with and without splits, with the short-suffix tile and the prefill tile.
+        beside it (SKIP_DECODE) and with and without splits, with the short-suffix (graph) tile and the prefill tile.
         `batch` gives the tensors' types and layouts (the eager path's, which graphs share); nothing is launched."""
         # A few rows are enough (a variant does not depend on the row count) and keep the extend's split scratch
         # under its byte cap, which would otherwise hold a large batch of a wide model at one split and leave
@@ -591,10 +592,12 @@ class TritonAttention(AttentionBackend):
             for splits in counts:
                 self.num_kv_splits = splits
                 for num_decode, num_extend in ((seqs, 0), (0, seqs), (seqs, seqs)):
-                    for max_q_len in (tokens, _SHORT_EXTEND_TOKENS + 1):  # the two extend tiles
+                    # Eager, and graphs of short suffixes and of long ones: the two extend tiles.
+                    for in_graph, max_q_len in ((False, tokens), (True, tokens), (True, _SHORT_EXTEND_TOKENS + 1)):
                         state = _TritonState(num_decode=num_decode, num_extend=num_extend, max_decode_kv_len=1 << 20,
-                                             max_extend_q_len=max_q_len, max_extend_kv_len=1 << 20)
-                        if num_decode and max_q_len == tokens:
+                                             max_extend_q_len=max_q_len, max_extend_kv_len=1 << 20,
+                                             in_graph=in_graph)  # fmt: skip
+                        if num_decode and not in_graph:
                             self._decode(q, k_cache, v_cache, out, batch, state, scale)
                         if num_extend:
                             self._extend(q, k_cache, v_cache, out, batch, state, scale)
@@ -636,19 +639,18 @@ class TritonAttention(AttentionBackend):
         """
         return {"BLOCK_N": self.decode_block_n or (64 if d_pad <= 128 else 32), "num_warps": 4, "num_stages": 3}
 
-    def _extend_config(self, d_pad: int, elem_size: int, max_q_len: int) -> dict[str, int]:
+    def _extend_config(self, d_pad: int, elem_size: int, short: bool) -> dict[str, int]:
         """Row/key tiles and launch shape of the extend kernel.
 
         Prefill and long extends, from the same H200 sweep: 128 rows x 32 keys, 4 warps, 2 stages was the best
         geometric mean over prefill/extend/mixed batches and needs little shared memory (2 x 8 KiB per K/V
-        stage), so it also fits smaller GPUs. Short suffixes over a cached prefix (up to _SHORT_EXTEND_TOKENS,
-        what a request returning from another model brings) read far more keys than they have queries: 64 x 64
+        stage), so it also fits smaller GPUs. `short`: the graphs of short suffixes over a cached prefix (what a
+        request returning from another model brings), which read far more keys than they have queries: 64 x 64
         tiles, within 3 % of the best configuration per case for Qwen3-0.6B and -32B, 1-12 requests x 10 tokens
         over 1k and 8k tokens (perf/results/attention_h200_2026-12-02). float32 or head_dim > 128 get smaller
         tiles to keep the accumulator in registers and the K/V stages in shared memory.
         """
         big = d_pad <= 128 and elem_size <= 2
-        short = max_q_len <= _SHORT_EXTEND_TOKENS
         return {
             "BLOCK_M": self.extend_block_m or (64 if short or not big else 128),
             "BLOCK_N": self.extend_block_n or (64 if short and big else 32),
@@ -707,24 +709,28 @@ class TritonAttention(AttentionBackend):
         num_kv_heads = k_cache.shape[1]
         group = num_heads // num_kv_heads
         d_pad = max(16, _next_pow2(head_dim))
-        cfg = self._extend_config(d_pad, k_cache.element_size(), state.max_extend_q_len)
+        short = state.in_graph and state.max_extend_q_len <= _SHORT_EXTEND_TOKENS
+        cfg = self._extend_config(d_pad, k_cache.element_size(), short)
         cfg["BLOCK_M"] = max(cfg["BLOCK_M"], _next_pow2(group))  # at least one query (all its heads) per program
         q_per_prog = cfg["BLOCK_M"] // group
         num_m = triton.cdiv(state.max_extend_q_len, q_per_prog)
-        # Splits launched: as many as a single sequence could use; each sequence uses as many of them as the batch
-        # needs to fill the GPU (_extend_num_splits, decided on the device). A forced count is used as given.
         per_split = q.shape[0] * num_heads * (head_dim + 1) * 4  # float32 partial output + lse per split
         if self.num_kv_splits is not None:
-            splits, target = max(1, self.num_kv_splits), 1 << 30
-        else:
+            splits, target = max(1, self.num_kv_splits), _EVERY_SPLIT
+        elif state.in_graph:
+            # A graph replays batches whose lengths the host never sees: it launches as many splits as a sequence
+            # of them could use, and each sequence decides on the device how many it uses (_extend_num_splits),
+            # which gives it at least about num_kv_heads * tokens / (2 * q_per_prog) programs before splitting.
+            # Launching no more keeps the grid (sized for the longest suffix and the most sequences) from being
+            # mostly programs that return at once.
             target = _EXTEND_PROGRAMS_PER_SM * self._sm_count(q.device)
-            # The most any sequence can use: _extend_num_splits gives a sequence at least about
-            # num_kv_heads * tokens / (2 * q_per_prog) programs before splitting. Launching no more keeps a graph's
-            # grid (sized for its longest suffix and most sequences) from being mostly programs that return.
             least = num_kv_heads * max(1, state.min_tokens // (2 * q_per_prog))
             splits = min(triton.cdiv(target, least), triton.cdiv(state.max_extend_kv_len, cfg["BLOCK_N"]))
-            if not state.in_graph and state.num_extend * num_kv_heads * num_m >= target:
-                splits = 1  # a prefill fills the GPU without splits: no partials, no reduce
+        else:
+            # Eager batches (prefills, mixed batches, extends bigger than any graph): the host sees every length
+            # and picks one split count for the batch, as for decode.
+            splits = self._pick_num_splits(q.device, state.num_extend * num_m, num_kv_heads, state.max_extend_kv_len)
+            target = _EVERY_SPLIT
         splits = max(1, min(splits, _MAX_EXTEND_SPLITS, _MAX_EXTEND_SCRATCH_BYTES // per_split))
         skip_decode = state.num_decode > 0
         mid_o = mid_lse = out  # never read without SPLIT
