@@ -36,13 +36,7 @@ if [ "$mode" = engine ]; then
       --name engine_$name > $res/engine_$name.log 2>&1
     grep "^| routed" $res/engine_$name.md 2> /dev/null || tail -5 $res/engine_$name.log
   done
-  step "attention, PDL, graph and runner tests, compiled"
-PYTHONPATH=$PWD/backends timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_gpu_runner.py \
-  tests/test_triton_attention.py tests/test_cuda_graph_runner.py tests/test_pdl.py > $res/gpu_tests.log 2>&1
-echo "pytest exit code $?" >> $res/gpu_tests.log
-tail -3 $res/gpu_tests.log
-
-step "done"
+  step "done"
   exit 0
 fi
 
