@@ -51,7 +51,7 @@ class SweptAttention(TritonAttention):
         super().__init__(num_kv_splits=splits)
         self.extend_cfg = extend_cfg
 
-    def _extend_config(self, d_pad: int, elem_size: int) -> dict[str, int]:
+    def _extend_config(self, d_pad: int, elem_size: int, *_: object) -> dict[str, int]:
         return dict(self.extend_cfg)
 
 

@@ -34,7 +34,8 @@ _MAX_EXTEND_SPLITS = 16
 _MAX_EXTEND_SCRATCH_BYTES = 64 << 20
 # Extend programs with work to aim for per SM. A short suffix's partials are q_len x GROUP rows per split, as
 # many bytes as a few hundred keys of K/V, so extend wants fewer programs than decode: perf/bench_attention.py
-# (perf/results/attention_h200_2026-12-02) measured 2 per SM within 3 % of the best split count per case.
+# (perf/results/attention_h200_2026-12-02) measured 2 per SM at 3 % from the best split count per case on
+# geometric mean (9 % in the worst case).
 _EXTEND_PROGRAMS_PER_SM = 2
 # Graphs of up to this many tokens (every extend graph of the default config) get the short-suffix tile.
 _SHORT_EXTEND_TOKENS = 128
@@ -458,8 +459,8 @@ class _TritonState:
     max_decode_kv_len: int
     max_extend_q_len: int
     max_extend_kv_len: int = 0
-    # A CUDA graph's batch: lengths are unknown on the host, so the extend's KV splits are always launched and
-    # each sequence decides on the device how many it uses.
+    # A CUDA graph's batch: lengths are unknown on the host, so the extend launches as many KV splits as a
+    # sequence could use (_extend_launch_bound) and each sequence decides on the device how many it uses.
     in_graph: bool = False
     # The fewest new tokens a batch this graph replays has: bounds how many extend splits any of its sequences
     # can use.
@@ -484,6 +485,14 @@ def _split_scratch(
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
+
+
+def _extend_launch_bound(target_programs: int, num_kv_heads: int, min_tokens: int, q_per_prog: int) -> int:
+    """The most KV splits any sequence of a batch of at least `min_tokens` new tokens uses on the device: with
+    suffix q, _extend_num_splits counts (tokens // q) * cdiv(q, q_per_prog) > tokens / (2 * q_per_prog) programs
+    per KV head. Launching no more keeps a graph's grid (sized for its longest suffix and most sequences) from
+    being mostly programs that return at once; fewer would only cost speed (the device clamps to the launch)."""
+    return triton.cdiv(target_programs, num_kv_heads * max(1, min_tokens // (2 * q_per_prog)))
 
 
 class TritonAttention(AttentionBackend):
@@ -577,8 +586,9 @@ class TritonAttention(AttentionBackend):
                    scale: float) -> int:
         """Every variant a step can launch, compiled before serving: decode with one split (direct output)
         and with each power-of-two split count (the reduce's SPLITS_PAD), extend with and without decode rows
-        beside it (SKIP_DECODE) and with and without splits, with the short-suffix (graph) tile and the prefill tile.
-        `batch` gives the tensors' types and layouts (the eager path's, which graphs share); nothing is launched."""
+        beside it (SKIP_DECODE) and with and without splits. `batch` gives the tensors' types and layouts (the
+        eager path's: graphs, whose lengths are int64 and whose short extends take their own tile, compile their
+        variants when they are captured, before serving too); nothing is launched."""
         # A few rows are enough (a variant does not depend on the row count) and keep the extend's split scratch
         # under its byte cap, which would otherwise hold a large batch of a wide model at one split and leave
         # the split variants uncompiled.
@@ -592,15 +602,12 @@ class TritonAttention(AttentionBackend):
             for splits in counts:
                 self.num_kv_splits = splits
                 for num_decode, num_extend in ((seqs, 0), (0, seqs), (seqs, seqs)):
-                    # Eager, and graphs of short suffixes and of long ones: the two extend tiles.
-                    for in_graph, max_q_len in ((False, tokens), (True, tokens), (True, _SHORT_EXTEND_TOKENS + 1)):
-                        state = _TritonState(num_decode=num_decode, num_extend=num_extend, max_decode_kv_len=1 << 20,
-                                             max_extend_q_len=max_q_len, max_extend_kv_len=1 << 20,
-                                             in_graph=in_graph)  # fmt: skip
-                        if num_decode and not in_graph:
-                            self._decode(q, k_cache, v_cache, out, batch, state, scale)
-                        if num_extend:
-                            self._extend(q, k_cache, v_cache, out, batch, state, scale)
+                    state = _TritonState(num_decode=num_decode, num_extend=num_extend, max_decode_kv_len=1 << 20,
+                                         max_extend_q_len=tokens, max_extend_kv_len=1 << 20)
+                    if num_decode:
+                        self._decode(q, k_cache, v_cache, out, batch, state, scale)
+                    if num_extend:
+                        self._extend(q, k_cache, v_cache, out, batch, state, scale)
             return len(self._compile_only)
         finally:
             self._compile_only, self.num_kv_splits = None, forced
@@ -646,10 +653,10 @@ class TritonAttention(AttentionBackend):
         geometric mean over prefill/extend/mixed batches and needs little shared memory (2 x 8 KiB per K/V
         stage), so it also fits smaller GPUs. `short`: the graphs of short suffixes over a cached prefix (what a
         request returning from another model brings), which read far more keys than they have queries: 64 x 64
-        tiles, within 3 % of the best configuration per case for Qwen3-0.6B and -32B, 1-12 requests x 10 tokens
-        over 1k and 8k tokens (perf/results/attention_h200_2026-12-02). float32 or head_dim > 128 get smaller
-        tiles to keep the accumulator in registers and the K/V stages in shared memory.
-        """
+        tiles, 3 % from the best configuration per case on geometric mean (9 % in the worst) for Qwen3-0.6B and
+        -32B, 1-12 requests x 10 tokens over 1k and 8k tokens (perf/results/attention_h200_2026-12-02). float32
+        or head_dim > 128 get smaller tiles to keep the accumulator in registers and the K/V stages in shared
+        memory."""
         big = d_pad <= 128 and elem_size <= 2
         return {
             "BLOCK_M": self.extend_block_m or (64 if short or not big else 128),
@@ -718,17 +725,15 @@ class TritonAttention(AttentionBackend):
         if self.num_kv_splits is not None:
             splits, target = max(1, self.num_kv_splits), _EVERY_SPLIT
         elif state.in_graph:
-            # A graph replays batches whose lengths the host never sees: it launches as many splits as a sequence
-            # of them could use, and each sequence decides on the device how many it uses (_extend_num_splits),
-            # which gives it at least about num_kv_heads * tokens / (2 * q_per_prog) programs before splitting.
-            # Launching no more keeps the grid (sized for the longest suffix and the most sequences) from being
-            # mostly programs that return at once.
+            # A graph replays batches whose lengths the host never sees: each sequence decides on the device how
+            # many of the launched splits it uses (_extend_num_splits).
             target = _EXTEND_PROGRAMS_PER_SM * self._sm_count(q.device)
-            least = num_kv_heads * max(1, state.min_tokens // (2 * q_per_prog))
-            splits = min(triton.cdiv(target, least), triton.cdiv(state.max_extend_kv_len, cfg["BLOCK_N"]))
+            splits = min(_extend_launch_bound(target, num_kv_heads, state.min_tokens, q_per_prog),
+                         triton.cdiv(state.max_extend_kv_len, cfg["BLOCK_N"]))  # fmt: skip
         else:
-            # Eager batches (prefills, mixed batches, extends bigger than any graph): the host sees every length
-            # and picks one split count for the batch, as for decode.
+            # Eager batches (those no graph holds: more tokens than the largest extend graph, chunks of a prompt
+            # that do not sample): the host sees every length and picks one split count for the batch, as for
+            # decode.
             splits = self._pick_num_splits(q.device, state.num_extend * num_m, num_kv_heads, state.max_extend_kv_len)
             target = _EVERY_SPLIT
         splits = max(1, min(splits, _MAX_EXTEND_SPLITS, _MAX_EXTEND_SCRATCH_BYTES // per_split))
@@ -752,5 +757,6 @@ class TritonAttention(AttentionBackend):
                 mid_o, mid_lse, out, batch.cu_seqlens_q, batch.kv_lens, splits, target, out.stride(0),
                 out.stride(1), HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, GROUP_PAD=group_pad,
                 SPLITS_PAD=splits_pad, Q_PER_PROG=q_per_prog, BLOCK_N=cfg["BLOCK_N"], SKIP_DECODE=skip_decode,
+                # 8 warps once the merged tile has 16K elements: 64 float32 registers per thread instead of 128.
                 num_warps=8 if group_pad * splits_pad * d_pad >= 16384 else 4, num_stages=1,
             )  # fmt: skip
