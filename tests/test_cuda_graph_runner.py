@@ -15,7 +15,7 @@ from tokenrouter.config import ModelConfig
 from tokenrouter.engine.block_manager import BlockManager
 from tokenrouter.engine.sequence import Sequence
 from tokenrouter.routing.policy import make_policy, step_hook
-from tokenrouter.runner.cuda_graph import GraphShape, fewest_tokens, graph_shapes, pick_shape
+from tokenrouter.runner.cuda_graph import GraphShape, extend_token_counts, fewest_tokens, graph_shapes, pick_shape
 from tokenrouter.runner.forward_batch import ScheduledChunk
 from tokenrouter.runner.model_runner import ModelRunner
 from tokenrouter.sampling_params import SamplingParams
@@ -32,6 +32,17 @@ def test_graph_shapes_cover_decode_and_short_extends() -> None:
     assert [s for s in graph_shapes(0, 16, max_seqs=8) if not s.has_extend] == []
     assert graph_shapes(0, 16, max_seqs=8) == [GraphShape(16, 4), GraphShape(16, 8)]
     assert max(s.num_seqs for s in graph_shapes(64, 128, max_seqs=6)) == 6
+
+
+def test_extend_token_counts_step_16_then_64() -> None:
+    # Fine steps where returning requests' short suffixes land, coarse ones for prefills.
+    assert extend_token_counts(128) == list(range(16, 129, 16))
+    assert extend_token_counts(512) == list(range(16, 129, 16)) + [192, 256, 320, 384, 448, 512]
+    assert extend_token_counts(200) == list(range(16, 129, 16)) + [192]  # up to the limit, never past it
+    assert extend_token_counts(15) == []
+    # The default config's largest extend graph holds a 100-token prompt with three requests' suffixes.
+    default = ModelConfig(name="m", path="unused").cuda_graph_max_tokens
+    assert max(extend_token_counts(default)) >= 128 + 3 * 10
 
 
 @pytest.mark.parametrize(
@@ -56,10 +67,11 @@ ON_GPU = os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.cuda.is_availa
 TOL = 1e-4 if ON_GPU else 1e-5
 
 
-def _runner(tiny_dir: Path) -> ModelRunner:
+def _runner(tiny_dir: Path, max_tokens: int = 32) -> ModelRunner:
     device = "cuda:0" if ON_GPU else "cpu"
     cfg = ModelConfig(name="small", path=str(tiny_dir / "small"), dtype="float32", device=device,
-                      kv_cache_tokens=1024, attention="triton", cuda_graph_max_batch=8, cuda_graph_max_tokens=32)
+                      kv_cache_tokens=1024, attention="triton", cuda_graph_max_batch=8,
+                      cuda_graph_max_tokens=max_tokens)
     return ModelRunner(cfg, default_kv_tokens=1024)
 
 
@@ -103,13 +115,14 @@ class _Driver:
 def test_fewest_tokens_bounds_every_batch_a_graph_replays() -> None:
     """The lower bound the attention sizes a graph's extend splits by: every batch that picks a shape has at
     least that many tokens."""
-    shapes = graph_shapes(64, 128, 256)
+    shapes = graph_shapes(64, 512, 256)
     for seqs in range(1, 65):
-        for tokens in range(seqs, 129):
+        for tokens in range(seqs, 513):
             shape = pick_shape(shapes, seqs, tokens)
             if shape is not None:
                 assert tokens >= fewest_tokens(shapes, shape), (seqs, tokens, shape)
     assert fewest_tokens(shapes, GraphShape(80, 16)) == 65  # 8 requests x 10 tokens replay (80, 16)
+    assert fewest_tokens(shapes, GraphShape(192, 4)) == 129  # past 128 tokens the step is 64
 
 
 def test_padded_graph_step_matches_plain_forward(tiny_dir: Path) -> None:
@@ -139,6 +152,30 @@ def test_padded_graph_step_matches_plain_forward(tiny_dir: Path) -> None:
         torch.testing.assert_close(ours[3], ref[3], rtol=TOL, atol=TOL)  # the router's logits
         assert ours[4].tolist() == ref[4].tolist() == [True] * len(ref[0])  # finite rows, one per sequence
     # Padding tokens wrote no KV: both pools hold the same cache, slot for slot.
+    torch.testing.assert_close(graphed.kv_cache, plain.kv_cache, rtol=TOL, atol=TOL)
+    a.release()
+    b.release()
+
+
+def test_prefill_replays_a_graph_past_128_tokens(tiny_dir: Path) -> None:
+    """A batch of prompts (170 tokens) replays the 192-token graph: 22 padding tokens and the prefill tile instead
+    of the short-suffix one; then a returning request's suffix beside a decode row. Same logits, tokens and KV as
+    the unpadded eager steps."""
+    graphed, plain = _runner(tiny_dir, max_tokens=192), _runner(tiny_dir, max_tokens=192)
+    graphed.setup_step(None, capture=ON_GPU)
+    replayed = []
+    run = graphed.graphs.run
+    graphed.graphs.run = lambda chunks, shape: replayed.append(shape) or run(chunks, shape)
+    g = torch.Generator().manual_seed(1)
+    vocab = graphed.arch.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (70, 53, 47)]
+    a, b = _Driver(graphed, prompts), _Driver(plain, prompts)
+    suffix = torch.randint(3, vocab, (12,), generator=g).tolist()
+    for toks in ([[], [], []], [suffix, [5], []]):
+        ours, ref = a.step(toks), b.step(toks)
+        torch.testing.assert_close(ours[0], ref[0], rtol=TOL, atol=TOL)  # logits
+        assert torch.equal(ours[2], ref[2])  # greedy tokens
+    assert replayed == [GraphShape(192, 4), GraphShape(16, 4)]
     torch.testing.assert_close(graphed.kv_cache, plain.kv_cache, rtol=TOL, atol=TOL)
     a.release()
     b.release()

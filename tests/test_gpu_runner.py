@@ -71,10 +71,12 @@ def test_greedy_matches_transformers_bf16(tiny_dir: Path, model: str, attention:
         worst_hf_bf16 = max(worst_hf_bf16, ((bf16_logits - ref_logits).abs().max() / ref_logits.abs().max()).item())
     print(f"{model}/{attention}/graphs={graphs}: logits rel. error vs float32 {worst:.4f} "
           f"(transformers bf16: {worst_hf_bf16:.4f})")
-    # 2e-2 for the fast path (Triton kernels, graphs). The torch path is the unfused reference, rounding after
-    # every op as transformers does; on the tiny large model transformers' own bf16 error is already ~2.2e-2
-    # (H200 run, 2026-11-30), so that path is held to transformers' error plus a quarter instead.
-    limit = 2e-2 if attention == "triton" else max(2e-2, 1.25 * worst_hf_bf16)
+    # bf16 logits differ from float32 by rounding, and how much depends on summation order (split-K, KV splits,
+    # fused kernels): no fixed bound holds for every model. The yardstick is transformers' own bf16 path on the
+    # same prompts: ours may not be worse than its error plus a quarter (and 2e-2 passes whatever it measures).
+    # On the H200 (2026-12-02) the tiny large model measured 0.0204 on the graph path against transformers'
+    # 0.0222: a fixed 2e-2 had failed it while it was closer to float32 than transformers.
+    limit = max(2e-2, 1.25 * worst_hf_bf16)
     assert worst <= limit, f"logits relative error {worst:.3g} > {limit:.3g}"
     # Every sequence either matches exactly or diverges only at a reference near-tie (asserted above).
     assert matched + near_ties == len(prompts)

@@ -35,10 +35,13 @@ log = logging.getLogger(__name__)
 # Decode batch sizes that get a graph (capped by the config's cuda_graph_max_batch): powers of two up to 8,
 # then steps of 8 up to 32 and 16 beyond, so padding wastes at most a quarter of a step's rows.
 _DECODE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
-# Extend graphs: token counts in steps of 16 (a matmul over M rows costs nearly the same for M within one
-# 16-row MMA tile), and for each a few sequence counts, so a handful of returning requests does not run
-# the grids of a 64-sequence graph.
-_EXTEND_TOKEN_STEP = 16
+# Extend graphs: token counts in steps of 16 up to 128 (a matmul over M rows costs nearly the same for M within
+# one 16-row MMA tile), then of 64: batches past 128 tokens hold a prefill (a new prompt, or a request's first
+# visit to a model: its prompt and suffix), and run eagerly they pay ~30 us of host time per kernel launch
+# (perf/profile_host.py on an H200: 10-11 ms per step of the 0.6B against 1.9 ms for its graph, 23 ms of
+# launches per step of the 32B), while padding up to 63 tokens costs a prefill little. For each token count a
+# few sequence counts, so a handful of returning requests does not run the grids of a 64-sequence graph.
+_EXTEND_TOKEN_STEPS = ((128, 16), (1 << 30, 64))  # (up to this many tokens, in steps of)
 _EXTEND_SEQS = (4, 16, 64)
 
 StepHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
@@ -59,10 +62,20 @@ def graph_shapes(max_batch: int, max_tokens: int, max_seqs: int | None = None) -
     `max_seqs` sequences (default: max_batch)."""
     max_seqs = max_batch if max_seqs is None else max_seqs
     shapes = {GraphShape(b, b) for b in _DECODE_SIZES if b <= min(max_batch, max_seqs)}
-    for t in range(_EXTEND_TOKEN_STEP, max_tokens + 1, _EXTEND_TOKEN_STEP):
+    for t in extend_token_counts(max_tokens):
         for b in _EXTEND_SEQS:
             shapes.add(GraphShape(t, min(b, t - 1, max_seqs)))
     return sorted(s for s in shapes if s.num_seqs >= 1)
+
+
+def extend_token_counts(max_tokens: int) -> list[int]:
+    """The token counts of the extend graphs, up to `max_tokens`."""
+    counts, t = [], 0
+    for limit, step in _EXTEND_TOKEN_STEPS:
+        while t + step <= min(limit, max_tokens):
+            t += step
+            counts.append(t)
+    return counts
 
 
 def pick_shape(shapes: list[GraphShape], num_seqs: int, num_tokens: int) -> GraphShape | None:

@@ -37,7 +37,8 @@ _MAX_EXTEND_SCRATCH_BYTES = 64 << 20
 # (perf/results/attention_h200_2026-12-02) measured 2 per SM at 3 % from the best split count per case on
 # geometric mean (9 % in the worst case).
 _EXTEND_PROGRAMS_PER_SM = 2
-# Graphs of up to this many tokens (every extend graph of the default config) get the short-suffix tile.
+# Graphs of up to this many tokens get the short-suffix tile (what returning requests bring); larger ones hold
+# prefills and get the prefill tile.
 _SHORT_EXTEND_TOKENS = 128
 # A target no batch reaches: every launched split is used (as far as the sequence's context has key tiles).
 _EVERY_SPLIT = 1 << 30
@@ -291,7 +292,8 @@ def _extend_kernel(
     position need no mask (every row sees them), the rest up to the last query's position get the causal mask.
     A short suffix over a long prefix (a request returning from another model) has only a few such programs,
     each walking the whole prefix: with SPLIT the keys are divided among up to num_splits programs, as in
-    decode; the programs of splits the sequence does not use return at once.
+    decode; the programs of splits the sequence does not use return at once, and a sequence that uses one split
+    writes its output directly (no partials, no reduce).
     """
     wait_for_predecessor(PDL)  # first: the early returns below must have waited too
     seq = tl.program_id(0)
@@ -373,16 +375,19 @@ def _extend_kernel(
             PAGE, BLOCK_N, True, True, SPLIT,
         )  # fmt: skip
     if SPLIT:
-        seen = l_i > 0.0
-        out = acc / tl.where(seen, l_i, 1.0)[:, None]
-        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-        row = (tok * (tl.num_programs(1) * GROUP) + head) * num_splits + split  # [BLOCK_M] (token, head, split)
-        tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
-        tl.store(mid_lse_ptr + row, lse, mask=row_ok)
-    else:
-        out = acc / l_i[:, None]
-        o_ptrs = o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=q_mask)
+        if used > 1:
+            seen = l_i > 0.0
+            out = acc / tl.where(seen, l_i, 1.0)[:, None]
+            lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+            row = (tok * (tl.num_programs(1) * GROUP) + head) * num_splits + split  # [BLOCK_M] (token, head, split)
+            tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
+            tl.store(mid_lse_ptr + row, lse, mask=row_ok)
+            return
+    # Unsplit, or a sequence that uses one split (it walked every key, as unsplit): the output directly, and the
+    # reduce leaves its rows alone. Each real row saw its own key, so l_i > 0.
+    out = acc / l_i[:, None]
+    o_ptrs = o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits", "target_programs"])
@@ -407,8 +412,9 @@ def _extend_reduce_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     """Grid (max_q_len, B, Hkv): one new token's GROUP query heads of one KV head, every split's partial merged
-    in one load (weights exp2(lse_split - lse_max)), as the decode reduce does. Only the rows the extend kernel
-    owns are touched (decode rows belong to the decode kernel).
+    in one load (weights exp2(lse_split - lse_max)), as the decode reduce does. Only the rows of sequences the
+    extend kernel split are touched (decode rows belong to the decode kernel; a sequence that uses one split got
+    its output from the extend kernel).
 
     One program per token rather than per query tile: merging the splits in a loop made each program wait for
     one load per split, and with few sequences that latency, not bandwidth, set the kernel's time."""
@@ -426,6 +432,8 @@ def _extend_reduce_kernel(
     total_tokens = tl.load(cu_seqlens_q_ptr + tl.num_programs(1))
     used = _extend_num_splits(q_len, tl.load(kv_lens_ptr + seq), total_tokens, tl.num_programs(2), num_splits,
                               target_programs, Q_PER_PROG, BLOCK_N)
+    if used == 1:  # the extend kernel wrote this sequence's output itself
+        return
     tok = (q_start + m).to(tl.int64)
     g = tl.arange(0, GROUP_PAD)
     s = tl.arange(0, SPLITS_PAD)
