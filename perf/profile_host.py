@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import pstats
 import sys
@@ -72,7 +73,7 @@ def main() -> int:
         batch, new = int(batch), int(new)
         chunks = make_chunks(bm, batch, 0 if kind == "prefill" else 1024, new, vocab)
         with runner.stream_context():
-            step = lambda: runner.forward(chunks)  # noqa: E731
+            step = functools.partial(runner.forward, chunks)
             gpu = median_gpu_seconds(step, iters=args.iters, warmup=3)
             host = host_seconds(step, args.iters)
             launches = kernel_launches(step)
