@@ -222,12 +222,23 @@ def test_extend_launch_bound_covers_every_sequence(q_per_prog: int) -> None:
         assert u <= _extend_launch_bound(target, kv_heads, t, q_per_prog), (q, t, u)
 
 
-def test_extend_splits_decided_per_sequence_match_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("padded", [False, True])
+def test_extend_splits_decided_per_sequence_match_torch(monkeypatch: pytest.MonkeyPatch, padded: bool) -> None:
     """In a CUDA graph's launch (lengths unknown on the host), one sequence splits its keys and another does not:
     the reduce merges exactly the splits each sequence's programs wrote. On the CPU (4 "SMs", 8 programs
     wanted): the 8-token suffix is alone in its estimate (2 programs -> 4 splits), the 2-token one is one of five
-    (10 programs -> 1 split); the decode row goes to the decode kernel."""
+    (10 programs -> 1 split); the decode row goes to the decode kernel. `padded`: laid out as a graph replays it,
+    with a padding sequence (no tokens) and padding tokens (NaN queries) past every sequence, whose output rows
+    nothing reads."""
     q, k, v, batch = make_case([(8, 200), (2, 40), (1, 60)], 16, 4, 2, 16, seed=5)
+    real = q.shape[0]
+    if padded:
+        pad = 5
+        q = torch.cat([q, torch.full_like(q[:pad], float("nan"))])
+        cu = batch.cu_seqlens_q.long()
+        batch = dataclasses.replace(
+            batch, cu_seqlens_q=torch.cat([cu, cu[-1:]]), kv_lens=torch.cat([batch.kv_lens.long(), cu[:1] * 0]),
+            block_tables=torch.cat([batch.block_tables, batch.block_tables[:1] * 0]))
     backend = TritonAttention(decode_block_n=16, extend_block_m=16, extend_block_n=16)
     # Split scratch full of NaN: a partial the reduce read without the extend kernel having written it shows.
     real_scratch = ta._split_scratch
@@ -236,9 +247,12 @@ def test_extend_splits_decided_per_sequence_match_torch(monkeypatch: pytest.Monk
         assert extend_splits([(8, 200, 11), (2, 40, 11)], q_per_prog=8, kv_heads=2, max_splits=4, target=8,
                              block_n=16) == [4, 1]  # fmt: skip
     # The state a graph of this batch's shape launches with (graph_state), the batch's own lengths as its bounds.
-    b = dataclasses.replace(batch, attn_state=backend.graph_state(3, 11, True, 200, min_tokens=11))
-    out = backend.forward(q, k, v, b, q.shape[-1] ** -0.5)
-    assert rel_err(out, reference(q, k, v, batch)) <= RTOL
+    b = dataclasses.replace(batch, attn_state=backend.graph_state(batch.num_seqs, q.shape[0], True, 200,
+                                                                  min_tokens=11))
+    out = backend.forward(q, k, v, b, q.shape[-1] ** -0.5)[:real]
+    unpadded = dataclasses.replace(batch, cu_seqlens_q=batch.cu_seqlens_q[:4], kv_lens=batch.kv_lens[:3],
+                                   block_tables=batch.block_tables[:3])
+    assert rel_err(out, reference(q[:real], k, v, unpadded)) <= RTOL
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -44,6 +44,8 @@ _SHORT_EXTEND_TOKENS = 128
 _EVERY_SPLIT = 1 << 30
 # A split shorter than this does too little work to pay for its share of the reduction.
 _MIN_TOKENS_PER_SPLIT = 256
+# Sequences whose ends the extend reduce compares at once to find a token's sequence (one load for most batches).
+_SEQ_CHUNK = tl.constexpr(64)
 # Decode programs to aim for per SM: a few resident programs per SM hide the block-table -> K/V load latency.
 _PROGRAMS_PER_SM = 4
 
@@ -390,13 +392,14 @@ def _extend_kernel(
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits", "target_programs"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "target_programs"])
 def _extend_reduce_kernel(
     mid_o_ptr,  # [T, Hq, num_splits, HEAD_DIM] float32
     mid_lse_ptr,  # [T, Hq, num_splits] float32
     o_ptr,  # [T, Hq, D]
     cu_seqlens_q_ptr,  # [B + 1]
     kv_lens_ptr,  # [B]
+    num_seqs,  # B
     num_splits,
     target_programs,
     stride_ot,
@@ -411,37 +414,45 @@ def _extend_reduce_kernel(
     SKIP_DECODE: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
-    """Grid (max_q_len, B, Hkv): one new token's GROUP query heads of one KV head, every split's partial merged
-    in one load (weights exp2(lse_split - lse_max)), as the decode reduce does. Only the rows of sequences the
-    extend kernel split are touched (decode rows belong to the decode kernel; a sequence that uses one split got
-    its output from the extend kernel).
+    """Grid (T, Hkv): one token's GROUP query heads of one KV head, every split's partial merged in one load
+    (weights exp2(lse_split - lse_max)), as the decode reduce does. Only the rows of sequences the extend kernel
+    split are touched (decode rows belong to the decode kernel; a sequence that uses one split got its output
+    from the extend kernel; a graph's padding tokens belong to no sequence).
 
     One program per token rather than per query tile: merging the splits in a loop made each program wait for
-    one load per split, and with few sequences that latency, not bandwidth, set the kernel's time."""
+    one load per split, and with few sequences that latency, not bandwidth, set the kernel's time. The grid runs
+    over the batch's tokens, not (longest suffix x sequences): a graph's grid has to cover its longest possible
+    suffix for every sequence, which was mostly programs that return (64 sequences x 128 tokens for at most 128
+    tokens' work)."""
     wait_for_predecessor(PDL)  # first: the early returns below must have waited too
-    m = tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    t = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # The token's sequence: how many sequences end at or before it (cu_seqlens_q[1:] is non-decreasing).
+    seq = num_seqs * 0  # (an int32 scalar, as the loop makes it)
+    for b0 in range(0, num_seqs, _SEQ_CHUNK):
+        b = b0 + tl.arange(0, _SEQ_CHUNK)
+        ends = tl.load(cu_seqlens_q_ptr + 1 + b, mask=b < num_seqs, other=2147483647)
+        seq += tl.sum((ends <= t).to(tl.int32), 0)
+    if seq >= num_seqs:  # a padding token past every sequence
+        return
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    skip = m >= q_len  # the grid is sized for the longest sequence
     if SKIP_DECODE:
-        skip = skip | (q_len == 1)
-    if skip:
-        return
-    total_tokens = tl.load(cu_seqlens_q_ptr + tl.num_programs(1))
-    used = _extend_num_splits(q_len, tl.load(kv_lens_ptr + seq), total_tokens, tl.num_programs(2), num_splits,
+        if q_len == 1:
+            return
+    total_tokens = tl.load(cu_seqlens_q_ptr + num_seqs)
+    used = _extend_num_splits(q_len, tl.load(kv_lens_ptr + seq), total_tokens, tl.num_programs(1), num_splits,
                               target_programs, Q_PER_PROG, BLOCK_N)
     if used == 1:  # the extend kernel wrote this sequence's output itself
         return
-    tok = (q_start + m).to(tl.int64)
+    tok = t.to(tl.int64)
     g = tl.arange(0, GROUP_PAD)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D_PAD)
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
     head = kv_head * GROUP + g  # [GROUP_PAD]
-    row = (tok * (tl.num_programs(2) * GROUP) + head)[:, None] * num_splits + s[None, :]  # [GROUP_PAD, SPLITS_PAD]
+    row = (tok * (tl.num_programs(1) * GROUP) + head)[:, None] * num_splits + s[None, :]  # [GROUP_PAD, SPLITS_PAD]
     row_ok = g_ok[:, None] & (s < used)[None, :]  # the splits the extend kernel wrote
     # Every real row saw its own position's key in some split, so lse_max is finite; splits a row saw nothing
     # of carry lse = -inf and weigh 0.
@@ -759,10 +770,10 @@ class TritonAttention(AttentionBackend):
         )  # fmt: skip
         if splits > 1:
             splits_pad, group_pad = _next_pow2(splits), _next_pow2(group)
-            # One reduce program per (token, sequence, KV head); tokens on the grid's first axis, the only one
-            # without a 65,535 limit.
-            self._launch(_extend_reduce_kernel, (state.max_extend_q_len, batch.num_seqs, num_kv_heads),
-                mid_o, mid_lse, out, batch.cu_seqlens_q, batch.kv_lens, splits, target, out.stride(0),
+            # One reduce program per (token, KV head); tokens on the grid's first axis, the only one without a
+            # 65,535 limit.
+            self._launch(_extend_reduce_kernel, (q.shape[0], num_kv_heads),
+                mid_o, mid_lse, out, batch.cu_seqlens_q, batch.kv_lens, batch.num_seqs, splits, target, out.stride(0),
                 out.stride(1), HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, GROUP_PAD=group_pad,
                 SPLITS_PAD=splits_pad, Q_PER_PROG=q_per_prog, BLOCK_N=cfg["BLOCK_N"], SKIP_DECODE=skip_decode,
                 # 8 warps once the merged tile has 16K elements: 64 float32 registers per thread instead of 128.
