@@ -3,7 +3,8 @@
 # merged into it (objects merge key by key, any other value replaces; written beside the original, so that its
 # relative paths hold, and removed at the end), then
 #   inprocess: perf/bench_engine.py (routed, C=8 and 16) per variant;
-#   served:    tokenrouter serve + perf/bench_served.py (C=8 three runs, C=16 one; POINTS overrides) per variant.
+#   served:    tokenrouter serve + perf/bench_served.py (C=8 three runs, C=16 one; POINTS overrides) per variant;
+#              FIRST=1 first measures the fresh server's first 32 requests at C=8 without a warm-up round.
 # Usage (repository root, on the GPU machine):
 #   bash perf/gpu_variants.sh OUT_DIR CONFIG MODE NAME=PATCH [NAME=PATCH ...] [-- BUNDLE]
 #   bash perf/gpu_variants.sh $OUT config/r2r/qwen3-0.6b_qwen3-32b.yaml served \
@@ -52,6 +53,10 @@ PY
   step "serve $name"
   if serve "$c" $work/repo_$name $res/serve_$name.log; then
     step "$name ready"
+    if [ -n "${FIRST:-}" ]; then  # the fresh server's first requests at C=8, no warm-up round (issue 11, point 4)
+      timeout 100 python3 perf/bench_served.py --url 127.0.0.1:8001 --config "$c" --prompt-len 100 --output-len 256 \
+        --concurrency 8 --warmup 0 --out $res/served_${name}_first 2>&1 | grep "^C="
+    fi
     for point in ${POINTS:-8:3 16:1}; do
       timeout 150 python3 perf/bench_served.py --url 127.0.0.1:8001 --config "$c" --prompt-len 100 --output-len 256 \
         --concurrency ${point%:*} --repeat ${point#*:} --out $res/served_${name}_c${point%:*} 2>&1 | grep "^C="
