@@ -61,7 +61,7 @@ def _one(client: Any, responses: queue.Queue, prompt: str, output_len: int, time
          sampling: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed request on an open stream (greedy unless `sampling`): timings, the text, and what its
     final response says."""
-    start = time.perf_counter()
+    start = time.monotonic()  # the server's clock too (perf/timeline.py events): requests join its steps by time
     inputs = stream_inputs(prompt, output_len, "exclude_input_in_output", "return_num_output_tokens",
                            "return_routing_stats", sampling=sampling)
     client.async_stream_infer("tokenrouter", inputs, enable_empty_final_response=True)
@@ -69,7 +69,7 @@ def _one(client: Any, responses: queue.Queue, prompt: str, output_len: int, time
     pieces: list[bytes] = []
     while True:
         result, error = responses.get(timeout=timeout)
-        now = time.perf_counter()
+        now = time.monotonic()
         if error is not None:
             return {"error": str(error)}
         text = result.as_numpy("text_output")
@@ -150,6 +150,15 @@ def summarize(concurrency: int, rows: list[dict]) -> dict[str, Any]:
         "handoffs_per_request": float(np.mean(handoffs)) if handoffs else None,
     })
     return out
+
+
+def per_request(rows: list[dict]) -> list[dict[str, Any]]:
+    """Each finished request in start order, so that a slow one can be found in the server's timeline
+    (perf/timeline.py's events use the same monotonic clock; the request arrives just after its start)."""
+    ok = sorted((r for r in rows if "error" not in r), key=lambda r: r["start"])
+    return [{"start_monotonic": r["start"], "ttft_ms": r["ttft"] * 1000, "e2e_ms": r["e2e"] * 1000,
+             "tokens": r["tokens"], "handoffs": r["routing"].get("handoffs"),
+             "large_share": r["routing"].get("large_token_share")} for r in ok]
 
 
 def _fmt(v: Any, digits: int = 1) -> str:
@@ -257,8 +266,10 @@ def main(argv: list[str] | None = None) -> int:
                 # The monotonic window lets `perf/timeline.py served --since/--until` cut this run's steps
                 # out of a served timeline (CLOCK_MONOTONIC: one clock for the machine's processes).
                 since = time.monotonic()
-                row = summarize(c, run_point(args.url, todo, c, args.output_len, args.timeout))
-                row.update(run=run, monotonic_since=since, monotonic_until=time.monotonic())
+                rows = run_point(args.url, todo, c, args.output_len, args.timeout)
+                row = summarize(c, rows)
+                row.update(run=run, monotonic_since=since, monotonic_until=time.monotonic(),
+                           per_request=per_request(rows))
                 report["results"].append(row)
                 write(report)  # after every run: a run cut short keeps what it measured
                 print(f"C={c} run {run}: {_fmt(row.get('output_tok_s'))} tok/s, TTFT p50 / p99 "

@@ -9,7 +9,7 @@
 - `slm-only` / `llm-only`: the small / large model alone, in-process (the deployment's settings for that
   model, no routing): the cost and speed bounds routing sits between.
 
-A client's `generate(prompt_ids, max_tokens)` returns one record: start / end (perf_counter seconds),
+A client's `generate(prompt_ids, max_tokens)` returns one record: start / end (seconds of one monotonic clock),
 ttft and e2e (seconds), output tokens, output ids, and the routing stats (large-model share, handoffs),
 or {"error": ...}. The driver (`run_point`) keeps C sessions in flight; bench_served.summarize turns
 records into the reported figures, so every system is measured by the same code.
