@@ -55,7 +55,7 @@ class SweptAttention(TritonAttention):
         return dict(self.extend_cfg)
 
 
-SHAPES = graph_shapes(64, 128, 256)  # the runner's graphs under the default config
+SHAPES = graph_shapes(64, 128, 256)  # the runner's short-suffix graphs (up to 128 tokens; the default goes on to 512)
 
 
 def make_batch(batch: int, new: int, context: int, pool_blocks: int, device: torch.device,
@@ -138,7 +138,7 @@ def bench_model(name: str, bandwidth: float, configs: list[tuple[dict[str, int],
     arch = ArchConfig.from_dir(ROOT / "perf" / "models" / name)
     dev = torch.device("cuda")
     hq, hkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
-    batches = (1, 4, 8, 12)  # 12 x 10: the largest extend graph (128 tokens)
+    batches = (1, 4, 8, 12)  # 12 x 10: the largest short-suffix graph (128 tokens)
     contexts = (1024, 8192)
     new = 10
     pool_blocks = max(batches) * -(-(max(contexts) + 64) // PAGE) + 64

@@ -53,7 +53,7 @@ PY
   step "serve $name"
   if serve "$c" $work/repo_$name $res/serve_$name.log; then
     step "$name ready"
-    if [ -n "${FIRST:-}" ]; then  # the fresh server's first requests at C=8, no warm-up round (issue 11, point 4)
+    if [ "${FIRST:-0}" = 1 ]; then  # the fresh server's first requests at C=8, no warm-up round (issue 11, point 4)
       timeout 100 python3 perf/bench_served.py --url 127.0.0.1:8001 --config "$c" --prompt-len 100 --output-len 256 \
         --concurrency 8 --warmup 0 --out $res/served_${name}_first 2>&1 | grep "^C="
     fi

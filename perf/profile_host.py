@@ -48,7 +48,9 @@ def kernel_launches(fn) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    # Kernels only: the step's host-to-device copies and fills are CUDA events too.
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.lower().startswith(("memcpy", "memset")))
 
 
 def main() -> int:
@@ -70,6 +72,8 @@ def main() -> int:
     print(f"{args.model}: eager steps (no CUDA graphs), skinny matmuls {runner.skinny_gemm}")
     for case in args.cases.split(","):
         kind, batch, new = case.split(":")
+        if kind not in ("decode", "extend", "prefill"):
+            ap.error(f"case {case!r}: KIND must be decode, extend or prefill")
         batch, new = int(batch), int(new)
         chunks = make_chunks(bm, batch, 0 if kind == "prefill" else 1024, new, vocab)
         with runner.stream_context():

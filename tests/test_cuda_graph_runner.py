@@ -40,9 +40,16 @@ def test_extend_token_counts_step_16_then_64() -> None:
     assert extend_token_counts(512) == list(range(16, 129, 16)) + [192, 256, 320, 384, 448, 512]
     assert extend_token_counts(200) == list(range(16, 129, 16)) + [192]  # up to the limit, never past it
     assert extend_token_counts(15) == []
-    # The default config's largest extend graph holds a 100-token prompt with three requests' suffixes.
+    # The default config's largest extend graph holds four 100-token prompts with their suffixes.
     default = ModelConfig(name="m", path="unused").cuda_graph_max_tokens
-    assert max(extend_token_counts(default)) >= 128 + 3 * 10
+    assert max(extend_token_counts(default)) >= 4 * (100 + 10)
+    # Past 128 tokens, graphs of at most 16 sequences: a 64-sequence graph's extend grid (every sequence's longest
+    # possible suffix) would be mostly empty programs; such batches run eagerly.
+    shapes = graph_shapes(64, 512, 256)
+    assert {s.num_seqs for s in shapes if s.num_tokens > 128} == {4, 16}
+    assert pick_shape(shapes, 16, 300) == GraphShape(320, 16)
+    assert pick_shape(shapes, 17, 140) is None
+    assert pick_shape(shapes, 40, 120) == GraphShape(128, 64)
 
 
 @pytest.mark.parametrize(
@@ -158,9 +165,9 @@ def test_padded_graph_step_matches_plain_forward(tiny_dir: Path) -> None:
 
 
 def test_prefill_replays_a_graph_past_128_tokens(tiny_dir: Path) -> None:
-    """A batch of prompts (170 tokens) replays the 192-token graph: 22 padding tokens and the prefill tile instead
-    of the short-suffix one; then a returning request's suffix beside a decode row. Same logits, tokens and KV as
-    the unpadded eager steps."""
+    """A batch of prompts (170 tokens) replays the 192-token graph (22 padding tokens, a padding sequence; every
+    prompt uses one KV split, so the extend kernel writes the output itself); then a returning request's suffix
+    beside a decode row replays a 16-token graph. Same logits, tokens and KV as the unpadded eager steps."""
     graphed, plain = _runner(tiny_dir, max_tokens=192), _runner(tiny_dir, max_tokens=192)
     graphed.setup_step(None, capture=ON_GPU)
     replayed = []

@@ -228,17 +228,25 @@ def test_extend_splits_decided_per_sequence_match_torch(monkeypatch: pytest.Monk
     the reduce merges exactly the splits each sequence's programs wrote. On the CPU (4 "SMs", 8 programs
     wanted): the 8-token suffix is alone in its estimate (2 programs -> 4 splits), the 2-token one is one of five
     (10 programs -> 1 split); the decode row goes to the decode kernel. `padded`: laid out as a graph replays it,
-    with a padding sequence (no tokens) and padding tokens (NaN queries) past every sequence, whose output rows
-    nothing reads."""
+    with a padding sequence (no tokens) and padding tokens (NaN queries) past every sequence, which no kernel may
+    touch: their output rows must keep what the output held, even with the lengths' buffers poisoned past their
+    end (a program that took a padding token for a sequence would read them and merge NaN scratch into its row)."""
     q, k, v, batch = make_case([(8, 200), (2, 40), (1, 60)], 16, 4, 2, 16, seed=5)
     real = q.shape[0]
     if padded:
         pad = 5
         q = torch.cat([q, torch.full_like(q[:pad], float("nan"))])
         cu = batch.cu_seqlens_q.long()
+        # Views whose storage goes on past the batch: after the padding sequence, an 11-token "sequence" over a
+        # 4k context, which would split.
+        cu_poisoned = torch.cat([cu, cu[-1:], cu[-1:] + 11])
+        kv_poisoned = torch.cat([batch.kv_lens.long(), cu[:1] * 0, cu[:1] * 0 + 4096])
         batch = dataclasses.replace(
-            batch, cu_seqlens_q=torch.cat([cu, cu[-1:]]), kv_lens=torch.cat([batch.kv_lens.long(), cu[:1] * 0]),
+            batch, cu_seqlens_q=cu_poisoned[:-1], kv_lens=kv_poisoned[:-1],
             block_tables=torch.cat([batch.block_tables, batch.block_tables[:1] * 0]))
+        sentinel = 7.0
+        real_empty_like = torch.empty_like
+        monkeypatch.setattr(torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(sentinel))
     backend = TritonAttention(decode_block_n=16, extend_block_m=16, extend_block_n=16)
     # Split scratch full of NaN: a partial the reduce read without the extend kernel having written it shows.
     real_scratch = ta._split_scratch
@@ -249,10 +257,23 @@ def test_extend_splits_decided_per_sequence_match_torch(monkeypatch: pytest.Monk
     # The state a graph of this batch's shape launches with (graph_state), the batch's own lengths as its bounds.
     b = dataclasses.replace(batch, attn_state=backend.graph_state(batch.num_seqs, q.shape[0], True, 200,
                                                                   min_tokens=11))
-    out = backend.forward(q, k, v, b, q.shape[-1] ** -0.5)[:real]
+    out = backend.forward(q, k, v, b, q.shape[-1] ** -0.5)
+    if padded:
+        monkeypatch.setattr(torch, "empty_like", real_empty_like)
+        assert bool((out[real:] == sentinel).all()), "a kernel wrote a padding token's output row"
     unpadded = dataclasses.replace(batch, cu_seqlens_q=batch.cu_seqlens_q[:4], kv_lens=batch.kv_lens[:3],
                                    block_tables=batch.block_tables[:3])
-    assert rel_err(out, reference(q[:real], k, v, unpadded)) <= RTOL
+    assert rel_err(out[:real], reference(q[:real], k, v, unpadded)) <= RTOL
+
+
+def test_extend_reduce_finds_sequences_past_the_first_64() -> None:
+    """The reduce finds a token's sequence 64 sequences at a time (`_SEQ_CHUNK`): extends after the 64th sequence,
+    between decode rows, split and merged like the first ones."""
+    extends = {3: (5, 40), 64: (5, 40), 66: (3, 50), 69: (6, 37)}
+    lens = [extends.get(i, (1, 20)) for i in range(70)]
+    q, k, v, batch = make_case(lens, 16, 2, 1, 16, seed=13)
+    backend = TritonAttention(decode_block_n=16, extend_block_m=16, extend_block_n=16, num_kv_splits=2)
+    assert rel_err(run_triton(backend, q, k, v, batch), reference(q, k, v, batch)) <= RTOL
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

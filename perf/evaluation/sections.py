@@ -22,7 +22,7 @@ from evaluation import deployments, systems
 from evaluation.harness import Results, measure
 from evaluation.isolate import run_job
 from evaluation.workloads import Workload, make_workload
-from tokenrouter.config import EngineConfig, load_config
+from tokenrouter.config import EngineConfig, ModelConfig, load_config
 
 SOLO = ("slm-only", "llm-only")
 
@@ -112,7 +112,7 @@ ABLATION: list[tuple[str, dict[str, Any]]] = [
     ("eager (no CUDA graphs)", {"enforce_eager": True, "route_in_step": False, "independent_loops": False,
                                 "thresholds": 1}),
     ("+ CUDA graphs for decode", {"enforce_eager": False, "cuda_graph_max_tokens": 0}),
-    ("+ CUDA graphs for extends", {"cuda_graph_max_tokens": 128}),
+    ("+ CUDA graphs for extends", {"cuda_graph_max_tokens": ModelConfig.cuda_graph_max_tokens}),  # the default
     ("+ routing inside the step", {"route_in_step": True}),
     ("+ independent loops", {"independent_loops": True}),
     ("+ delayed batching (thresholds auto)", {"thresholds": "auto"}),
