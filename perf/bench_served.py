@@ -153,10 +153,11 @@ def summarize(concurrency: int, rows: list[dict]) -> dict[str, Any]:
 
 
 def per_request(rows: list[dict]) -> list[dict[str, Any]]:
-    """Each finished request in start order, so that a slow one can be found in the server's timeline
-    (perf/timeline.py's events use the same monotonic clock; the request arrives just after its start)."""
+    """Each finished request in start order, with the server's id for it, so that a slow one can be found in the
+    server's timeline (perf/timeline.py's events name it, on the same monotonic clock)."""
     ok = sorted((r for r in rows if "error" not in r), key=lambda r: r["start"])
-    return [{"start_monotonic": r["start"], "ttft_ms": r["ttft"] * 1000, "e2e_ms": r["e2e"] * 1000,
+    return [{"request_id": r["routing"].get("request_id"), "start_monotonic": r["start"], "ttft_ms": r["ttft"] * 1000,
+             "e2e_ms": r["e2e"] * 1000,
              "tokens": r["tokens"], "handoffs": r["routing"].get("handoffs"),
              "large_share": r["routing"].get("large_token_share")} for r in ok]
 

@@ -69,6 +69,7 @@ def _body(prompt: str, stream: bool = True, **params) -> dict:
 def test_http_generate_stream_equals_engine(deployment) -> None:
     policy, server, expected = deployment
     routed = 0
+    ids = set()
     for prompt in PROMPTS:
         status, events = generate_stream(server, _body(prompt))
         assert status == 200, events
@@ -79,6 +80,8 @@ def test_http_generate_stream_equals_engine(deployment) -> None:
         stats = json.loads(final["routing_stats"])
         assert stats["tokens_per_model"] == expected[prompt].stats["tokens_per_model"]
         routed += stats["handoffs"]
+        assert stats["request_id"].startswith("tr-") and stats["request_id"] not in ids  # the server's own id
+        ids.add(stats["request_id"])
     assert routed > 0, f"{policy}: nothing was routed, so the test proves nothing about handoffs"
 
 
