@@ -79,9 +79,9 @@ class ModelConfig:
     # the triton package is importable, else torch).
     attention: Literal["auto", "torch", "triton"] = "auto"
     # CUDA graphs (GPU with the triton attention backend): decode steps of up to cuda_graph_max_batch
-    # sequences and extends of up to cuda_graph_max_tokens tokens (in steps of 16 up to 128, then of 64: short
-    # prefills too) replay captured graphs; 0 or enforce_eager turns them off. Capture takes memory (one shared
-    # pool) and a few seconds at startup.
+    # sequences and extends of up to cuda_graph_max_tokens tokens (in steps of 16 up to 128, then of 64 over at
+    # most 16 sequences: short prefills too) replay captured graphs; 0 or enforce_eager turns them off. Capture
+    # takes memory (one shared pool, plus each graph's logits) and a few seconds at startup.
     enforce_eager: bool = False
     cuda_graph_max_batch: int = _spec(64, ge=0, accepts="an integer >= 0 (0 turns CUDA graphs off)")
     cuda_graph_max_tokens: int = _spec(512, ge=0, accepts="an integer >= 0 (0 turns CUDA graphs off)")
