@@ -71,7 +71,8 @@ class Case:
         self.norm_b = torch.zeros(k, device=dev, dtype=dt)
         self.bias = torch.randn(n, device=dev, dtype=dt) if bias else None
         self.residual = torch.randn(m, n, device=dev, dtype=dt) if residual else None
-        self.ws = sg.SplitKWorkspace(dev, 16 * m * n, sg.MAX_M * 64 + n)
+        # split-K up to 16 splits; stream-K up to 4 programs per SM, two partial tiles each (up to 256 SMs)
+        self.ws = sg.SplitKWorkspace(dev, max(16 * m * n, 2 * 4 * 256 * 128 * sg.block_m(m)), sg.MAX_M * 64 + n)
 
     @property
     def floor_bytes(self) -> int:
@@ -140,7 +141,8 @@ def graph_us(fn) -> float:
 
 
 def grid(n: int, k: int, bm: int, sms: int) -> list[sg.GemmConfig]:
-    """Tile sizes and split counts worth timing: 0.75..6 programs per SM (any unsplit tiling is kept)."""
+    """Tile sizes and split counts worth timing: 0.75..6 programs per SM (any unsplit tiling is kept); and stream-K
+    over 1..4 programs per SM where each program gets at least two K blocks."""
     out = []
     for bn, bk in itertools.product((32, 64, 128), (64, 128, 256) if bm == 16 else (64, 128)):
         tiles = math.ceil(n / bn)
@@ -148,12 +150,17 @@ def grid(n: int, k: int, bm: int, sms: int) -> list[sg.GemmConfig]:
             if split > 1 and (k / split < bk or not 0.75 * sms <= tiles * split <= 6 * sms):
                 continue
             out.append(sg.GemmConfig(bn, bk, split))
+        if bn == 32:
+            continue
+        for per_sm in (1, 2, 3, 4):
+            if tiles * math.ceil(k / bk) >= 2 * per_sm * sms:
+                out.append(sg.GemmConfig(bn, bk, 1, programs=per_sm * sms))
     return out
 
 
 def variants(best: list[sg.GemmConfig], float32: bool = False) -> list[sg.GemmConfig]:
     """Other warp and stage counts for the best configs; for float32, each also with IEEE dots."""
-    out = [sg.GemmConfig(c.block_n, c.block_k, c.split_k, w, s) for c in best
+    out = [dataclasses.replace(c, num_warps=w, num_stages=s) for c in best
            for w, s in ((4, 3), (4, 6), (8, 4), (8, 6)) if (w, s) != (c.num_warps, c.num_stages)]
     if float32:
         out += [dataclasses.replace(c, fp32_dot="ieee") for c in best]
@@ -276,7 +283,8 @@ def report(results: dict, device_name: str, bandwidth: float) -> str:
         c = r["config"]
         lines.append(f"| {spec[0]} | {spec[1]} | {spec[2]} | {spec[5]} | {r['us']:.1f} | "
                      f"{r['us'] / r['floor_us']:.2f} | {r['baseline_us']:.1f} | {r['us'] / r['baseline_us']:.2f} | "
-                     f"{r['heuristic_us']:.1f} | {c['block_n']}x{c['block_k']} split {c['split_k']}, "
+                     f"{r['heuristic_us']:.1f} | {c['block_n']}x{c['block_k']} "
+                     f"{'stream-K ' + str(c['programs']) if c.get('programs') else 'split ' + str(c['split_k'])}, "
                      f"{c['num_warps']} warps, {c['num_stages']} stages"
                      f"{', ' + c['fp32_dot'] if spec[6] == 'float32' else ''} |")
     return "\n".join(lines) + "\n"

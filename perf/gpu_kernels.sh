@@ -2,8 +2,11 @@
 # Kernel work on one GPU (issue 12), as one device call: the kernel tests compiled, the skinny-matmul tuning
 # (perf/bench_gemm.py: writes the tuned table into this checkout, and a copy into the results), then the step
 # profiles of the small and large model with skinny matmuls on and off (perf/profile_step.py).
+# With RUNNER=1, last: bench_runner on MODELS with skinny matmuls on and off side by side, writing each model's
+# step-level row cap into the table (perf/bench_runner.py --skinny-gemm both --layer-caps).
 # Usage (repository root, on the GPU machine, its image's Python as it is):
 #   bash perf/gpu_kernels.sh OUT_DIR [MODELS]
+#   TESTS=tests/test_skinny_gemm.py TILES=16,32,64 RUNNER=1 bash perf/gpu_kernels.sh OUT_DIR qwen3-32b
 # Results: OUT_DIR/results_kernels.tgz (gpu_tests.log, bench_gemm.log, gemm_h200.md, skinny_gemm_tuned.json,
 # profile.log).
 set -uo pipefail
@@ -20,7 +23,7 @@ timeout 150 python3 -m pytest -q -x -p no:cacheprovider ${TESTS:-tests/test_skin
 tail -3 $res/gpu_tests.log
 
 step "tune the skinny matmuls"
-timeout 330 python3 perf/bench_gemm.py --models $models --table $table --report $res/gemm_h200.md 2>&1 \
+timeout 330 python3 perf/bench_gemm.py --models $models --tiles ${TILES:-16,32,64} --table $table --report $res/gemm_h200.md 2>&1 \
   | tee $res/bench_gemm.log | grep -v "^  skip" | tail -30
 rc=${PIPESTATUS[0]}
 if [ "$rc" = 0 ]; then cp $table $res/; else echo "bench_gemm failed (rc $rc): the table is not copied"; fi
@@ -33,4 +36,12 @@ for model in ${models//,/ }; do
   done
 done
 grep -A4 "kernels," $res/profile.log
+
+if [ "${RUNNER:-0}" = 1 ]; then
+  step "runner steps, skinny on and off"
+  timeout 240 python3 perf/bench_runner.py --models $models --quick --no-router --colocate '' --skinny-gemm both \
+    --layer-caps $table --out $res/runner.json > $res/runner.log 2>&1
+  echo "bench_runner rc $?"; grep -E "skinny matmuls|decode b=|extend 8x|extend 4x" $res/runner.log
+  cp $table $res/skinny_gemm_tuned_capped.json
+fi
 step "done"

@@ -2,9 +2,9 @@
 path, via Triton's interpreter (TRITON_INTERPRET=0 on a GPU runs the same checks compiled).
 
 The kernel cases cover each prologue (none, RMSNorm, silu * up, LayerNorm) with and without the residual add, the
-bias and activation epilogue of a router's layers, split-K with a ragged last split, N and K that are not
-multiples of the tiles, and strided rows; the counters of split-K must be zero again after every launch (a CUDA
-graph replays the same launch).
+bias and activation epilogue of a router's layers, split-K with a ragged last split, stream-K with tiles shared by
+programs in every way, N and K that are not multiples of the tiles, and strided rows; the counters of split-K and
+stream-K must be zero again after every launch (a CUDA graph replays the same launch).
 """
 
 from __future__ import annotations
@@ -57,6 +57,11 @@ def _workspace() -> sg.SplitKWorkspace:
     (20, 48, 64, sg.GemmConfig(32, 32, 4)),  # more splits than K blocks: the last split has nothing to add
     (5, 40, 1100, sg.GemmConfig(32, 128, 2)),  # RMSNorm statistics over three loads, the last one partial
     (40, 48, 300, sg.GemmConfig(32, 64, 2)),  # the 64-row tile: statistics in loads of 128 columns, three of them
+    # stream-K: 3 tiles x 7 K blocks in runs of 5: programs that end one tile and start the next, tiles of 2-3
+    (3, 96, 200, sg.GemmConfig(32, 32, 1, programs=5)),
+    (5, 40, 1100, sg.GemmConfig(32, 128, 1, programs=7)),  # 2 tiles x 9 blocks in runs of 3 (6 programs launched)
+    (16, 100, 200, sg.GemmConfig(32, 64, 1, programs=2)),  # runs of two whole tiles: stored at once, no partials
+    (40, 48, 300, sg.GemmConfig(16, 64, 1, programs=4)),  # the 64-row tile; the last run shorter
 ])  # fmt: skip
 def test_matches_torch(dtype, prologue, residual, M, N, K, cfg) -> None:
     gen = torch.Generator().manual_seed(M * 1000 + N + K)
@@ -99,6 +104,7 @@ def _prologue(x: torch.Tensor, prologue: str, norm_w: torch.Tensor, norm_b: torc
     (3, 96, 80, sg.GemmConfig(32, 32, 1)),  # N and K ragged against the tiles
     (9, 40, 1100, sg.GemmConfig(32, 128, 3)),  # split-K; LayerNorm statistics over three loads, the last partial
     (2, 1, 64, sg.GemmConfig(16, 32, 2)),  # one output column (a router's head), split
+    (9, 40, 1100, sg.GemmConfig(32, 128, 1, programs=5)),  # stream-K: the epilogue after a shared tile's sum
 ])  # fmt: skip
 def test_bias_and_activation_match_torch(dtype, activation, prologue, residual, M, N, K, cfg) -> None:
     """The epilogue a router's layers need: bias before the product's rounding, then GELU or ReLU on the rounded
@@ -140,11 +146,13 @@ def test_layer_norm_of_rows_far_from_zero(outlier: bool) -> None:
 
 @pytest.mark.skipif(INTERPRET, reason="the interpreter runs programs in grid order: only compiled can the "
                     "arrival order of the splits vary")
-def test_split_k_is_deterministic() -> None:
-    """The partials are summed in split order, not arrival order: the same input gives the same bits."""
+@pytest.mark.parametrize("cfg", [sg.GemmConfig(32, 32, 8), sg.GemmConfig(32, 32, 1, programs=11)])
+def test_split_k_is_deterministic(cfg: sg.GemmConfig) -> None:
+    """The partials are summed in split (or program) order, not arrival order: the same input gives the same
+    bits."""
     gen = torch.Generator().manual_seed(1)
     x, w = _randn(8, 512, dtype=torch.float32, gen=gen), _randn(64, 512, dtype=torch.float32, gen=gen)
-    ws, cfg = _workspace(), sg.GemmConfig(32, 32, 8)
+    ws = _workspace()
     first = sg.skinny_linear(x, w, ws, config=cfg)
     assert all(torch.equal(first, sg.skinny_linear(x, w, ws, config=cfg)) for _ in range(3))
 
@@ -196,6 +204,10 @@ def test_rejects_bad_calls() -> None:
         sg.skinny_linear(x, w, prologue="rms_norm")
     with pytest.raises(ValueError, match="workspace"):
         sg.skinny_linear(x, w, config=sg.GemmConfig(16, 16, 2))
+    with pytest.raises(ValueError, match="stream-K over 3 programs .* needs a workspace"):
+        sg.skinny_linear(x, w, config=sg.GemmConfig(16, 16, 1, programs=3))
+    with pytest.raises(ValueError, match="split_k 1"):
+        sg.skinny_linear(x, w, _workspace(), config=sg.GemmConfig(16, 16, 2, programs=3))
     assert sg.skinny_linear(x[:0], w).shape == (0, 16)
 
 
@@ -344,8 +356,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tokenrouter.runner import skinny_gemm as sg
 
-kernel = sg._skinny_gemm_kernel
-
 def waits_first(ptx):  # PDL: the grid-dependency wait before the kernel's first global memory access
     body = ptx[ptx.index(".entry"):]
     hits = [i for i in (body.find(op) for op in ("ld.global", "st.global", "atom.", "red.", "cp.async")) if i >= 0]
@@ -353,15 +363,18 @@ def waits_first(ptx):  # PDL: the grid-dependency wait before the kernel's first
 
 # (the row tiles, block_k, warps and stages the H200 table uses)
 # and the float32 router layers (LayerNorm in front, bias and GELU behind; TF32x3 and IEEE dots)
-# and launched with PDL (pdl.py)
+# and launched with PDL (pdl.py); split 0: the stream-K kernel
 for prologue, residual, split, bm, bk, warps, stages, dot, bias, act, pdl in (
         (0, True, 1, 16, 128, 4, 4, "", 0, 0, False), (1, False, 2, 16, 256, 4, 3, "", 0, 0, False),
         (2, True, 3, 32, 64, 8, 6, "", 0, 0, False), (1, False, 4, 64, 128, 8, 4, "", 0, 0, False),
         (3, False, 2, 16, 64, 4, 4, "tf32x3", 1, 1, False), (0, True, 4, 16, 128, 4, 3, "ieee", 1, 2, False),
-        (1, False, 1, 16, 256, 4, 3, "", 0, 0, True), (2, True, 8, 16, 64, 8, 4, "", 0, 0, True)):
+        (1, False, 1, 16, 256, 4, 3, "", 0, 0, True), (2, True, 8, 16, 64, 8, 4, "", 0, 0, True),
+        (1, False, 0, 16, 64, 4, 4, "", 0, 0, True), (2, True, 0, 32, 128, 8, 3, "", 0, 0, False),
+        (3, False, 0, 16, 64, 4, 4, "tf32x3", 1, 1, True)):
+    kernel = sg._stream_k_gemm_kernel if split == 0 else sg._skinny_gemm_kernel
     consts = dict(PROLOGUE=prologue, HAS_BIAS=bool(bias), ACTIVATION=act, HAS_RESIDUAL=residual, FP32_DOT=dot,
-                  BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk, SPLIT_K=split, STATS_BLOCK=16 * 512 // bm,
-                  STATS_ITERS=2 if prologue in (1, 3) else 0, PDL=pdl)
+                  BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk, STATS_BLOCK=16 * 512 // bm,
+                  STATS_ITERS=2 if prologue in (1, 3) else 0, PDL=pdl, **({"SPLIT_K": split} if split else {}))
     elem = "*fp32" if dot else "*bf16"
     sig = {n: elem if n.endswith("_ptr") else "fp32" if n == "eps" else "i32" for n in kernel.arg_names}
     sig.update(part_ptr="*fp32", count_ptr="*i32", **{c: "constexpr" for c in consts})

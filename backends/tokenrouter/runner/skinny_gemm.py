@@ -6,6 +6,9 @@ few kernels as possible. The kernel therefore
 
 * tiles W by BLOCK_N output columns and, when N alone gives too few programs, splits K over SPLIT_K programs whose
   float32 partials are reduced by the last of them to finish (a counter per column tile), not by a second kernel;
+  or (stream-K, `GemmConfig.programs`) lays every tile's K blocks end to end and gives each of a fixed number of
+  programs an equal run of them, so no SM idles through a partial last wave (the 32B's matmuls: 240-400 tiles on
+  132 SMs); tiles shared between programs are reduced the same way;
 * computes the tile transposed (W_tile @ x^T), so the large N side fills the MMA's M dimension and x's few rows its
   N dimension of 16;
 * fuses the element-wise op in front of it (`prologue`): RMSNorm of x (statistics over the whole row, then the
@@ -61,6 +64,81 @@ TUNED_PATH = Path(__file__).with_name("skinny_gemm_tuned.json")
 LAYER_CAPS = True
 
 
+@triton.jit
+def _row_stats(x_rows, m_ok, K, eps, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, STATS_BLOCK: tl.constexpr,
+               STATS_ITERS: tl.constexpr):
+    """(mean, rstd) of each of x's rows for the norm prologues (RMSNorm: mean 0); zeros for the others.
+
+    A norm needs the whole row's statistics before any K slice: every program reads x's few rows once more (M x K,
+    from L2) rather than a separate norm kernel writing and re-reading them. The loop is unrolled (STATS_ITERS is a
+    constant) so its loads are issued together: one L2 round trip, not one per block."""
+    mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if PROLOGUE == 1 or PROLOGUE == 3:
+        rs = tl.arange(0, STATS_BLOCK)
+        sq = tl.zeros([BLOCK_M], dtype=tl.float32)  # RMSNorm: sum of squares; LayerNorm: of deviations from shift
+        dev_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for i in tl.static_range(STATS_ITERS):
+            # (its own mask name: compiled, a name shared with the main loop would be a loop-carried variable
+            # whose shape changes, which Triton rejects and the interpreter does not notice)
+            s_ok = (i * STATS_BLOCK + rs) < K
+            s_mask = m_ok[:, None] & s_ok[None, :]
+            xs = tl.load(x_rows + i * STATS_BLOCK + rs[None, :], mask=s_mask, other=0.0).to(tl.float32)
+            if PROLOGUE == 3:
+                # LayerNorm in one pass: sums of the deviations from the mean of the row's first block (already in
+                # registers), which is near the row's mean on the scale of its spread. So float32 sums lose
+                # nothing when the mean dwarfs the spread (a plain sum of squares minus the squared mean would
+                # cancel to noise), and a single outlier column cannot throw the shift off.
+                if i == 0:
+                    shift = tl.sum(xs, 1) / tl.sum(s_ok.to(tl.float32), 0)
+                dev = tl.where(s_mask, xs - shift[:, None], 0.0)
+                dev_sum += tl.sum(dev, 1)
+                sq += tl.sum(dev * dev, 1)
+            else:
+                sq += tl.sum(xs * xs, 1)
+        if PROLOGUE == 3:
+            dm = dev_sum / K
+            mean = shift + dm
+            sq = tl.maximum(sq - dm * dev_sum, 0.0)  # deviations from the mean: sum (x - shift)^2 - K dm^2
+        rstd = 1.0 / tl.sqrt(sq / K + eps)
+    return mean, rstd
+
+
+@triton.jit
+def _accumulate(acc, x_rows, w_rows, m_ok, n_ok, k_lo, k_hi, K, norm_w_ptr, norm_b_ptr, mean, rstd, dtype: tl.constexpr,
+                PROLOGUE: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] += W[cols, k_lo:k_hi] @ prologue(x)[:, k_lo:k_hi]^T (k_lo a multiple of BLOCK_K)."""
+    rk = tl.arange(0, BLOCK_K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = (k0 + rk) < K
+        x_mask = m_ok[:, None] & k_ok[None, :]
+        if PROLOGUE == 2:
+            gate = tl.load(x_rows + k0 + rk[None, :], mask=x_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_rows + K + k0 + rk[None, :], mask=x_mask, other=0.0).to(tl.float32)
+            # As fused_ops.silu_mul: silu rounded to the dtype, then the product rounded.
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            x = (act * up).to(dtype)
+        else:
+            x = tl.load(x_rows + k0 + rk[None, :], mask=x_mask, other=0.0)
+            if PROLOGUE == 1:
+                nw = tl.load(norm_w_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+                # As RMSNorm: the normalised value rounded to the dtype, then the weight product rounded.
+                y = (x.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
+                x = (y * nw[None, :]).to(dtype)
+            elif PROLOGUE == 3:
+                nw = tl.load(norm_w_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+                nb = tl.load(norm_b_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+                # As nn.LayerNorm: everything in float32, one rounding at the end (masked columns come out 0).
+                y = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
+                x = (y * nw[None, :] + nb[None, :]).to(dtype)
+        w = tl.load(w_rows + k0 + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if FP32_DOT == "":
+            acc += tl.dot(w, tl.trans(x))
+        else:
+            acc += tl.dot(w, tl.trans(x), input_precision=FP32_DOT)
+    return acc
+
+
 # M (the batch's rows) must not pick a variant: Triton would compile one for M == 1 and for multiples of 16.
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
@@ -103,71 +181,14 @@ def _skinny_gemm_kernel(
     m_ok = rm < M
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
-    rk = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
-
-    if PROLOGUE == 1 or PROLOGUE == 3:
-        # A norm needs the whole row's statistics before any K slice: every program reads x's few rows once more
-        # (M x K, from L2) rather than a separate norm kernel writing and re-reading them. The loop is unrolled
-        # (STATS_ITERS is a constant) so its loads are issued together: one L2 round trip, not one per block.
-        rs = tl.arange(0, STATS_BLOCK)
-        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-        sq = tl.zeros([BLOCK_M], dtype=tl.float32)  # RMSNorm: sum of squares; LayerNorm: of deviations from shift
-        dev_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for i in tl.static_range(STATS_ITERS):
-            # (its own mask name: compiled, a name shared with the main loop would be a loop-carried variable
-            # whose shape changes, which Triton rejects and the interpreter does not notice)
-            s_ok = (i * STATS_BLOCK + rs) < K
-            s_mask = m_ok[:, None] & s_ok[None, :]
-            xs = tl.load(x_rows + i * STATS_BLOCK + rs[None, :], mask=s_mask, other=0.0).to(tl.float32)
-            if PROLOGUE == 3:
-                # LayerNorm in one pass: sums of the deviations from the mean of the row's first block (already in
-                # registers), which is near the row's mean on the scale of its spread. So float32 sums lose
-                # nothing when the mean dwarfs the spread (a plain sum of squares minus the squared mean would
-                # cancel to noise), and a single outlier column cannot throw the shift off.
-                if i == 0:
-                    shift = tl.sum(xs, 1) / tl.sum(s_ok.to(tl.float32), 0)
-                dev = tl.where(s_mask, xs - shift[:, None], 0.0)
-                dev_sum += tl.sum(dev, 1)
-                sq += tl.sum(dev * dev, 1)
-            else:
-                sq += tl.sum(xs * xs, 1)
-        if PROLOGUE == 3:
-            dm = dev_sum / K
-            mean = shift + dm
-            sq = tl.maximum(sq - dm * dev_sum, 0.0)  # deviations from the mean: sum (x - shift)^2 - K dm^2
-        rstd = 1.0 / tl.sqrt(sq / K + eps)
+    mean, rstd = _row_stats(x_rows, m_ok, K, eps, PROLOGUE, BLOCK_M, STATS_BLOCK, STATS_ITERS)
 
     k_begin = pid_k * k_per_split
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
-        k_ok = (k0 + rk) < K
-        x_mask = m_ok[:, None] & k_ok[None, :]
-        if PROLOGUE == 2:
-            gate = tl.load(x_rows + k0 + rk[None, :], mask=x_mask, other=0.0).to(tl.float32)
-            up = tl.load(x_rows + K + k0 + rk[None, :], mask=x_mask, other=0.0).to(tl.float32)
-            # As fused_ops.silu_mul: silu rounded to the dtype, then the product rounded.
-            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-            x = (act * up).to(dtype)
-        else:
-            x = tl.load(x_rows + k0 + rk[None, :], mask=x_mask, other=0.0)
-            if PROLOGUE == 1:
-                nw = tl.load(norm_w_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
-                # As RMSNorm: the normalised value rounded to the dtype, then the weight product rounded.
-                y = (x.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
-                x = (y * nw[None, :]).to(dtype)
-            elif PROLOGUE == 3:
-                nw = tl.load(norm_w_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
-                nb = tl.load(norm_b_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
-                # As nn.LayerNorm: everything in float32, one rounding at the end (masked columns come out 0).
-                y = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
-                x = (y * nw[None, :] + nb[None, :]).to(dtype)
-        w = tl.load(w_rows + k0 + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if FP32_DOT == "":
-            acc += tl.dot(w, tl.trans(x))
-        else:
-            acc += tl.dot(w, tl.trans(x), input_precision=FP32_DOT)
+    acc = _accumulate(acc, x_rows, w_rows, m_ok, n_ok, k_begin, k_begin + k_per_split, K, norm_w_ptr, norm_b_ptr,
+                      mean, rstd, dtype, PROLOGUE, FP32_DOT, BLOCK_K)
 
     out_offs = rm[None, :] * N + rn[:, None]  # [BLOCK_N, BLOCK_M] view of out[M, N]
     out_mask = n_ok[:, None] & m_ok[None, :]
@@ -187,6 +208,82 @@ def _skinny_gemm_kernel(
     else:
         _store_out(acc, out_ptr, out_offs, out_mask, bias_ptr, res_ptr, rm, rn, n_ok, stride_res, HAS_BIAS, ACTIVATION,
                    HAS_RESIDUAL)
+
+
+@triton.jit(do_not_specialize=["M", "units"])
+def _stream_k_gemm_kernel(
+    x_ptr, w_ptr, out_ptr, norm_w_ptr, norm_b_ptr, bias_ptr, res_ptr,  # as _skinny_gemm_kernel's
+    part_ptr,  # [2 * programs, BLOCK_N, BLOCK_M] float32: each program's partial tiles (its first, its last)
+    count_ptr,  # [cdiv(N, BLOCK_N)] int32 zeros (left zero again)
+    M,
+    N,
+    K,
+    units,  # K blocks per program
+    eps,
+    stride_x,
+    stride_w,
+    stride_res,
+    PROLOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STATS_BLOCK: tl.constexpr,
+    STATS_ITERS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Stream-K: the column tiles' K blocks laid end to end (tile after tile) and cut into equal runs of `units`,
+    one per program, so every program streams the same number of weight bytes whatever the tile count (a split-K
+    grid leaves a partial last wave when its programs are not a multiple of the SMs'). A tile a program covers
+    whole is stored at once; a tile shared by several programs is summed by the last of them to finish, in program
+    order (as split-K's partials are), from the partial each stored."""
+    wait_for_predecessor(PDL)
+    pid = tl.program_id(0)
+    dtype = out_ptr.dtype.element_ty
+    rm = tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
+    mean, rstd = _row_stats(x_rows, m_ok, K, eps, PROLOGUE, BLOCK_M, STATS_BLOCK, STATS_ITERS)  # once per program
+    iters = tl.cdiv(K, BLOCK_K)  # K blocks per tile
+    start = pid * units
+    end = tl.minimum(start + units, tl.cdiv(N, BLOCK_N) * iters)
+    first_tile = start // iters
+    local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + rm[None, :]  # a partial tile's layout
+    u = start
+    while u < end:
+        tile = u // iters
+        tile_start = tile * iters
+        seg_end = tl.minimum(end, tile_start + iters)
+        rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc = _accumulate(acc, x_rows, w_rows, m_ok, n_ok, (u - tile_start) * BLOCK_K, (seg_end - tile_start) * BLOCK_K,
+                          K, norm_w_ptr, norm_b_ptr, mean, rstd, dtype, PROLOGUE, FP32_DOT, BLOCK_K)
+        out_offs = rm[None, :] * N + rn[:, None]
+        out_mask = n_ok[:, None] & m_ok[None, :]
+        if (u == tile_start) & (seg_end == tile_start + iters):
+            _store_out(acc, out_ptr, out_offs, out_mask, bias_ptr, res_ptr, rm, rn, n_ok, stride_res, HAS_BIAS,
+                       ACTIVATION, HAS_RESIDUAL)
+        else:
+            # Slot 0 holds a program's part of its first tile, slot 1 of its last (the tiles between, it covers whole).
+            tl.store(part_ptr + (2 * pid + (tile != first_tile).to(tl.int32)) * (BLOCK_N * BLOCK_M) + local, acc)
+            tl.debug_barrier()  # as in _skinny_gemm_kernel: every partial store before the acq_rel count
+            first_p = tile_start // units
+            last_p = (tile_start + iters - 1) // units
+            done = tl.atomic_add(count_ptr + tile, 1)
+            if done == last_p - first_p:
+                acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                for p in range(first_p, last_p + 1):  # program order: the sum does not depend on who finished last
+                    slot = 2 * p + ((p * units) // iters != tile).to(tl.int32)
+                    acc += tl.load(part_ptr + slot * (BLOCK_N * BLOCK_M) + local, cache_modifier=".cg")
+                tl.atomic_xchg(count_ptr + tile, 0)  # zero again for the next launch
+                _store_out(acc, out_ptr, out_offs, out_mask, bias_ptr, res_ptr, rm, rn, n_ok, stride_res, HAS_BIAS,
+                           ACTIVATION, HAS_RESIDUAL)
+        u = seg_end
 
 
 @triton.jit
@@ -217,6 +314,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     fp32_dot: str = "tf32x3"  # float32 inputs only: tl.dot's input_precision, "tf32x3" or "ieee"
+    programs: int = 0  # > 0: stream-K over this many programs (split_k 1); 0: the split-K grid
 
 
 def block_m(m: int) -> int:
@@ -335,8 +433,18 @@ class SplitKWorkspace:
         return partial_elems <= self.partials.numel() and tiles <= self.counts.numel()
 
 
-def _split_k_need(cfg: GemmConfig, m: int, n: int) -> tuple[int, int]:
-    """(float32 partial elements, counters) a launch of `cfg` on m x n outputs uses."""
+def _stream_k_units(cfg: GemmConfig, n: int, k: int) -> tuple[int, int]:
+    """(K blocks per program, programs launched) of a stream-K config: its programs' equal runs over every tile's
+    K blocks (fewer programs than the config's when the last would have none)."""
+    total = triton.cdiv(n, cfg.block_n) * triton.cdiv(k, cfg.block_k)
+    units = triton.cdiv(total, cfg.programs)
+    return units, triton.cdiv(total, units)
+
+
+def _split_k_need(cfg: GemmConfig, m: int, n: int, k: int) -> tuple[int, int]:
+    """(float32 partial elements, counters) a launch of `cfg` on m x n outputs (over k) uses."""
+    if cfg.programs:
+        return 2 * _stream_k_units(cfg, n, k)[1] * cfg.block_n * block_m(m), triton.cdiv(n, cfg.block_n)
     if cfg.split_k == 1:
         return 0, 0
     return cfg.split_k * m * n, triton.cdiv(n, cfg.block_n)
@@ -345,7 +453,7 @@ def _split_k_need(cfg: GemmConfig, m: int, n: int) -> tuple[int, int]:
 def workspace_need(n: int, k: int, m: int, device: torch.device, dtype: torch.dtype = torch.bfloat16
                    ) -> tuple[int, int]:
     """(float32 partial elements, counters) one launch of this shape uses."""
-    return _split_k_need(config_for(n, k, m, device, dtype), m, n)
+    return _split_k_need(config_for(n, k, m, device, dtype), m, n, k)
 
 
 def workspace_for(shapes: list[tuple[int, int]], rows: int, device: torch.device,
@@ -375,8 +483,8 @@ def skinny_linear(
     prologue: "none"; "rms_norm" (RMSNorm of x with `norm_weight` and `eps` first); "layer_norm" (LayerNorm with
     `norm_weight`, `norm_bias` and `eps`); "silu_mul" (x is [M, 2K] = [gate | up], the input is silu(gate) * up).
     `bias` [N] joins the product before its rounding; activation: "none", "gelu" (erf) or "relu"; `residual`
-    [M, N] is added last. A split-K config needs `workspace` (SplitKWorkspace). Never synchronises, so it can be
-    captured in a CUDA graph.
+    [M, N] is added last. A split-K or stream-K config needs `workspace` (SplitKWorkspace). Never synchronises, so
+    it can be captured in a CUDA graph.
     """
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
@@ -407,29 +515,36 @@ def skinny_linear(
     cfg = config or config_for(N, K, M, x.device, x.dtype)
     if cfg.fp32_dot not in FP32_DOTS:
         raise ValueError(f"fp32_dot must be one of {FP32_DOTS}, got {cfg.fp32_dot!r}")
-    if cfg.split_k > 1:
-        need = _split_k_need(cfg, M, N)
+    if cfg.programs and cfg.split_k != 1:
+        raise ValueError(f"a stream-K config ({cfg.programs} programs) takes split_k 1, got {cfg.split_k}")
+    if cfg.split_k > 1 or cfg.programs:
+        need = _split_k_need(cfg, M, N, K)
         if workspace is None or not workspace.fits(*need):
-            raise ValueError(f"split-K x{cfg.split_k} for [{M}, {N}, {K}] needs a workspace of {need} (partials, "
-                             f"counters)")
+            kind = f"stream-K over {cfg.programs} programs" if cfg.programs else f"split-K x{cfg.split_k}"
+            raise ValueError(f"{kind} for [{M}, {N}, {K}] needs a workspace of {need} (partials, counters)")
         part, counts = workspace.partials, workspace.counts
     else:
         part, counts = out, out  # never read: SPLIT_K == 1 compiles the branch away
-    grid = (triton.cdiv(N, cfg.block_n), cfg.split_k)
     stats_block = _STATS_ELEMS // block_m(M)
-    _skinny_gemm_kernel[grid](
-        x, weight, out,
-        norm_weight if norm_weight is not None else out,
-        norm_bias if norm_bias is not None else out,
-        bias if bias is not None else out,
-        residual if residual is not None else out,
-        part, counts, M, N, K, triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k,
-        eps, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
+    args = (x, weight, out,
+            norm_weight if norm_weight is not None else out,
+            norm_bias if norm_bias is not None else out,
+            bias if bias is not None else out,
+            residual if residual is not None else out,
+            part, counts, M, N, K)
+    rest = (eps, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0)
+    consts = dict(
         PROLOGUE=PROLOGUES.index(prologue), HAS_BIAS=bias is not None, ACTIVATION=ACTIVATIONS.index(activation),
         HAS_RESIDUAL=residual is not None, FP32_DOT=cfg.fp32_dot if x.dtype == torch.float32 else "",
-        BLOCK_M=block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, STATS_BLOCK=stats_block,
+        BLOCK_M=block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STATS_BLOCK=stats_block,
         STATS_ITERS=triton.cdiv(K, stats_block) if prologue in ("rms_norm", "layer_norm") else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_args(x.device),
     )  # fmt: skip
+    if cfg.programs:
+        units, programs = _stream_k_units(cfg, N, K)
+        _stream_k_gemm_kernel[(programs,)](*args, units, *rest, **consts)
+    else:
+        k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+        _skinny_gemm_kernel[(triton.cdiv(N, cfg.block_n), cfg.split_k)](*args, k_per_split, *rest, SPLIT_K=cfg.split_k,
+                                                                        **consts)
     return out
