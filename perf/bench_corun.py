@@ -7,7 +7,10 @@ sharing the SMs that a deployment can choose:
 
 - in one process (the in-process engine): `plain` (two streams), `small_high` (the small model's stream at high
   priority), `small_cublas` (the small model without skinny matmuls: more, shorter kernels), `carveout<K>` (the
-  large model's cuBLAS matmuls captured with K SMs left out: torch's SM carve-out);
+  large model's cuBLAS matmuls captured with K SMs left out: torch's SM carve-out), `large_skinny` (the large
+  model's matmuls on the skinny kernels wherever the tuned table has them, its step-level row cap lifted: their
+  programs hold a tile's worth of shared memory where cuBLAS's hold more), `large_skinny_high` (that, and the
+  small model's stream at high priority);
 - in two processes under CUDA MPS (the served deployment: one process per model): `mps<P>`, the large model's
   process limited to P % of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), the small model's unlimited. Caution:
   on the H200 with torch 2.11 a limited process's cuBLAS matmuls returned NaN from finite inputs at some
@@ -135,8 +138,9 @@ def run_inprocess(args) -> dict:
     small_runner, small_bm = build(args.small)
     large = Step(large_runner, large_bm, args.large_batch, args.context, args.large_new)
     small = Step(small_runner, small_bm, args.small_batch, args.context, 1)
-    # Carve-outs recapture the large model's graphs, which the earlier variants' step replays: they go last.
-    for variant in sorted(args.variants.split(","), key=lambda v: v.startswith("carveout")):
+    # Carve-outs and the large model's skinny variants recapture its graphs, which the earlier variants' step
+    # replays: they go last.
+    for variant in sorted(args.variants.split(","), key=lambda v: v.startswith(("large_skinny", "carveout"))):
         try:
             if variant == "plain":
                 out[variant] = side_by_side(small, large)
@@ -145,6 +149,26 @@ def run_inprocess(args) -> dict:
                                    priority="high" if variant == "small_high" else "normal")
                 out[variant] = side_by_side(Step(runner, bm, args.small_batch, args.context, 1), large)
                 del runner, bm
+            elif variant in ("large_skinny", "large_skinny_high"):
+                from tokenrouter.runner import skinny_gemm
+
+                # The large model's graphs recaptured (one copy of its weights fits beside the small model's).
+                skinny_gemm.LAYER_CAPS = False
+                try:
+                    large_runner.model.use_skinny_gemm(large_runner.device)
+                finally:
+                    skinny_gemm.LAYER_CAPS = True
+                large_runner.graphs = None
+                large_runner.setup_step(None)
+                print(f"{args.large}: skinny matmuls up to {large_runner.model.skinny_max_m} rows", flush=True)
+                other = small
+                if variant == "large_skinny_high":
+                    s_runner, s_bm = build(args.small, priority="high")
+                    other = Step(s_runner, s_bm, args.small_batch, args.context, 1)
+                skinny_large = Step(large_runner, large_bm, args.large_batch, args.context, args.large_new)
+                out[variant] = side_by_side(other, skinny_large)
+                out[variant]["large_skinny_max_m"] = large_runner.model.skinny_max_m
+                del other
             elif variant.startswith("carveout"):
                 # Recapture the large model's graphs with its cuBLAS matmuls told to leave K SMs out.
                 torch._C._set_sm_carveout_experimental(int(variant.removeprefix("carveout")))

@@ -250,7 +250,7 @@ def test_table_decides_the_rows(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_shipped_table(monkeypatch: pytest.MonkeyPatch) -> None:
     """The committed H200 table parses, runs the 0.6B skinny up to its step-level cap and keeps the 32B on cuBLAS
-    (its skinny layer measured slower)."""
+    (its layer cap is 0: no faster at the step, and its skinny steps slowed the 0.6B beside it)."""
     from tokenrouter.runner.arch import ArchConfig
     from tokenrouter.runner.model import layer_shapes
 
