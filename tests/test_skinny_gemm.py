@@ -370,14 +370,20 @@ for prologue, residual, split, bm, bk, warps, stages, dot, bias, act, pdl in (
         (3, False, 2, 16, 64, 4, 4, "tf32x3", 1, 1, False), (0, True, 4, 16, 128, 4, 3, "ieee", 1, 2, False),
         (1, False, 1, 16, 256, 4, 3, "", 0, 0, True), (2, True, 8, 16, 64, 8, 4, "", 0, 0, True),
         (1, False, 0, 16, 64, 4, 4, "", 0, 0, True), (2, True, 0, 32, 128, 8, 3, "", 0, 0, False),
-        (3, False, 0, 16, 64, 4, 4, "tf32x3", 1, 1, True)):
+        (3, False, 0, 16, 64, 4, 4, "tf32x3", 1, 1, True),
+        (1, False, -1, 16, 128, 4, 4, "", 0, 0, True), (1, False, -2, 16, 128, 8, 3, "", 0, 0, False)):
     kernel = sg._stream_k_gemm_kernel if split == 0 else sg._skinny_gemm_kernel
+    # split -1 / -2: the qkv matmul with the QKRope epilogue (one head of 128 per tile), split 2 / 1, q/k norms or not
+    rope = {"QK_ROPE": split < 0, "QK_NORM": split == -1, "NUM_HEADS": 16 if split < 0 else 0,
+            "NUM_KV_HEADS": 8 if split < 0 else 0, "SPLIT_K": split if split > 0 else 2 if split == -1 else 1}
     consts = dict(PROLOGUE=prologue, HAS_BIAS=bool(bias), ACTIVATION=act, HAS_RESIDUAL=residual, FP32_DOT=dot,
-                  BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk, STATS_BLOCK=16 * 512 // bm,
-                  STATS_ITERS=2 if prologue in (1, 3) else 0, PDL=pdl, **({"SPLIT_K": split} if split else {}))
+                  BLOCK_M=bm, BLOCK_N=128 if split < 0 else 64, BLOCK_K=bk, STATS_BLOCK=16 * 512 // bm,
+                  STATS_ITERS=2 if prologue in (1, 3) else 0, PDL=pdl, **(rope if split else {}))
     elem = "*fp32" if dot else "*bf16"
-    sig = {n: elem if n.endswith("_ptr") else "fp32" if n == "eps" else "i32" for n in kernel.arg_names}
-    sig.update(part_ptr="*fp32", count_ptr="*i32", **{c: "constexpr" for c in consts})
+    sig = {n: elem if n.endswith("_ptr") else "fp32" if n.endswith("eps") else "i32" for n in kernel.arg_names}
+    sig.update(part_ptr="*fp32", count_ptr="*i32", cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64",
+               **{c: "constexpr" for c in consts})
+    sig = {n: t for n, t in sig.items() if n in kernel.arg_names}
     ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": warps, "num_stages": stages, "launch_pdl": pdl}).asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == pdl, consts  # PDL: the kernel waits for its predecessor
@@ -390,3 +396,65 @@ def test_compiles_for_hopper() -> None:
     """The interpreter runs kernels as Python and misses what only the compiler rejects (a loop-carried variable
     that changes shape did once); compile each prologue for sm_90 here, no GPU needed (Triton's ptxas)."""
     compile_for_hopper(_COMPILE_FOR_HOPPER)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("norms", [True, False])
+@pytest.mark.parametrize(("K", "cfg"), [
+    (64, sg.GemmConfig(32, 32, 1)),  # one program per head
+    (100, sg.GemmConfig(32, 32, 3)),  # split-K: the head's last program to finish runs the epilogue
+    (96, sg.GemmConfig(16, 64, 2, programs=4)),  # another tuned shape: reshaped to one head per tile
+])  # fmt: skip
+def test_qk_rope_epilogue_matches_the_separate_kernel(dtype, norms, K, cfg) -> None:
+    """The qkv matmul with the QKRope epilogue gives what the matmul and then fused_ops.qk_norm_rope_store give:
+    q (normed, rotated) in the output's q columns, k and v at each token's slot of the pool, and nothing written for
+    a padding token (slot -1)."""
+    from tokenrouter.runner import fused_ops
+    from tokenrouter.runner.layers import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(K + norms)
+    M, H, HKV, D = 5, 4, 2, 32
+    N = (H + 2 * HKV) * D
+    x, w = _randn(M, K, dtype=dtype, gen=gen), _randn(N, K, dtype=dtype, gen=gen) * 0.2
+    norm_w = _randn(K, dtype=dtype, gen=gen)
+    q_w, k_w = (_randn(D, dtype=dtype, gen=gen) if norms else None for _ in range(2))
+    rope = RotaryEmbedding(D, 64, 10000.0, None).to(DEVICE)
+    positions = torch.tensor([3, 17, 0, 63, 40], device=DEVICE)
+    slots = torch.tensor([7, 2, -1, 11, 5], device=DEVICE)  # (slot 0 is where a clamped -1 would land)
+    caches = [torch.full((12, HKV, D), 9.0, dtype=dtype, device=DEVICE) for _ in range(4)]  # k, v: ref; k, v: ours
+    ws = _workspace()
+    qkv = sg.skinny_linear(x, w, ws, prologue="rms_norm", norm_weight=norm_w, eps=EPS,
+                           config=sg.qk_rope_config(cfg, N, K, D))
+    q_ref = fused_ops.qk_norm_rope_store(qkv, positions, rope.cos, rope.sin, q_w, k_w, EPS, caches[0], caches[1],
+                                         slots, H, HKV, D)
+    epi = sg.QKRope(positions, rope.cos, rope.sin, q_w, k_w, EPS, caches[2], caches[3], slots, H, HKV, D)
+    out = sg.skinny_linear(x, w, ws, prologue="rms_norm", norm_weight=norm_w, eps=EPS, config=cfg, qk_rope=epi)
+    # The matmuls are the same programs summed in the same order; only the epilogue's float32 arithmetic may contract
+    # differently (an ulp before the rounding).
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-3, "atol": 1e-3}
+    torch.testing.assert_close(out[:, : H * D].reshape(M, H, D), q_ref, **tol)
+    torch.testing.assert_close(caches[2], caches[0], **tol)
+    torch.testing.assert_close(caches[3], caches[1], **tol)
+    assert bool((caches[2][[0, 1, 3, 4, 6, 8, 9, 10]] == 9.0).all())  # slots no token maps to: untouched
+    assert int(ws.counts.count_nonzero()) == 0
+
+
+def test_qk_rope_rejects_what_it_cannot_do() -> None:
+    x, w = torch.zeros(2, 32, device=DEVICE), torch.zeros(8 * 16, 32, device=DEVICE)
+    pos = slots = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    cos = torch.zeros(4, 8, device=DEVICE)
+    cache = torch.zeros(4, 2, 16, device=DEVICE)
+
+    def epi(**kw):
+        args = dict(positions=pos, cos=cos, sin=cos, q_norm_weight=None, k_norm_weight=None, eps=EPS, k_cache=cache,
+                    v_cache=cache, slot_mapping=slots, num_heads=4, num_kv_heads=2, head_dim=16)
+        return sg.QKRope(**{**args, **kw})
+
+    with pytest.raises(ValueError, match="both q/k norms or neither"):
+        sg.skinny_linear(x, w, qk_rope=epi(q_norm_weight=torch.ones(16, device=DEVICE)))
+    with pytest.raises(ValueError, match="weight rows"):
+        sg.skinny_linear(x, w, qk_rope=epi(num_heads=2))
+    with pytest.raises(ValueError, match="no bias"):
+        sg.skinny_linear(x, w, residual=torch.zeros(2, 128, device=DEVICE), qk_rope=epi())
+    with pytest.raises(ValueError, match="must be \\[2\\]"):
+        sg.skinny_linear(x, w, qk_rope=epi(positions=pos[:1]))

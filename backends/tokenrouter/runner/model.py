@@ -19,7 +19,7 @@ from tokenrouter.runner.forward_batch import ForwardBatch
 from tokenrouter.runner.layers import RMSNorm, RotaryEmbedding, SwiGLU
 
 if TYPE_CHECKING:
-    from tokenrouter.runner.skinny_gemm import SplitKWorkspace
+    from tokenrouter.runner.skinny_gemm import QKRope, SplitKWorkspace
 
 
 def layer_matmuls(arch: ArchConfig) -> list[tuple[str, int, int, str, bool]]:
@@ -75,13 +75,30 @@ class Attention(nn.Module):
         o = backend.forward(q, self.k_cache, self.v_cache, batch, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.q_size))
 
+    def qk_rope(self, batch: ForwardBatch, rope: RotaryEmbedding) -> QKRope | None:
+        """The qkv matmul's epilogue that does `attend`'s q/k norm, RoPE and KV write (skinny path), or None where
+        this layer's shape cannot take it."""
+        from tokenrouter.runner.skinny_gemm import QKRope
+
+        q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
+        if not QKRope.supports(self.head_dim, q_norm is not None, k_norm is not None):
+            return None
+        return QKRope(batch.positions, rope.cos, rope.sin, None if q_norm is None else q_norm.weight,
+                      None if k_norm is None else k_norm.weight, self.eps, self.k_cache, self.v_cache,
+                      batch.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
+
     def attend(
-        self, qkv: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding, backend: AttentionBackend
+        self, qkv: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding, backend: AttentionBackend,
+        roped: bool = False,
     ) -> torch.Tensor:  # [T, Hq * D], the input of o_proj
         """The fused path between qkv_proj and o_proj: q/k norm, RoPE and the KV write in one kernel, then
-        attention."""
+        attention. `roped`: the qkv matmul's epilogue did the first part already (`qk_rope`); q is read in place."""
         from tokenrouter.runner import fused_ops
 
+        if roped:
+            q = qkv[:, : self.q_size].view(qkv.shape[0], self.num_heads, self.head_dim)
+            o = backend.forward(q, self.k_cache, self.v_cache, batch, self.scale)
+            return o.reshape(qkv.shape[0], self.q_size)
         q = fused_ops.qk_norm_rope_store(
             qkv, batch.positions, rope.cos, rope.sin,
             self.q_norm.weight if hasattr(self, "q_norm") else None,
@@ -119,16 +136,17 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         workspace: SplitKWorkspace,
     ) -> torch.Tensor:  # the next residual stream
-        """The layer for a few tokens: four skinny matmuls with the norms, SwiGLU's activation and the residual
-        adds fused into them, so the layer is seven kernels (q/k-norm + RoPE, attention's split and reduce
-        included; eleven on cuBLAS). Same roundings as `forward`: the stream is what `forward`'s norms compute
-        as x + residual."""
+        """The layer for a few tokens: four skinny matmuls with the norms, q/k-norm + RoPE + the KV write,
+        SwiGLU's activation and the residual adds fused into them, so the layer is six kernels (attention's split
+        and reduce included; eleven on cuBLAS). Same roundings as `forward`: the stream is what `forward`'s norms
+        compute as x + residual."""
         from tokenrouter.runner.skinny_gemm import skinny_linear
 
         attn, mlp = self.self_attn, self.mlp
+        qk_rope = attn.qk_rope(batch, rope)
         qkv = skinny_linear(stream, attn.qkv_proj.weight, workspace, prologue="rms_norm",
-                            norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps)
-        o = attn.attend(qkv, batch, rope, backend)
+                            norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps, qk_rope=qk_rope)
+        o = attn.attend(qkv, batch, rope, backend, roped=qk_rope is not None)
         stream = skinny_linear(o, attn.o_proj.weight, workspace, residual=stream)
         gate_up = skinny_linear(stream, mlp.gate_up_proj.weight, workspace, prologue="rms_norm",
                                 norm_weight=self.post_attention_layernorm.weight,
@@ -175,7 +193,7 @@ class CausalLM(nn.Module):
         self.skinny_max_m = skinny_gemm.max_rows(shapes, device, dtype)
         if self.skinny_max_m == 0:
             return False
-        self.workspace = skinny_gemm.workspace_for(shapes, self.skinny_max_m, device, dtype)
+        self.workspace = skinny_gemm.workspace_for(shapes, self.skinny_max_m, device, dtype, self.arch.head_dim)
         return True
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:  # [T, hidden]

@@ -36,6 +36,7 @@ The split-K reduction sums partials in a fixed order, so results do not depend o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -159,6 +160,20 @@ def _skinny_gemm_kernel(
     stride_x,
     stride_w,
     stride_res,
+    pos_ptr,  # QK_ROPE: [M] positions
+    cos_ptr,  # QK_ROPE: [P, HEAD_DIM / 2] float32, row stride stride_cos (sin_ptr alike)
+    sin_ptr,
+    q_norm_ptr,  # QK_ROPE with QK_NORM: [HEAD_DIM] (k_norm_ptr alike)
+    k_norm_ptr,
+    slot_ptr,  # QK_ROPE: [M] KV slots, negative = a padding token
+    k_cache_ptr,  # QK_ROPE: [num_slots, Hkv, HEAD_DIM] (v_cache_ptr alike)
+    v_cache_ptr,
+    rope_eps,
+    stride_cos,
+    stride_kc,
+    stride_kh,
+    stride_vc,
+    stride_vh,
     PROLOGUE: tl.constexpr,  # 0 none, 1 rms_norm, 2 silu_mul, 3 layer_norm
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,  # 0 none, 1 gelu (erf), 2 relu
@@ -171,6 +186,10 @@ def _skinny_gemm_kernel(
     STATS_BLOCK: tl.constexpr,  # prologue rms_norm / layer_norm: columns per statistics load
     STATS_ITERS: tl.constexpr,  # prologue rms_norm / layer_norm: cdiv(K, STATS_BLOCK); 0 otherwise
     PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
+    QK_ROPE: tl.constexpr = False,  # the qkv epilogue (`QKRope`): a column tile is one head (BLOCK_N == head_dim)
+    QK_NORM: tl.constexpr = False,  # ... with Qwen3's per-head q/k RMSNorm first
+    NUM_HEADS: tl.constexpr = 0,  # QK_ROPE: Hq, then Hkv k heads, then the v heads
+    NUM_KV_HEADS: tl.constexpr = 0,
 ):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K): program (n, s) owns columns n*BLOCK_N.. over the s-th K range."""
     wait_for_predecessor(PDL)
@@ -203,8 +222,17 @@ def _skinny_gemm_kernel(
             for s in range(SPLIT_K):  # a fixed order: the sum does not depend on which program finished last
                 acc += tl.load(part_ptr + s * M * N + out_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + pid_n, 0)  # zero again for the next launch (also inside a CUDA graph)
-            _store_out(acc, out_ptr, out_offs, out_mask, bias_ptr, res_ptr, rm, rn, n_ok, stride_res, HAS_BIAS,
-                       ACTIVATION, HAS_RESIDUAL)
+            if QK_ROPE:
+                _store_qk_rope(acc, out_ptr, out_offs, rm, m_ok, pid_n, pos_ptr, cos_ptr, sin_ptr, q_norm_ptr,
+                               k_norm_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, rope_eps, stride_cos, stride_kc,
+                               stride_kh, stride_vc, stride_vh, QK_NORM, NUM_HEADS, NUM_KV_HEADS, BLOCK_N, BLOCK_M)
+            else:
+                _store_out(acc, out_ptr, out_offs, out_mask, bias_ptr, res_ptr, rm, rn, n_ok, stride_res, HAS_BIAS,
+                           ACTIVATION, HAS_RESIDUAL)
+    elif QK_ROPE:
+        _store_qk_rope(acc, out_ptr, out_offs, rm, m_ok, pid_n, pos_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr,
+                       slot_ptr, k_cache_ptr, v_cache_ptr, rope_eps, stride_cos, stride_kc, stride_kh, stride_vc,
+                       stride_vh, QK_NORM, NUM_HEADS, NUM_KV_HEADS, BLOCK_N, BLOCK_M)
     else:
         _store_out(acc, out_ptr, out_offs, out_mask, bias_ptr, res_ptr, rm, rn, n_ok, stride_res, HAS_BIAS, ACTIVATION,
                    HAS_RESIDUAL)
@@ -304,6 +332,90 @@ def _store_out(acc, out_ptr, out_offs, out_mask, bias_ptr, res_ptr, rm, rn, n_ok
     tl.store(out_ptr + out_offs, y, mask=out_mask)
 
 
+@triton.jit
+def _store_qk_rope(acc, out_ptr, out_offs, rm, m_ok, head, pos_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, slot_ptr,
+                   k_cache_ptr, v_cache_ptr, eps, stride_cos, stride_kc, stride_kh, stride_vc, stride_vh,
+                   QK_NORM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The qkv matmul's epilogue: what fused_ops.qk_norm_rope_store does to a head, on the tile [HEAD_DIM, BLOCK_M]
+    of head `head` (q heads, then k, then v) with the same roundings: the matmul's output rounded, per-head RMSNorm
+    (normalised value rounded, then the weight product rounded), rotate-half RoPE rounded once. q lands in `out`
+    (its k and v columns are left unwritten), k and v in the KV pool at each token's slot."""
+    dtype = out_ptr.dtype.element_ty
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HEAD_DIM)
+    y = acc.to(dtype).to(tl.float32)  # as the qkv tensor the separate kernel reads
+    slot = tl.load(slot_ptr + rm, mask=m_ok, other=-1).to(tl.int64)  # int64: slot * stride can exceed 2**31
+    kv_mask = (m_ok & (slot >= 0))[None, :]  # padding tokens (slot < 0) write no k/v
+    slot = tl.maximum(slot, 0)
+    if head >= NUM_HEADS + NUM_KV_HEADS:  # a v head: into the pool as it is
+        v_dst = v_cache_ptr + slot[None, :] * stride_vc + (head - NUM_HEADS - NUM_KV_HEADS) * stride_vh + d[:, None]
+        tl.store(v_dst, y.to(dtype), mask=kv_mask)
+    else:
+        is_q = head < NUM_HEADS
+        if QK_NORM:
+            r = 1.0 / tl.sqrt(tl.sum(y * y, 0) / HEAD_DIM + eps)  # [BLOCK_M]
+            w = tl.where(is_q, tl.load(q_norm_ptr + d), tl.load(k_norm_ptr + d)).to(tl.float32)
+            y = ((y * r[None, :]).to(dtype).to(tl.float32) * w[:, None]).to(dtype).to(tl.float32)
+        # Rotate-half: each element's partner is the other half's element at the same offset (the halves swapped in
+        # registers), entering with a minus sign in the first half.
+        partner = tl.reshape(tl.flip(tl.reshape(y, (2, HALF, BLOCK_M)), 0), (HEAD_DIM, BLOCK_M))
+        pos = tl.load(pos_ptr + rm, mask=m_ok, other=0).to(tl.int64)
+        j = (d % HALF)[:, None]
+        c = tl.load(cos_ptr + pos[None, :] * stride_cos + j)
+        s = tl.load(sin_ptr + pos[None, :] * stride_cos + j)
+        first = (d < HALF)[:, None]
+        roped = tl.where(first, y * c - partner * s, y * c + partner * s).to(dtype)
+        if is_q:
+            tl.store(out_ptr + out_offs, roped, mask=m_ok[None, :])
+        else:
+            k_dst = k_cache_ptr + slot[None, :] * stride_kc + (head - NUM_HEADS) * stride_kh + d[:, None]
+            tl.store(k_dst, roped, mask=kv_mask)
+
+
+@dataclass(frozen=True)
+class QKRope:
+    """The qkv matmul's epilogue (`skinny_linear(..., qk_rope=...)`): the work of fused_ops.qk_norm_rope_store
+    (per-head q/k RMSNorm, rotate-half RoPE, k and v into the paged pool) done by the matmul's programs, so a
+    decoder layer launches one kernel fewer. Arguments as qk_norm_rope_store's; both norms or neither."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_norm_weight: torch.Tensor | None
+    k_norm_weight: torch.Tensor | None
+    eps: float
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @staticmethod
+    def supports(head_dim: int, has_q_norm: bool, has_k_norm: bool) -> bool:
+        """Whether a layer of this shape can take the epilogue: a head is one column tile (a power of two, for
+        tl.arange) and the q and k norms come together (Qwen3) or not at all (Llama, Qwen2)."""
+        return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and has_q_norm == has_k_norm
+
+    def check(self, m: int, n: int) -> None:
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if not self.supports(d, self.q_norm_weight is not None, self.k_norm_weight is not None):
+            raise ValueError(f"qk_rope needs a power-of-two head_dim >= 16 (got {d}) and both q/k norms or neither")
+        if n != (h + 2 * hkv) * d:
+            raise ValueError(f"qk_rope: weight rows {n} != (num_heads + 2 * num_kv_heads) * head_dim = "
+                             f"({h} + 2 * {hkv}) * {d}")
+        if self.positions.shape != (m,) or self.slot_mapping.shape != (m,):
+            raise ValueError(f"qk_rope: positions {tuple(self.positions.shape)} and slot_mapping "
+                             f"{tuple(self.slot_mapping.shape)} must be [{m}]")
+        for name, t in (("cos", self.cos), ("sin", self.sin)):
+            if t.dim() != 2 or t.shape[1] != d // 2 or t.stride(1) != 1 or t.stride(0) != self.cos.stride(0):
+                raise ValueError(f"qk_rope: {name} must be [P, {d // 2}], contiguous rows alike")
+        for name, c in (("k_cache", self.k_cache), ("v_cache", self.v_cache)):
+            if c.dim() != 3 or c.shape[1:] != (hkv, d) or c.stride(2) != 1:
+                raise ValueError(f"qk_rope: {name} must be [num_slots, {hkv}, {d}] contiguous along head_dim")
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     """Launch parameters of one (N, K, M) shape."""
@@ -315,6 +427,16 @@ class GemmConfig:
     num_stages: int = 4
     fp32_dot: str = "tf32x3"  # float32 inputs only: tl.dot's input_precision, "tf32x3" or "ieee"
     programs: int = 0  # > 0: stream-K over this many programs (split_k 1); 0: the split-K grid
+
+
+def qk_rope_config(cfg: GemmConfig, n: int, k: int, head_dim: int) -> GemmConfig:
+    """`cfg` (tuned for the plain qkv matmul) reshaped for the `QKRope` epilogue, one head per column tile: about as
+    many programs (the K split grows as the tiles get fewer), and K blocks of at most 128 columns at head_dim 128
+    so that the wider tile's pipeline stages still fit in shared memory."""
+    block_k = max(16, min(cfg.block_k, 128 * 128 // head_dim))
+    programs = cfg.programs or triton.cdiv(n, cfg.block_n) * cfg.split_k
+    split = max(1, min(16, triton.cdiv(programs, triton.cdiv(n, head_dim)), k // block_k))
+    return dataclasses.replace(cfg, block_n=head_dim, block_k=block_k, split_k=split, programs=0)
 
 
 def block_m(m: int) -> int:
@@ -457,10 +579,14 @@ def workspace_need(n: int, k: int, m: int, device: torch.device, dtype: torch.dt
 
 
 def workspace_for(shapes: list[tuple[int, int]], rows: int, device: torch.device,
-                  dtype: torch.dtype = torch.bfloat16) -> SplitKWorkspace:
-    """A workspace big enough for any launch of these (N, K) shapes at up to `rows` rows."""
+                  dtype: torch.dtype = torch.bfloat16, head_dim: int = 0) -> SplitKWorkspace:
+    """A workspace big enough for any launch of these (N, K) shapes at up to `rows` rows; with `head_dim`, also
+    for their `QKRope` configs (the qkv matmul's epilogue)."""
     tiles = {min(bm, rows) for bm in BLOCK_M_SIZES}  # the most rows of each row tile
     needs = [workspace_need(n, k, m, device, dtype) for n, k in shapes for m in tiles]
+    if head_dim:
+        needs += [_split_k_need(qk_rope_config(config_for(n, k, m, device, dtype), n, k, head_dim), m, n, k)
+                  for n, k in shapes if n % head_dim == 0 for m in tiles]
     return SplitKWorkspace(device, max(p for p, _ in needs), max(t for _, t in needs))
 
 
@@ -477,14 +603,16 @@ def skinny_linear(
     activation: str = "none",
     residual: torch.Tensor | None = None,
     config: GemmConfig | None = None,
+    qk_rope: QKRope | None = None,
 ) -> torch.Tensor:
     """activation(prologue(x) @ weight^T + bias) (+ residual) -> new contiguous [M, N] in x's dtype.
 
     prologue: "none"; "rms_norm" (RMSNorm of x with `norm_weight` and `eps` first); "layer_norm" (LayerNorm with
     `norm_weight`, `norm_bias` and `eps`); "silu_mul" (x is [M, 2K] = [gate | up], the input is silu(gate) * up).
     `bias` [N] joins the product before its rounding; activation: "none", "gelu" (erf) or "relu"; `residual`
-    [M, N] is added last. A split-K or stream-K config needs `workspace` (SplitKWorkspace). Never synchronises, so
-    it can be captured in a CUDA graph.
+    [M, N] is added last. A split-K or stream-K config needs `workspace` (SplitKWorkspace). `qk_rope` (a layer's
+    qkv matmul, without bias, activation or residual): the output's q columns come out normed and rotated, k and v
+    go to the KV pool (`QKRope`). Never synchronises, so it can be captured in a CUDA graph.
     """
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
@@ -513,6 +641,12 @@ def skinny_linear(
     if M == 0:
         return out
     cfg = config or config_for(N, K, M, x.device, x.dtype)
+    if qk_rope is not None:
+        if bias is not None or residual is not None or activation != "none":
+            raise ValueError("qk_rope takes no bias, activation or residual")
+        qk_rope.check(M, N)
+        if cfg.block_n != qk_rope.head_dim or cfg.programs:  # (an explicit config of one head per tile is kept)
+            cfg = qk_rope_config(cfg, N, K, qk_rope.head_dim)
     if cfg.fp32_dot not in FP32_DOTS:
         raise ValueError(f"fp32_dot must be one of {FP32_DOTS}, got {cfg.fp32_dot!r}")
     if cfg.programs and cfg.split_k != 1:
@@ -545,6 +679,16 @@ def skinny_linear(
         _stream_k_gemm_kernel[(programs,)](*args, units, *rest, **consts)
     else:
         k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-        _skinny_gemm_kernel[(triton.cdiv(N, cfg.block_n), cfg.split_k)](*args, k_per_split, *rest, SPLIT_K=cfg.split_k,
-                                                                        **consts)
+        r = qk_rope
+        if r is None:  # (pointer slots the kernel never reads without QK_ROPE)
+            rope = (out,) * 8 + (0.0, 0, 0, 0, 0, 0)
+        else:
+            kc, vc = r.k_cache, r.v_cache
+            rope = (r.positions, r.cos, r.sin, r.q_norm_weight if r.q_norm_weight is not None else out,
+                    r.k_norm_weight if r.k_norm_weight is not None else out, r.slot_mapping, kc, vc, r.eps,
+                    r.cos.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1))
+            consts.update(QK_ROPE=True, QK_NORM=r.q_norm_weight is not None, NUM_HEADS=r.num_heads,
+                          NUM_KV_HEADS=r.num_kv_heads)
+        _skinny_gemm_kernel[(triton.cdiv(N, cfg.block_n), cfg.split_k)](*args, k_per_split, *rest, *rope,
+                                                                        SPLIT_K=cfg.split_k, **consts)
     return out
