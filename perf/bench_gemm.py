@@ -57,8 +57,8 @@ class Case:
     residual, M, dtype, bias, activation); the models' matmuls are bfloat16 without bias or activation."""
 
     def __init__(self, name: str, n: int, k: int, prologue: str, residual: bool, m: int, dtype: str, bias: bool,
-                 activation: str, *, l2_bytes: int) -> None:
-        self.spec = (name, n, k, prologue, residual, m, dtype, bias, activation)
+                 activation: str, rope: tuple[int, int, int] | None = None, *, l2_bytes: int) -> None:
+        self.spec = (name, n, k, prologue, residual, m, dtype, bias, activation, rope)
         self.name, self.n, self.k, self.prologue, self.has_residual, self.m = self.spec[:6]
         self.activation = activation
         dev, dt = torch.device("cuda"), getattr(torch, dtype)
@@ -73,6 +73,14 @@ class Case:
         self.residual = torch.randn(m, n, device=dev, dtype=dt) if residual else None
         # split-K up to 16 splits; stream-K up to 4 programs per SM, two partial tiles each (up to 256 SMs)
         self.ws = sg.SplitKWorkspace(dev, max(16 * m * n, 2 * 4 * 256 * 128 * sg.block_m(m)), sg.MAX_M * 64 + n)
+        self.qk_rope = None
+        if rope is not None:  # the qkv matmul with its QKRope epilogue: (head_dim, num_heads, num_kv_heads)
+            d, h, hkv = rope
+            cos = torch.randn(4096, d // 2, device=dev)
+            cache = lambda: torch.zeros(m, hkv, d, device=dev, dtype=dt)  # noqa: E731
+            self.qk_rope = sg.QKRope(torch.arange(m, device=dev), cos, cos.clone(), torch.ones(d, device=dev, dtype=dt),
+                                     torch.ones(d, device=dev, dtype=dt), EPS, cache(), cache(),
+                                     torch.arange(m, device=dev), h, hkv, d)
 
     @property
     def floor_bytes(self) -> int:
@@ -83,7 +91,8 @@ class Case:
         return sg.skinny_linear(self.x, self.weights[i % len(self.weights)], self.ws, prologue=self.prologue,
                                 norm_weight=self.norm_w if normed else None,
                                 norm_bias=self.norm_b if self.prologue == "layer_norm" else None, eps=EPS,
-                                bias=self.bias, activation=self.activation, residual=self.residual, config=cfg)
+                                bias=self.bias, activation=self.activation, residual=self.residual, config=cfg,
+                                qk_rope=self.qk_rope)
 
     def baseline(self, i: int) -> torch.Tensor:
         """What the model (or router) ran before: the separate element-wise kernels around cuBLAS."""
@@ -94,6 +103,13 @@ class Case:
             x = fused_ops.silu_mul(x)
         elif self.prologue == "layer_norm":
             x = F.layer_norm(x, (self.k,), self.norm_w, self.norm_b, EPS)
+        if self.qk_rope is not None:  # what a skinny layer ran before: its tuned qkv matmul, then the separate kernel
+            r = self.qk_rope
+            qkv = sg.skinny_linear(self.x, self.weights[i % len(self.weights)], self.ws, prologue=self.prologue,
+                                   norm_weight=self.norm_w, eps=EPS)
+            return fused_ops.qk_norm_rope_store(qkv, r.positions, r.cos, r.sin, r.q_norm_weight, r.k_norm_weight,
+                                                EPS, r.k_cache, r.v_cache, r.slot_mapping, r.num_heads,
+                                                r.num_kv_heads, r.head_dim)
         y = ACTIVATION_FNS[self.activation](F.linear(x, self.weights[i % len(self.weights)], self.bias))
         return y if self.residual is None else y + self.residual
 
@@ -158,6 +174,12 @@ def grid(n: int, k: int, bm: int, sms: int) -> list[sg.GemmConfig]:
     return out
 
 
+def rope_grid(n: int, k: int, head_dim: int) -> list[sg.GemmConfig]:
+    """The qkv matmul with the QKRope epilogue: one head per column tile, every K block and split that fits."""
+    return [sg.GemmConfig(head_dim, bk, split) for bk in (32, 64, 128) for split in (1, 2, 3, 4, 6, 8, 12, 16)
+            if k / split >= bk]
+
+
 def variants(best: list[sg.GemmConfig], float32: bool = False) -> list[sg.GemmConfig]:
     """Other warp and stage counts for the best configs; for float32, each also with IEEE dots."""
     out = [dataclasses.replace(c, num_warps=w, num_stages=s) for c in best
@@ -205,11 +227,27 @@ def timed(case: Case, cfgs: list[sg.GemmConfig]) -> list[tuple[float, sg.GemmCon
     return sorted(out, key=lambda t: t[0])
 
 
+def rope_of(spec: tuple) -> tuple[int, int, int] | None:
+    """A spec's QKRope shape (head_dim, num_heads, num_kv_heads), or None (router specs have no such field)."""
+    return spec[9] if len(spec) > 9 else None
+
+
+def heuristic(spec: tuple, sms: int) -> sg.GemmConfig:
+    """What the runner picks without a table entry: the heuristic, or for the QKRope epilogue the plain matmul's
+    (tuned) config reshaped to one head per tile."""
+    n, k, m = spec[1], spec[2], spec[5]
+    if rope_of(spec):
+        return sg.qk_rope_config(sg.config_for(n, k, m, torch.device("cuda")), n, k, spec[9][0])
+    return sg.heuristic_config(n, k, m, sms)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen3-0.6b,qwen3-32b")
     ap.add_argument("--tiles", default="16,32,64", help="row tiles to tune (each at its M in ROWS)")
     ap.add_argument("--routers", default="", help="router networks to tune, POLICY:MODEL,... (e.g. r2r:qwen3-0.6b)")
+    ap.add_argument("--matmuls", default="", help="only these of each model's matmuls (e.g. qkv_proj+qk_rope: the "
+                    "qkv matmul with its QK-norm/RoPE/KV-write epilogue); default all")
     ap.add_argument("--table", default=str(sg.TUNED_PATH), help="the JSON table to merge this GPU's entries into")
     ap.add_argument("--report", default=None, help="markdown report path")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
@@ -224,15 +262,23 @@ def main() -> int:
     for model in filter(None, args.models.split(",")):
         arch = ArchConfig.from_dir(ROOT / "perf" / "models" / model)
         for bm in tiles:
-            for name, n, k, prologue, residual in layer_matmuls(arch):
+            rows = [(name, n, k, prologue, residual, None) for name, n, k, prologue, residual in layer_matmuls(arch)]
+            if sg.QKRope.supports(arch.head_dim, arch.qk_norm, arch.qk_norm):
+                name, n, k, prologue, residual, _ = rows[0]
+                rows.append((name + "+qk_rope", n, k, prologue, residual,
+                             (arch.head_dim, arch.num_heads, arch.num_kv_heads)))
+            for name, n, k, prologue, residual, rope in rows:
+                if args.matmuls and name not in args.matmuls.split(","):
+                    continue
                 specs.append((model, (f"{model}/{name}", n, k, prologue, residual, ROWS[bm], "bfloat16", False,
-                                      "none")))
+                                      "none", rope)))
     for router in filter(None, args.routers.split(",")):
         specs += [(router, spec) for bm in tiles for spec in router_specs(router, ROWS[bm])]
     # Shapes shared by models (none today) are tuned once.
     unique = list(dict.fromkeys(spec for _, spec in specs))
-    firsts = {s: grid(s[1], s[2], sg.block_m(s[5]), sms) for s in unique}
-    heuristics = [(s, [sg.heuristic_config(s[1], s[2], s[5], sms)]) for s in unique]
+    firsts = {s: rope_grid(s[1], s[2], s[9][0]) if rope_of(s) else grid(s[1], s[2], sg.block_m(s[5]), sms)
+              for s in unique}
+    heuristics = [(s, [heuristic(s, sms)]) for s in unique]
     precompile(list(firsts.items()) + heuristics, args.workers)
     ranked = {}
     for spec in unique:  # round 1: the tile and split grid at 4 warps, 4 stages
@@ -249,9 +295,9 @@ def main() -> int:
             print(f"{spec[0]} M={spec[5]}: no config compiled; left out of the table", flush=True)
             continue
         us, best = min(candidates, key=lambda t: t[0])
-        heuristic = sg.heuristic_config(case.n, case.k, case.m, sms)
+        heuristic_cfg = heuristic(spec, sms)
         r = {"config": best.__dict__, "us": us, "baseline_us": graph_us(case.baseline),
-             "heuristic_us": graph_us(lambda i, c=case, h=heuristic: c.skinny(h, i)),
+             "heuristic_us": graph_us(lambda i, c=case, h=heuristic_cfg: c.skinny(h, i)),
              "floor_us": case.floor_bytes / bandwidth * 1e6}
         results[spec] = r
         print(f"{spec[0]:24s} N={spec[1]:6d} K={spec[2]:6d} M={spec[5]:3d}: skinny {r['us']:8.1f} us "
@@ -264,7 +310,8 @@ def main() -> int:
     table = json.loads(table_path.read_text()) if table_path.exists() else {}
     entries = table.setdefault(device_name, {}).setdefault("matmuls", {})
     for spec, r in results.items():
-        entries[sg.table_key(spec[1], spec[2], sg.block_m(spec[5]), getattr(torch, spec[6]))] = {
+        entries[sg.table_key(spec[1], spec[2], sg.block_m(spec[5]), getattr(torch, spec[6]),
+                             "qk_rope" if rope_of(spec) else "")] = {
             "config": r["config"], "us": round(r["us"], 2), "baseline_us": round(r["baseline_us"], 2)}
     table_path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     if args.report:

@@ -458,3 +458,17 @@ def test_qk_rope_rejects_what_it_cannot_do() -> None:
         sg.skinny_linear(x, w, residual=torch.zeros(2, 128, device=DEVICE), qk_rope=epi())
     with pytest.raises(ValueError, match="must be \\[2\\]"):
         sg.skinny_linear(x, w, qk_rope=epi(positions=pos[:1]))
+
+
+def test_table_decides_the_qk_rope_epilogue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The qkv matmul takes the QKRope epilogue unless the table measured it slower than the plain matmul plus the
+    separate kernel; a tuned epilogue entry gives its config (one head per tile)."""
+    n, k = 8 * 16, 32
+    assert sg.qk_rope_pays(n, k, 4, DEVICE)  # untuned: one kernel less
+    rope_key = sg.table_key(n, k, 16, epilogue="qk_rope")
+    assert rope_key == f"{n}x{k}x16:qk_rope" and sg.table_key(n, k, 16) == f"{n}x{k}x16"
+    _table(monkeypatch, {rope_key: sg.TunedEntry(sg.GemmConfig(16, 16, 2), 3.0, 2.0)})
+    assert not sg.qk_rope_pays(n, k, 4, DEVICE)
+    _table(monkeypatch, {rope_key: sg.TunedEntry(sg.GemmConfig(16, 16, 2), 1.0, 2.0)})
+    assert sg.qk_rope_pays(n, k, 4, DEVICE) and sg.qk_rope_pays(n, k, 40, DEVICE)  # 40 rows: no entry
+    assert sg._tuned_qk_rope(n, k, 4, DEVICE, torch.bfloat16).config == sg.GemmConfig(16, 16, 2)

@@ -75,13 +75,15 @@ class Attention(nn.Module):
         o = backend.forward(q, self.k_cache, self.v_cache, batch, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.q_size))
 
-    def qk_rope(self, batch: ForwardBatch, rope: RotaryEmbedding) -> QKRope | None:
+    def qk_rope(self, batch: ForwardBatch, rope: RotaryEmbedding, rows: int) -> QKRope | None:
         """The qkv matmul's epilogue that does `attend`'s q/k norm, RoPE and KV write (skinny path), or None where
-        this layer's shape cannot take it."""
-        from tokenrouter.runner.skinny_gemm import QKRope
+        this layer's shape cannot take it or the tuned table measured it slower at `rows` rows."""
+        from tokenrouter.runner.skinny_gemm import QKRope, qk_rope_pays
 
         q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
-        if not QKRope.supports(self.head_dim, q_norm is not None, k_norm is not None):
+        w = self.qkv_proj.weight
+        if not QKRope.supports(self.head_dim, q_norm is not None, k_norm is not None) or not qk_rope_pays(
+                w.shape[0], w.shape[1], rows, w.device, w.dtype):
             return None
         return QKRope(batch.positions, rope.cos, rope.sin, None if q_norm is None else q_norm.weight,
                       None if k_norm is None else k_norm.weight, self.eps, self.k_cache, self.v_cache,
@@ -143,7 +145,7 @@ class DecoderLayer(nn.Module):
         from tokenrouter.runner.skinny_gemm import skinny_linear
 
         attn, mlp = self.self_attn, self.mlp
-        qk_rope = attn.qk_rope(batch, rope)
+        qk_rope = attn.qk_rope(batch, rope, stream.shape[0])
         qkv = skinny_linear(stream, attn.qkv_proj.weight, workspace, prologue="rms_norm",
                             norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps, qk_rope=qk_rope)
         o = attn.attend(qkv, batch, rope, backend, roped=qk_rope is not None)

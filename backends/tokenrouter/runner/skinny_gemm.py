@@ -468,10 +468,11 @@ class TunedEntry:
 FP32_DOTS = ("tf32x3", "ieee")
 
 
-def table_key(n: int, k: int, bm: int, dtype: torch.dtype = torch.bfloat16) -> str:
+def table_key(n: int, k: int, bm: int, dtype: torch.dtype = torch.bfloat16, epilogue: str = "") -> str:
     """16-bit shapes as "NxKxBM" (the models' matmuls); float32 ones (the routers') as "NxKxBM:float32", which are
-    other kernels (twice the bytes per tile) of what may be the same N and K."""
-    return f"{n}x{k}x{bm}" + (":float32" if dtype == torch.float32 else "")
+    other kernels (twice the bytes per tile) of what may be the same N and K; the qkv matmul with the `QKRope`
+    epilogue as "NxKxBM:qk_rope" (its own tiles: one head each)."""
+    return f"{n}x{k}x{bm}" + (":float32" if dtype == torch.float32 else "") + (f":{epilogue}" if epilogue else "")
 
 
 def layer_key(shapes: list[tuple[int, int]]) -> str:
@@ -514,6 +515,18 @@ def _table(device: torch.device) -> TunedTable | None:
 def _tuned(n: int, k: int, m: int, device: torch.device, dtype: torch.dtype) -> TunedEntry | None:
     table = _table(device)
     return None if table is None else table.matmuls.get(table_key(n, k, block_m(m), dtype))
+
+
+def _tuned_qk_rope(n: int, k: int, m: int, device: torch.device, dtype: torch.dtype) -> TunedEntry | None:
+    table = _table(device)
+    return None if table is None else table.matmuls.get(table_key(n, k, block_m(m), dtype, "qk_rope"))
+
+
+def qk_rope_pays(n: int, k: int, m: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the qkv matmul of m rows should take the `QKRope` epilogue: unless the tuned table measured it slower
+    than the plain matmul followed by fused_ops.qk_norm_rope_store (where untuned, it takes it: one kernel less)."""
+    entry = _tuned_qk_rope(n, k, m, device, dtype)
+    return entry is None or entry.us <= entry.baseline_us
 
 
 def config_for(n: int, k: int, m: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
@@ -640,13 +653,16 @@ def skinny_linear(
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    cfg = config or config_for(N, K, M, x.device, x.dtype)
     if qk_rope is not None:
         if bias is not None or residual is not None or activation != "none":
             raise ValueError("qk_rope takes no bias, activation or residual")
         qk_rope.check(M, N)
-        if cfg.block_n != qk_rope.head_dim or cfg.programs:  # (an explicit config of one head per tile is kept)
-            cfg = qk_rope_config(cfg, N, K, qk_rope.head_dim)
+        if config is None:
+            entry = _tuned_qk_rope(N, K, M, x.device, x.dtype)
+            config = entry.config if entry is not None else None
+    cfg = config or config_for(N, K, M, x.device, x.dtype)
+    if qk_rope is not None and (cfg.block_n != qk_rope.head_dim or cfg.programs):
+        cfg = qk_rope_config(cfg, N, K, qk_rope.head_dim)  # (a config of one head per tile is kept as it is)
     if cfg.fp32_dot not in FP32_DOTS:
         raise ValueError(f"fp32_dot must be one of {FP32_DOTS}, got {cfg.fp32_dot!r}")
     if cfg.programs and cfg.split_k != 1:
