@@ -19,7 +19,8 @@ few kernels as possible. The kernel therefore
   activation (GELU with erf, or ReLU, on the rounded value as torch applies it), and the residual add:
   y = round(act(round(x @ W^T + b)) + residual), as torch's `h + residual` is computed after the rounded matmul. A
   decoder layer then hands one residual stream from matmul to matmul (model.py); a router network its own
-  (routing/policies/r2r.py).
+  (routing/policies/r2r.py). The qkv matmul can instead end in the attention's preamble (`QKRope`: per-head q/k
+  RMSNorm, RoPE, k and v into the KV pool), one head per column tile.
 
 float32 inputs (the routers) multiply on the tensor cores in three TF32 passes ("tf32x3": each operand split into
 a TF32 high part and a TF32 remainder, errors of float32's order), or in plain IEEE float32 arithmetic when the
