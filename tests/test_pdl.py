@@ -178,8 +178,12 @@ KERNELS = [
                              SKIP_DECODE=True, SPLIT=True)),
     (ta._extend_reduce_kernel, dict(HEAD_DIM=128, D_PAD=128, GROUP=2, GROUP_PAD=2, SPLITS_PAD=16, Q_PER_PROG=32,
                                     BLOCK_N=64, SKIP_DECODE=True)),
-    (sg._skinny_gemm_kernel, dict(PROLOGUE=1, HAS_BIAS=False, ACTIVATION=0, HAS_RESIDUAL=True, FP32_DOT="", BLOCK_M=16,
-                                  BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, STATS_BLOCK=512, STATS_ITERS=2)),
+    # (the qkv matmul with its QKRope epilogue: one head of 128 per tile)
+    (sg._skinny_gemm_kernel, dict(PROLOGUE=1, HAS_BIAS=False, ACTIVATION=0, HAS_RESIDUAL=False, FP32_DOT="", BLOCK_M=16,
+                                  BLOCK_N=128, BLOCK_K=128, SPLIT_K=4, STATS_BLOCK=512, STATS_ITERS=2, QK_ROPE=True,
+                                  QK_NORM=True, NUM_HEADS=16, NUM_KV_HEADS=8)),
+    (sg._stream_k_gemm_kernel, dict(PROLOGUE=2, HAS_BIAS=False, ACTIVATION=0, HAS_RESIDUAL=True, FP32_DOT="",
+                                    BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STATS_BLOCK=512, STATS_ITERS=0)),
 ]
 POINTERS = {"pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "mid_o_ptr": "*fp32",
             "mid_lse_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32", "block_tables_ptr": "*i32",
@@ -191,7 +195,8 @@ assert found == {k.fn.__name__ for k, _ in KERNELS}, found  # a new kernel must 
 for kernel, consts in KERNELS:
     consts = {**consts, "PDL": True}
     assert {p.name for p in kernel.params if p.is_constexpr} == set(consts), kernel.fn.__name__
-    sig = {n: POINTERS.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n in ("eps", "sm_scale_log2") else "i32"
+    sig = {n: POINTERS.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n in ("eps", "rope_eps", "sm_scale_log2")
+           else "i32"
            for n in kernel.arg_names}
     sig.update({c: "constexpr" for c in consts})
     ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
