@@ -138,9 +138,10 @@ def run_inprocess(args) -> dict:
     small_runner, small_bm = build(args.small)
     large = Step(large_runner, large_bm, args.large_batch, args.context, args.large_new)
     small = Step(small_runner, small_bm, args.small_batch, args.context, 1)
-    # Carve-outs and the large model's skinny variants recapture its graphs, which the earlier variants' step
-    # replays: they go last.
-    for variant in sorted(args.variants.split(","), key=lambda v: v.startswith(("large_skinny", "carveout"))):
+    # The large model's skinny variants and then the carve-outs recapture its graphs, which the earlier variants'
+    # step replays: they go last (a carve-out after a skinny variant measures the skinny large model).
+    for variant in sorted(args.variants.split(","),
+                          key=lambda v: 2 if v.startswith("carveout") else 1 if v.startswith("large_skinny") else 0):
         try:
             if variant == "plain":
                 out[variant] = side_by_side(small, large)
@@ -163,8 +164,9 @@ def run_inprocess(args) -> dict:
                 print(f"{args.large}: skinny matmuls up to {large_runner.model.skinny_max_m} rows", flush=True)
                 other = small
                 if variant == "large_skinny_high":
-                    s_runner, s_bm = build(args.small, priority="high")
-                    other = Step(s_runner, s_bm, args.small_batch, args.context, 1)
+                    runner, bm = build(args.small, priority="high")
+                    other = Step(runner, bm, args.small_batch, args.context, 1)
+                    del runner, bm  # (the step holds them)
                 skinny_large = Step(large_runner, large_bm, args.large_batch, args.context, args.large_new)
                 out[variant] = side_by_side(other, skinny_large)
                 out[variant]["large_skinny_max_m"] = large_runner.model.skinny_max_m

@@ -74,12 +74,12 @@ class Case:
         # split-K up to 16 splits; stream-K up to 4 programs per SM, two partial tiles each (up to 256 SMs)
         self.ws = sg.SplitKWorkspace(dev, max(16 * m * n, 2 * 4 * 256 * 128 * sg.block_m(m)), sg.MAX_M * 64 + n)
         self.qk_rope = None
-        if rope is not None:  # the qkv matmul with its QKRope epilogue: (head_dim, num_heads, num_kv_heads)
-            d, h, hkv = rope
+        if rope is not None:  # the qkv matmul with its QKRope epilogue: (head_dim, num_heads, num_kv_heads, norms)
+            d, h, hkv, norms = rope
             cos = torch.randn(4096, d // 2, device=dev)
             cache = lambda: torch.zeros(m, hkv, d, device=dev, dtype=dt)  # noqa: E731
-            self.qk_rope = sg.QKRope(torch.arange(m, device=dev), cos, cos.clone(), torch.ones(d, device=dev, dtype=dt),
-                                     torch.ones(d, device=dev, dtype=dt), EPS, cache(), cache(),
+            norm = torch.ones(d, device=dev, dtype=dt) if norms else None
+            self.qk_rope = sg.QKRope(torch.arange(m, device=dev), cos, cos.clone(), norm, norm, EPS, cache(), cache(),
                                      torch.arange(m, device=dev), h, hkv, d)
 
     @property
@@ -228,16 +228,17 @@ def timed(case: Case, cfgs: list[sg.GemmConfig]) -> list[tuple[float, sg.GemmCon
 
 
 def rope_of(spec: tuple) -> tuple[int, int, int] | None:
-    """A spec's QKRope shape (head_dim, num_heads, num_kv_heads), or None (router specs have no such field)."""
+    """A spec's QKRope shape (head_dim, num_heads, num_kv_heads, q/k norms), or None (router specs have none)."""
     return spec[9] if len(spec) > 9 else None
 
 
 def heuristic(spec: tuple, sms: int) -> sg.GemmConfig:
     """What the runner picks without a table entry: the heuristic, or for the QKRope epilogue the plain matmul's
-    (tuned) config reshaped to one head per tile."""
+    (tuned) config, reshaped to one head per tile."""
     n, k, m = spec[1], spec[2], spec[5]
     if rope_of(spec):
-        return sg.qk_rope_config(sg.config_for(n, k, m, torch.device("cuda")), n, k, spec[9][0])
+        dev = torch.device("cuda")
+        return sg.qk_rope_config_for(n, k, m, spec[9][0], dev, config=sg.config_for(n, k, m, dev))
     return sg.heuristic_config(n, k, m, sms)
 
 
@@ -266,7 +267,7 @@ def main() -> int:
             if sg.QKRope.supports(arch.head_dim, arch.qk_norm, arch.qk_norm):
                 name, n, k, prologue, residual, _ = rows[0]
                 rows.append((name + "+qk_rope", n, k, prologue, residual,
-                             (arch.head_dim, arch.num_heads, arch.num_kv_heads)))
+                             (arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.qk_norm)))
             for name, n, k, prologue, residual, rope in rows:
                 if args.matmuls and name not in args.matmuls.split(","):
                     continue

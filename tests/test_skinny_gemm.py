@@ -452,7 +452,7 @@ def test_qk_rope_rejects_what_it_cannot_do() -> None:
 
     with pytest.raises(ValueError, match="both q/k norms or neither"):
         sg.skinny_linear(x, w, qk_rope=epi(q_norm_weight=torch.ones(16, device=DEVICE)))
-    with pytest.raises(ValueError, match="weight rows"):
+    with pytest.raises(ValueError, match="qkv width"):
         sg.skinny_linear(x, w, qk_rope=epi(num_heads=2))
     with pytest.raises(ValueError, match="no bias"):
         sg.skinny_linear(x, w, residual=torch.zeros(2, 128, device=DEVICE), qk_rope=epi())
@@ -461,14 +461,30 @@ def test_qk_rope_rejects_what_it_cannot_do() -> None:
 
 
 def test_table_decides_the_qk_rope_epilogue(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The qkv matmul takes the QKRope epilogue unless the table measured it slower than the plain matmul plus the
-    separate kernel; a tuned epilogue entry gives its config (one head per tile)."""
+    """On a GPU the qkv matmul takes the QKRope epilogue where the table measured it no slower than the plain matmul
+    plus the separate kernel (untuned: the separate kernel); off a GPU (no table: the interpreter) always. A tuned
+    epilogue entry gives its config (one head per tile)."""
     n, k = 8 * 16, 32
-    assert sg.qk_rope_pays(n, k, 4, DEVICE)  # untuned: one kernel less
+    assert sg.qk_rope_pays(n, k, 4, torch.device("cpu"))
+    _table(monkeypatch, {})
+    assert not sg.qk_rope_pays(n, k, 4, DEVICE)  # a GPU without the entry
     rope_key = sg.table_key(n, k, 16, epilogue="qk_rope")
     assert rope_key == f"{n}x{k}x16:qk_rope" and sg.table_key(n, k, 16) == f"{n}x{k}x16"
     _table(monkeypatch, {rope_key: sg.TunedEntry(sg.GemmConfig(16, 16, 2), 3.0, 2.0)})
     assert not sg.qk_rope_pays(n, k, 4, DEVICE)
     _table(monkeypatch, {rope_key: sg.TunedEntry(sg.GemmConfig(16, 16, 2), 1.0, 2.0)})
-    assert sg.qk_rope_pays(n, k, 4, DEVICE) and sg.qk_rope_pays(n, k, 40, DEVICE)  # 40 rows: no entry
+    assert sg.qk_rope_pays(n, k, 4, DEVICE) and not sg.qk_rope_pays(n, k, 40, DEVICE)  # 40 rows: no entry
     assert sg._tuned_qk_rope(n, k, 4, DEVICE, torch.bfloat16).config == sg.GemmConfig(16, 16, 2)
+
+
+def test_workspace_holds_a_tuned_qk_rope_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tuned epilogue entry may split K further than the plain matmul: the model's workspace is sized for the
+    config the epilogue launches with (`qk_rope_config_for`), so a 16-way split of the qkv matmul fits."""
+    n, k, d = 8 * 16, 256, 16
+    rope_cfg = sg.GemmConfig(d, 16, 16)
+    _table(monkeypatch, {sg.table_key(n, k, 16): sg.TunedEntry(sg.GemmConfig(32, 64, 1), 1.0, 2.0),
+                         sg.table_key(n, k, 16, epilogue="qk_rope"): sg.TunedEntry(rope_cfg, 1.0, 2.0)})
+    assert sg.qk_rope_config_for(n, k, 16, d, DEVICE) == rope_cfg  # one head per tile: kept as tuned
+    need = sg._split_k_need(rope_cfg, 16, n, k)
+    assert not sg.workspace_for([(n, k)], 16, DEVICE).fits(*need)  # the plain matmul's own needs: none
+    assert sg.workspace_for([(n, k)], 16, DEVICE, qkv=(n, k, d)).fits(*need)

@@ -295,6 +295,44 @@ def add_rms_norm(
     return out, new_residual
 
 
+def check_qk_rope_args(
+    T: int, width: int, dtype: torch.dtype, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+) -> None:
+    """What `qk_norm_rope_store` (and the skinny qkv matmul's QKRope epilogue) need of their arguments, for T rows
+    of `width` q | k | v columns of `dtype`; a ValueError names the first that does not fit."""
+    if head_dim % 2:
+        raise ValueError(f"rotate-half RoPE needs an even head_dim, got {head_dim}")
+    if width != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(
+            f"qkv width {width} != (num_heads + 2 * num_kv_heads) * head_dim"
+            f" = ({num_heads} + 2 * {num_kv_heads}) * {head_dim}"
+        )
+    if positions.shape != (T,) or slot_mapping.shape != (T,):
+        raise ValueError(
+            f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)} must be [{T}]"
+        )
+    if T > 1 and (positions.stride(0) != 1 or slot_mapping.stride(0) != 1):
+        raise ValueError("positions and slot_mapping must be contiguous")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dim() != 2 or table.shape[1] != head_dim // 2 or table.stride(1) != 1:
+            raise ValueError(
+                f"{name} must be [P, {head_dim // 2}] with a contiguous last dim, got {tuple(table.shape)}"
+            )
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if w is not None and (w.shape != (head_dim,) or w.stride(0) != 1):
+            raise ValueError(f"{name} must be a contiguous [{head_dim}] tensor, got shape {tuple(w.shape)}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 3 or cache.shape[1:] != (num_kv_heads, head_dim) or cache.stride(2) != 1:
+            raise ValueError(
+                f"{name} must be [num_slots, {num_kv_heads}, {head_dim}] contiguous along head_dim,"
+                f" got {tuple(cache.shape)}"
+            )
+        if cache.dtype != dtype:
+            raise ValueError(f"{name} dtype {cache.dtype} != qkv dtype {dtype}")
+
+
 def qk_norm_rope_store(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -327,33 +365,8 @@ def qk_norm_rope_store(
     """
     _check_rows("qkv", qkv)
     T = qkv.shape[0]
-    if head_dim % 2:
-        raise ValueError(f"rotate-half RoPE needs an even head_dim, got {head_dim}")
-    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
-        raise ValueError(
-            f"qkv width {qkv.shape[1]} != (num_heads + 2 * num_kv_heads) * head_dim"
-            f" = ({num_heads} + 2 * {num_kv_heads}) * {head_dim}"
-        )
-    if positions.shape != (T,) or slot_mapping.shape != (T,):
-        raise ValueError(
-            f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)} must be [{T}]"
-        )
-    for name, table in (("cos", cos), ("sin", sin)):
-        if table.dim() != 2 or table.shape[1] != head_dim // 2 or table.stride(1) != 1:
-            raise ValueError(
-                f"{name} must be [P, {head_dim // 2}] with a contiguous last dim, got {tuple(table.shape)}"
-            )
-    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
-        if w is not None and (w.shape != (head_dim,) or w.stride(0) != 1):
-            raise ValueError(f"{name} must be a contiguous [{head_dim}] tensor, got shape {tuple(w.shape)}")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dim() != 3 or cache.shape[1:] != (num_kv_heads, head_dim) or cache.stride(2) != 1:
-            raise ValueError(
-                f"{name} must be [num_slots, {num_kv_heads}, {head_dim}] contiguous along head_dim,"
-                f" got {tuple(cache.shape)}"
-            )
-        if cache.dtype != qkv.dtype:
-            raise ValueError(f"{name} dtype {cache.dtype} != qkv dtype {qkv.dtype}")
+    check_qk_rope_args(T, qkv.shape[1], qkv.dtype, positions, cos, sin, q_norm_weight, k_norm_weight, k_cache,
+                       v_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
     q = torch.empty((T, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if T == 0:
         return q

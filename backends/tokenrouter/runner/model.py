@@ -140,7 +140,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:  # the next residual stream
         """The layer for a few tokens: four skinny matmuls with the norms, q/k-norm + RoPE + the KV write,
         SwiGLU's activation and the residual adds fused into them, so the layer is six kernels (attention's split
-        and reduce included; eleven on cuBLAS). Same roundings as `forward`: the stream is what `forward`'s norms
+        and reduce included; seven where the qkv epilogue does not apply or pay, `Attention.qk_rope`; eleven on
+        cuBLAS). Same roundings as `forward`: the stream is what `forward`'s norms
         compute as x + residual."""
         from tokenrouter.runner.skinny_gemm import skinny_linear
 
@@ -195,7 +196,10 @@ class CausalLM(nn.Module):
         self.skinny_max_m = skinny_gemm.max_rows(shapes, device, dtype)
         if self.skinny_max_m == 0:
             return False
-        self.workspace = skinny_gemm.workspace_for(shapes, self.skinny_max_m, device, dtype, self.arch.head_dim)
+        a = self.arch
+        qkv = (shapes[0][0], shapes[0][1], a.head_dim) if skinny_gemm.QKRope.supports(a.head_dim, a.qk_norm,
+                                                                                      a.qk_norm) else None
+        self.workspace = skinny_gemm.workspace_for(shapes, self.skinny_max_m, device, dtype, qkv)
         return True
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:  # [T, hidden]

@@ -399,22 +399,18 @@ class QKRope:
         tl.arange) and the q and k norms come together (Qwen3) or not at all (Llama, Qwen2)."""
         return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and has_q_norm == has_k_norm
 
-    def check(self, m: int, n: int) -> None:
-        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+    def check(self, m: int, n: int, dtype: torch.dtype) -> None:
+        """The arguments fit an [m, n] qkv output of `dtype` (fused_ops' rules, and this epilogue's own)."""
+        from tokenrouter.runner import fused_ops
+
+        d = self.head_dim
         if not self.supports(d, self.q_norm_weight is not None, self.k_norm_weight is not None):
             raise ValueError(f"qk_rope needs a power-of-two head_dim >= 16 (got {d}) and both q/k norms or neither")
-        if n != (h + 2 * hkv) * d:
-            raise ValueError(f"qk_rope: weight rows {n} != (num_heads + 2 * num_kv_heads) * head_dim = "
-                             f"({h} + 2 * {hkv}) * {d}")
-        if self.positions.shape != (m,) or self.slot_mapping.shape != (m,):
-            raise ValueError(f"qk_rope: positions {tuple(self.positions.shape)} and slot_mapping "
-                             f"{tuple(self.slot_mapping.shape)} must be [{m}]")
-        for name, t in (("cos", self.cos), ("sin", self.sin)):
-            if t.dim() != 2 or t.shape[1] != d // 2 or t.stride(1) != 1 or t.stride(0) != self.cos.stride(0):
-                raise ValueError(f"qk_rope: {name} must be [P, {d // 2}], contiguous rows alike")
-        for name, c in (("k_cache", self.k_cache), ("v_cache", self.v_cache)):
-            if c.dim() != 3 or c.shape[1:] != (hkv, d) or c.stride(2) != 1:
-                raise ValueError(f"qk_rope: {name} must be [num_slots, {hkv}, {d}] contiguous along head_dim")
+        if self.sin.stride(0) != self.cos.stride(0):
+            raise ValueError("qk_rope: cos and sin must have the same row stride")
+        fused_ops.check_qk_rope_args(m, n, dtype, self.positions, self.cos, self.sin, self.q_norm_weight,
+                                     self.k_norm_weight, self.k_cache, self.v_cache, self.slot_mapping,
+                                     self.num_heads, self.num_kv_heads, d)
 
 
 @dataclass(frozen=True)
@@ -524,10 +520,25 @@ def _tuned_qk_rope(n: int, k: int, m: int, device: torch.device, dtype: torch.dt
 
 
 def qk_rope_pays(n: int, k: int, m: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether the qkv matmul of m rows should take the `QKRope` epilogue: unless the tuned table measured it slower
-    than the plain matmul followed by fused_ops.qk_norm_rope_store (where untuned, it takes it: one kernel less)."""
+    """Whether the qkv matmul of m rows should take the `QKRope` epilogue: where the GPU's tuned table measured it
+    no slower than the plain matmul followed by fused_ops.qk_norm_rope_store (untuned shapes keep the separate
+    kernel, as untuned matmuls keep cuBLAS); off a GPU (Triton's interpreter, the tests) always."""
+    if _table(device) is None:
+        return True
     entry = _tuned_qk_rope(n, k, m, device, dtype)
-    return entry is None or entry.us <= entry.baseline_us
+    return entry is not None and entry.us <= entry.baseline_us
+
+
+def qk_rope_config_for(n: int, k: int, m: int, head_dim: int, device: torch.device,
+                       dtype: torch.dtype = torch.bfloat16, config: GemmConfig | None = None) -> GemmConfig:
+    """The config a qkv matmul with the `QKRope` epilogue launches with: `config` or the tuned epilogue entry, kept
+    as it is when it has one head per tile; else the plain matmul's config reshaped (`qk_rope_config`)."""
+    if config is None:
+        entry = _tuned_qk_rope(n, k, m, device, dtype)
+        config = entry.config if entry is not None else config_for(n, k, m, device, dtype)
+    if config.block_n == head_dim and not config.programs:
+        return config
+    return qk_rope_config(config, n, k, head_dim)
 
 
 def config_for(n: int, k: int, m: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
@@ -558,8 +569,8 @@ def max_rows(shapes: list[tuple[int, int]], device: torch.device, dtype: torch.d
 
 
 class SplitKWorkspace:
-    """Float32 partials and per-tile counters of split-K launches, one per model (one CUDA stream): launches on
-    one stream run one after another, and each leaves its counters zero for the next."""
+    """Float32 partials and per-tile counters of split-K and stream-K launches, one per model (one CUDA stream):
+    launches on one stream run one after another, and each leaves its counters zero for the next."""
 
     def __init__(self, device: torch.device, partial_elems: int, tiles: int) -> None:
         self.partials = torch.empty(max(partial_elems, 1), dtype=torch.float32, device=device)
@@ -593,14 +604,14 @@ def workspace_need(n: int, k: int, m: int, device: torch.device, dtype: torch.dt
 
 
 def workspace_for(shapes: list[tuple[int, int]], rows: int, device: torch.device,
-                  dtype: torch.dtype = torch.bfloat16, head_dim: int = 0) -> SplitKWorkspace:
-    """A workspace big enough for any launch of these (N, K) shapes at up to `rows` rows; with `head_dim`, also
-    for their `QKRope` configs (the qkv matmul's epilogue)."""
+                  dtype: torch.dtype = torch.bfloat16, qkv: tuple[int, int, int] | None = None) -> SplitKWorkspace:
+    """A workspace big enough for any launch of these (N, K) shapes at up to `rows` rows; with `qkv` (N, K,
+    head_dim), also for that matmul with the `QKRope` epilogue."""
     tiles = {min(bm, rows) for bm in BLOCK_M_SIZES}  # the most rows of each row tile
     needs = [workspace_need(n, k, m, device, dtype) for n, k in shapes for m in tiles]
-    if head_dim:
-        needs += [_split_k_need(qk_rope_config(config_for(n, k, m, device, dtype), n, k, head_dim), m, n, k)
-                  for n, k in shapes if n % head_dim == 0 for m in tiles]
+    if qkv is not None:
+        n, k, d = qkv
+        needs += [_split_k_need(qk_rope_config_for(n, k, m, d, device, dtype), m, n, k) for m in tiles]
     return SplitKWorkspace(device, max(p for p, _ in needs), max(t for _, t in needs))
 
 
@@ -657,13 +668,10 @@ def skinny_linear(
     if qk_rope is not None:
         if bias is not None or residual is not None or activation != "none":
             raise ValueError("qk_rope takes no bias, activation or residual")
-        qk_rope.check(M, N)
-        if config is None:
-            entry = _tuned_qk_rope(N, K, M, x.device, x.dtype)
-            config = entry.config if entry is not None else None
-    cfg = config or config_for(N, K, M, x.device, x.dtype)
-    if qk_rope is not None and (cfg.block_n != qk_rope.head_dim or cfg.programs):
-        cfg = qk_rope_config(cfg, N, K, qk_rope.head_dim)  # (a config of one head per tile is kept as it is)
+        qk_rope.check(M, N, x.dtype)
+        cfg = qk_rope_config_for(N, K, M, qk_rope.head_dim, x.device, x.dtype, config)
+    else:
+        cfg = config or config_for(N, K, M, x.device, x.dtype)
     if cfg.fp32_dot not in FP32_DOTS:
         raise ValueError(f"fp32_dot must be one of {FP32_DOTS}, got {cfg.fp32_dot!r}")
     if cfg.programs and cfg.split_k != 1:
