@@ -96,13 +96,6 @@ class Case:
 
     def baseline(self, i: int) -> torch.Tensor:
         """What the model (or router) ran before: the separate element-wise kernels around cuBLAS."""
-        x = self.x
-        if self.prologue == "rms_norm":
-            x, _ = fused_ops.add_rms_norm(x, self.res_in, self.norm_w, EPS)
-        elif self.prologue == "silu_mul":
-            x = fused_ops.silu_mul(x)
-        elif self.prologue == "layer_norm":
-            x = F.layer_norm(x, (self.k,), self.norm_w, self.norm_b, EPS)
         if self.qk_rope is not None:  # what a skinny layer ran before: its tuned qkv matmul, then the separate kernel
             r = self.qk_rope
             qkv = sg.skinny_linear(self.x, self.weights[i % len(self.weights)], self.ws, prologue=self.prologue,
@@ -110,6 +103,13 @@ class Case:
             return fused_ops.qk_norm_rope_store(qkv, r.positions, r.cos, r.sin, r.q_norm_weight, r.k_norm_weight,
                                                 EPS, r.k_cache, r.v_cache, r.slot_mapping, r.num_heads,
                                                 r.num_kv_heads, r.head_dim)
+        x = self.x
+        if self.prologue == "rms_norm":
+            x, _ = fused_ops.add_rms_norm(x, self.res_in, self.norm_w, EPS)
+        elif self.prologue == "silu_mul":
+            x = fused_ops.silu_mul(x)
+        elif self.prologue == "layer_norm":
+            x = F.layer_norm(x, (self.k,), self.norm_w, self.norm_b, EPS)
         y = ACTIVATION_FNS[self.activation](F.linear(x, self.weights[i % len(self.weights)], self.bias))
         return y if self.residual is None else y + self.residual
 

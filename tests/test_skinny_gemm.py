@@ -328,7 +328,12 @@ def test_model_skinny_path_matches_cublas_path(tiny_dir: Path, monkeypatch: pyte
     monkeypatch.setattr(sg, "config_for", lambda n, k, m, device, dtype=None: sg.GemmConfig(16, 16, 2))
     calls = []
     real = sg.skinny_linear
-    monkeypatch.setattr(sg, "skinny_linear", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+
+    def recorded(x, *a, **kw):
+        calls.append((x.shape[0], kw.get("qk_rope") is not None))
+        return real(x, *a, **kw)
+
+    monkeypatch.setattr(sg, "skinny_linear", recorded)
     skinny = _runner(tiny_dir)  # skinny_gemm is on by default
     plain = ModelRunner(dataclasses.replace(skinny.cfg, skinny_gemm=False), default_kv_tokens=1024)
     assert skinny.skinny_gemm and not plain.skinny_gemm and skinny.model.workspace is not None
@@ -340,8 +345,9 @@ def test_model_skinny_path_matches_cublas_path(tiny_dir: Path, monkeypatch: pyte
     for toks, rows in (([[], []], None), ([[5], [6]], 2), ([[8, 9, 10], [11]], 4), ([[12], []], 1)):
         calls.clear()
         ours, ref = a.step(toks), b.step(toks)
-        # 73 prompt tokens: cuBLAS; the decode and extend steps: four skinny matmuls a layer.
-        assert calls == ([] if rows is None else [rows] * 4 * layers)
+        # 73 prompt tokens: cuBLAS; the decode and extend steps: four skinny matmuls a layer, the first (qkv) with
+        # the QKRope epilogue.
+        assert calls == ([] if rows is None else [(rows, True), (rows, False), (rows, False), (rows, False)] * layers)
         torch.testing.assert_close(ours[0], ref[0], rtol=MODEL_TOL, atol=MODEL_TOL)  # logits
         torch.testing.assert_close(ours[1], ref[1], rtol=MODEL_TOL, atol=MODEL_TOL)  # hidden
         assert torch.equal(ours[2], ref[2])  # greedy tokens
