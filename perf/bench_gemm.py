@@ -54,10 +54,11 @@ ACTIVATION_FNS = {"none": lambda t: t, "gelu": F.gelu, "relu": F.relu}
 
 class Case:
     """One matmul at one M: its inputs, weight copies and workspace on the GPU. A spec is (name, N, K, prologue,
-    residual, M, dtype, bias, activation); the models' matmuls are bfloat16 without bias or activation."""
+    residual, M, dtype, bias, activation[, rope: (head_dim, num_heads, num_kv_heads, q/k norms) for the qkv matmul
+    with its QKRope epilogue]); the models' matmuls are bfloat16 without bias or activation."""
 
     def __init__(self, name: str, n: int, k: int, prologue: str, residual: bool, m: int, dtype: str, bias: bool,
-                 activation: str, rope: tuple[int, int, int] | None = None, *, l2_bytes: int) -> None:
+                 activation: str, rope: tuple[int, int, int, bool] | None = None, *, l2_bytes: int) -> None:
         self.spec = (name, n, k, prologue, residual, m, dtype, bias, activation, rope)
         self.name, self.n, self.k, self.prologue, self.has_residual, self.m = self.spec[:6]
         self.activation = activation
@@ -227,7 +228,7 @@ def timed(case: Case, cfgs: list[sg.GemmConfig]) -> list[tuple[float, sg.GemmCon
     return sorted(out, key=lambda t: t[0])
 
 
-def rope_of(spec: tuple) -> tuple[int, int, int] | None:
+def rope_of(spec: tuple) -> tuple[int, int, int, bool] | None:
     """A spec's QKRope shape (head_dim, num_heads, num_kv_heads, q/k norms), or None (router specs have none)."""
     return spec[9] if len(spec) > 9 else None
 
@@ -238,7 +239,7 @@ def heuristic(spec: tuple, sms: int) -> sg.GemmConfig:
     n, k, m = spec[1], spec[2], spec[5]
     if rope_of(spec):
         dev = torch.device("cuda")
-        return sg.qk_rope_config_for(n, k, m, spec[9][0], dev, config=sg.config_for(n, k, m, dev))
+        return sg.qk_rope_config_for(n, k, m, rope_of(spec)[0], dev, config=sg.config_for(n, k, m, dev))
     return sg.heuristic_config(n, k, m, sms)
 
 
@@ -277,7 +278,7 @@ def main() -> int:
         specs += [(router, spec) for bm in tiles for spec in router_specs(router, ROWS[bm])]
     # Shapes shared by models (none today) are tuned once.
     unique = list(dict.fromkeys(spec for _, spec in specs))
-    firsts = {s: rope_grid(s[1], s[2], s[9][0]) if rope_of(s) else grid(s[1], s[2], sg.block_m(s[5]), sms)
+    firsts = {s: rope_grid(s[1], s[2], rope_of(s)[0]) if rope_of(s) else grid(s[1], s[2], sg.block_m(s[5]), sms)
               for s in unique}
     heuristics = [(s, [heuristic(s, sms)]) for s in unique]
     precompile(list(firsts.items()) + heuristics, args.workers)

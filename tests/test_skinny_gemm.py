@@ -482,7 +482,7 @@ def test_table_decides_the_qk_rope_epilogue(monkeypatch: pytest.MonkeyPatch) -> 
     assert not sg.qk_rope_pays(n, k, 4, DEVICE)
     _table(monkeypatch, {rope_key: sg.TunedEntry(sg.GemmConfig(16, 16, 2), 1.0, 2.0)})
     assert sg.qk_rope_pays(n, k, 4, DEVICE) and not sg.qk_rope_pays(n, k, 40, DEVICE)  # 40 rows: no entry
-    assert sg._tuned_qk_rope(n, k, 4, DEVICE, torch.bfloat16).config == sg.GemmConfig(16, 16, 2)
+    assert sg._tuned(n, k, 4, DEVICE, torch.bfloat16, "qk_rope").config == sg.GemmConfig(16, 16, 2)
 
 
 def test_workspace_holds_a_tuned_qk_rope_split(monkeypatch: pytest.MonkeyPatch) -> None:

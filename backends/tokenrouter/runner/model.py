@@ -75,16 +75,12 @@ class Attention(nn.Module):
         o = backend.forward(q, self.k_cache, self.v_cache, batch, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.q_size))
 
-    def qk_rope(self, batch: ForwardBatch, rope: RotaryEmbedding, rows: int) -> QKRope | None:
-        """The qkv matmul's epilogue that does `attend`'s q/k norm, RoPE and KV write (skinny path), or None where
-        this layer's shape cannot take it or the tuned table measured it slower at `rows` rows."""
-        from tokenrouter.runner.skinny_gemm import QKRope, qk_rope_pays
+    def qk_rope(self, batch: ForwardBatch, rope: RotaryEmbedding) -> QKRope:
+        """The qkv matmul's epilogue that does `attend`'s q/k norm, RoPE and KV write (skinny path; whether this
+        layer takes it, `CausalLM.forward` decides)."""
+        from tokenrouter.runner.skinny_gemm import QKRope
 
         q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
-        w = self.qkv_proj.weight
-        if not QKRope.supports(self.head_dim, q_norm is not None, k_norm is not None) or not qk_rope_pays(
-                w.shape[0], w.shape[1], rows, w.device, w.dtype):
-            return None
         return QKRope(batch.positions, rope.cos, rope.sin, None if q_norm is None else q_norm.weight,
                       None if k_norm is None else k_norm.weight, self.eps, self.k_cache, self.v_cache,
                       batch.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -99,15 +95,14 @@ class Attention(nn.Module):
 
         if roped:
             q = qkv[:, : self.q_size].view(qkv.shape[0], self.num_heads, self.head_dim)
-            o = backend.forward(q, self.k_cache, self.v_cache, batch, self.scale)
-            return o.reshape(qkv.shape[0], self.q_size)
-        q = fused_ops.qk_norm_rope_store(
-            qkv, batch.positions, rope.cos, rope.sin,
-            self.q_norm.weight if hasattr(self, "q_norm") else None,
-            self.k_norm.weight if hasattr(self, "k_norm") else None,
-            self.eps, self.k_cache, self.v_cache, batch.slot_mapping,
-            self.num_heads, self.num_kv_heads, self.head_dim,
-        )  # fmt: skip
+        else:
+            q = fused_ops.qk_norm_rope_store(
+                qkv, batch.positions, rope.cos, rope.sin,
+                self.q_norm.weight if hasattr(self, "q_norm") else None,
+                self.k_norm.weight if hasattr(self, "k_norm") else None,
+                self.eps, self.k_cache, self.v_cache, batch.slot_mapping,
+                self.num_heads, self.num_kv_heads, self.head_dim,
+            )  # fmt: skip
         o = backend.forward(q, self.k_cache, self.v_cache, batch, self.scale)
         return o.reshape(qkv.shape[0], self.q_size)
 
@@ -137,19 +132,19 @@ class DecoderLayer(nn.Module):
         rope: RotaryEmbedding,
         backend: AttentionBackend,
         workspace: SplitKWorkspace,
+        qk_rope: bool = False,
     ) -> torch.Tensor:  # the next residual stream
         """The layer for a few tokens: four skinny matmuls with the norms, q/k-norm + RoPE + the KV write,
         SwiGLU's activation and the residual adds fused into them, so the layer is six kernels (attention's split
-        and reduce included; seven where the qkv epilogue does not apply or pay, `Attention.qk_rope`; eleven on
-        cuBLAS). Same roundings as `forward`: the stream is what `forward`'s norms
-        compute as x + residual."""
+        and reduce included; seven without the qkv epilogue, `qk_rope` False; eleven on cuBLAS). Same roundings as
+        `forward`: the stream is what `forward`'s norms compute as x + residual."""
         from tokenrouter.runner.skinny_gemm import skinny_linear
 
         attn, mlp = self.self_attn, self.mlp
-        qk_rope = attn.qk_rope(batch, rope, stream.shape[0])
         qkv = skinny_linear(stream, attn.qkv_proj.weight, workspace, prologue="rms_norm",
-                            norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps, qk_rope=qk_rope)
-        o = attn.attend(qkv, batch, rope, backend, roped=qk_rope is not None)
+                            norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps,
+                            qk_rope=attn.qk_rope(batch, rope) if qk_rope else None)
+        o = attn.attend(qkv, batch, rope, backend, roped=qk_rope)
         stream = skinny_linear(o, attn.o_proj.weight, workspace, residual=stream)
         gate_up = skinny_linear(stream, mlp.gate_up_proj.weight, workspace, prologue="rms_norm",
                                 norm_weight=self.post_attention_layernorm.weight,
@@ -182,6 +177,8 @@ class CausalLM(nn.Module):
         # Split-K scratch of the skinny matmuls; set by `use_skinny_gemm`, None keeps every batch on cuBLAS.
         self.workspace: SplitKWorkspace | None = None
         self.skinny_max_m = 0
+        # (N, K, head_dim) of the qkv matmul where its layers can take the QKRope epilogue; set by `use_skinny_gemm`.
+        self.qk_rope_qkv: tuple[int, int, int] | None = None
 
     def use_skinny_gemm(self, device: torch.device) -> bool:
         """Route batches of up to `skinny_max_m` tokens (skinny_gemm.max_rows: what the tuned table measured faster
@@ -197,16 +194,21 @@ class CausalLM(nn.Module):
         if self.skinny_max_m == 0:
             return False
         a = self.arch
-        qkv = (shapes[0][0], shapes[0][1], a.head_dim) if skinny_gemm.QKRope.supports(a.head_dim, a.qk_norm,
-                                                                                      a.qk_norm) else None
-        self.workspace = skinny_gemm.workspace_for(shapes, self.skinny_max_m, device, dtype, qkv)
+        if skinny_gemm.QKRope.supports(a.head_dim, a.qk_norm, a.qk_norm):
+            self.qk_rope_qkv = (shapes[0][0], shapes[0][1], a.head_dim)
+        self.workspace = skinny_gemm.workspace_for(shapes, self.skinny_max_m, device, dtype, self.qk_rope_qkv)
         return True
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:  # [T, hidden]
         h = self.model.embed_tokens(batch.input_ids)
         if self.workspace is not None and h.shape[0] <= self.skinny_max_m:
+            from tokenrouter.runner.skinny_gemm import qk_rope_pays
+
+            # Decided once a step: every layer has the same qkv shape.
+            qk = self.qk_rope_qkv
+            qk_rope = qk is not None and qk_rope_pays(qk[0], qk[1], h.shape[0], h.device, h.dtype)
             for layer in self.model.layers:
-                h = layer.forward_stream(h, batch, self.model.rotary_emb, backend, self.workspace)
+                h = layer.forward_stream(h, batch, self.model.rotary_emb, backend, self.workspace, qk_rope)
             return self.model.norm(h)
         residual = None
         for layer in self.model.layers:

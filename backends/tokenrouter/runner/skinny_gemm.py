@@ -509,14 +509,9 @@ def _table(device: torch.device) -> TunedTable | None:
     return _tuned_table(_device_name(device)) if device.type == "cuda" else None
 
 
-def _tuned(n: int, k: int, m: int, device: torch.device, dtype: torch.dtype) -> TunedEntry | None:
+def _tuned(n: int, k: int, m: int, device: torch.device, dtype: torch.dtype, epilogue: str = "") -> TunedEntry | None:
     table = _table(device)
-    return None if table is None else table.matmuls.get(table_key(n, k, block_m(m), dtype))
-
-
-def _tuned_qk_rope(n: int, k: int, m: int, device: torch.device, dtype: torch.dtype) -> TunedEntry | None:
-    table = _table(device)
-    return None if table is None else table.matmuls.get(table_key(n, k, block_m(m), dtype, "qk_rope"))
+    return None if table is None else table.matmuls.get(table_key(n, k, block_m(m), dtype, epilogue))
 
 
 def qk_rope_pays(n: int, k: int, m: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -525,7 +520,7 @@ def qk_rope_pays(n: int, k: int, m: int, device: torch.device, dtype: torch.dtyp
     kernel, as untuned matmuls keep cuBLAS); off a GPU (Triton's interpreter, the tests) always."""
     if _table(device) is None:
         return True
-    entry = _tuned_qk_rope(n, k, m, device, dtype)
+    entry = _tuned(n, k, m, device, dtype, "qk_rope")
     return entry is not None and entry.us <= entry.baseline_us
 
 
@@ -534,7 +529,7 @@ def qk_rope_config_for(n: int, k: int, m: int, head_dim: int, device: torch.devi
     """The config a qkv matmul with the `QKRope` epilogue launches with: `config` or the tuned epilogue entry, kept
     as it is when it has one head per tile; else the plain matmul's config reshaped (`qk_rope_config`)."""
     if config is None:
-        entry = _tuned_qk_rope(n, k, m, device, dtype)
+        entry = _tuned(n, k, m, device, dtype, "qk_rope")
         config = entry.config if entry is not None else config_for(n, k, m, device, dtype)
     if config.block_n == head_dim and not config.programs:
         return config
