@@ -15,7 +15,10 @@ Summary, per model, over the window from the first step's start to the last step
   the rest `host work` (rows ready, nothing to wait for: loop, inbox, scheduling; with lockstep loops also
   the other models' steps). A step that ran below its threshold because no request could arrive counts as
   waiting too (the event does not say why the loop stepped);
-- handoff transit: a request parked by one model -> taken on by the next, per direction.
+- handoff transit: a request parked by one model -> taken on by the next, per direction; where a served
+  deployment recorded its legs, split into `to the router` (the source's response thread, its socket, the router's
+  reader thread and loop), `to the process` (the router's send, the target's socket and reader thread) and `to the
+  loop` (queued in the target's inbox until its loop takes it on: mostly the target finishing a step).
 And across models: the time two or more models stepped at once (they share the GPU then).
 """
 
@@ -111,6 +114,34 @@ def transits(events: list[Event]) -> dict[str, list[float]]:
     return dict(out)
 
 
+LEGS = (("to the router", "handoff", "relay"), ("to the process", "relay", "receive"),
+        ("to the loop", "receive", "arrive"))
+
+
+def transit_legs(events: list[Event]) -> dict[str, dict[str, list[float]]]:
+    """Seconds of each leg of a handoff's transit (LEGS), by 'source -> target', for handoffs whose every leg
+    was recorded (served deployments: the router records `relay`, the target's process `receive`)."""
+    marks: dict[tuple[str, str], dict[str, float]] = {}
+    out: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for e in events:
+        kind = e["kind"]
+        if kind == "handoff":
+            marks[(e["request_id"], e["target"])] = {"handoff": e["t"]}
+        elif kind == "relay":
+            if (m := marks.get((e["request_id"], e["target"]))) is not None:
+                m["relay"] = e["t"]
+        elif kind in ("receive", "arrive") and e.get("source") is not None:
+            key = (e["request_id"], e["model"])
+            m = marks.get(key) if kind == "receive" else marks.pop(key, None)
+            if m is None:
+                continue
+            m[kind] = e["t"]
+            if kind == "arrive" and all(k in m for _, a, b in LEGS for k in (a, b)):
+                for name, a, b in LEGS:
+                    out[f"{e['source']} -> {e['model']}"][name].append(m[b] - m[a])
+    return {k: dict(v) for k, v in out.items()}
+
+
 def summarize(events: list[Event]) -> dict[str, Any]:
     span = window(events)
     if span is None:
@@ -149,6 +180,12 @@ def summarize(events: list[Event]) -> dict[str, Any]:
             "mean_ms": _ms(statistics.fmean(v))}
         for k, v in transits(events).items()
     }
+    for k, legs in transit_legs(events).items():
+        if k in handoffs:
+            handoffs[k]["legs"] = {
+                name: {"count": len(v), "p50_ms": _ms(_pct(v, 0.5)), "mean_ms": _ms(statistics.fmean(v))}
+                for name, v in legs.items()
+            }
     return {
         "window_s": length,
         "models": models,
@@ -250,4 +287,13 @@ def markdown(summary: dict[str, Any], title: str) -> str:
         for k, h in summary["handoffs"].items():
             lines.append(f"| {k} | {h['count']} | {f(h['p50_ms'], '.3f')} | {f(h['p99_ms'], '.3f')} | "
                          f"{f(h['mean_ms'], '.3f')} |")
+        legged = {k: h["legs"] for k, h in summary["handoffs"].items() if h.get("legs")}
+        if legged:
+            names = [name for name, _, _ in LEGS]
+            lines += ["", "Legs of the transit (served), p50 / mean ms:", "",
+                      "| handoff | handoffs | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
+            for k, legs in legged.items():
+                count = legs[names[0]]["count"]
+                cells = " | ".join(f"{f(legs[n]['p50_ms'], '.3f')} / {f(legs[n]['mean_ms'], '.3f')}" for n in names)
+                lines.append(f"| {k} | {count} | {cells} |")
     return "\n".join(lines) + "\n"

@@ -59,6 +59,18 @@ def test_summary_of_known_events() -> None:
     assert {k: [round(x, 6) for x in v] for k, v in transits(events).items()} == {
         "small -> large": [0.2], "large -> small": [0.2]}
     assert s["handoffs"]["small -> large"]["count"] == 1
+    assert "legs" not in s["handoffs"]["small -> large"]  # in process: no relay through a router
+
+    # Served: the router's relay and the target process's receive split each transit into its legs.
+    legs = [{"kind": "relay", "request_id": "a", "source": "small", "target": "large", "t": 0.95},
+            {"kind": "receive", "request_id": "a", "model": "large", "source": "small", "t": 1.0},
+            {"kind": "relay", "request_id": "a", "source": "large", "target": "small", "t": 2.45}]  # no receive
+    served = summarize(sorted(events + legs, key=lambda e: e.get("start", e.get("t"))))
+    got = served["handoffs"]["small -> large"]["legs"]
+    assert {k: round(v["p50_ms"], 6) for k, v in got.items()} == {
+        "to the router": 50.0, "to the process": 50.0, "to the loop": 100.0}
+    assert "legs" not in served["handoffs"]["large -> small"]  # a leg missing: not split
+    assert served["models"].keys() == {"small", "large"}  # the router is no model
 
     trace = chrome_trace(events)["traceEvents"]
     slices = [e for e in trace if e["ph"] == "X"]
@@ -180,4 +192,10 @@ def test_served_recording_under_load(tiny_dir: Path, tmp_path: Path, monkeypatch
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["models"]) == {"small", "large"} and summary["handoffs"]["small -> large"]["count"] > 0
+    # The router relayed every handoff and the target's process received it, in that order on one clock.
+    relays = {(e["request_id"], e["target"]) for e in events if e["kind"] == "relay"}
+    assert relays and relays <= {(e["request_id"], e["target"]) for e in events if e["kind"] == "handoff"}
+    for direction, legs in ((k, h["legs"]) for k, h in summary["handoffs"].items()):
+        assert legs["to the router"]["count"] > 0, direction
+        assert all(leg["p50_ms"] >= 0 for leg in legs.values()), (direction, legs)
     assert json.loads((out / "trace.json").read_text())["traceEvents"]

@@ -18,6 +18,9 @@ Events (plain dicts, JSON-safe):
   last of its rows became ready to step), queue_wait_max.
 - handoff: request_id, source, target, t (the source parks the request and sends it).
 - arrive: request_id, model, source (None: a new request), t (the target takes it on).
+Served deployments also record where a handoff is on its way (the legs of its transit):
+- relay: request_id, source, target, t (the router forwards it to the target; recorded as "router").
+- receive: request_id, model, source, t (the target's process has it off its socket, queued for its loop).
 """
 
 from __future__ import annotations
@@ -89,6 +92,12 @@ class Timeline:
 
     def arrive(self, request_id: str, source: str | None, t: float) -> None:
         self.record({"kind": "arrive", "request_id": request_id, "model": self.model, "source": source, "t": t})
+
+    def relay(self, request_id: str, source: str, target: str, t: float) -> None:
+        self.record({"kind": "relay", "request_id": request_id, "source": source, "target": target, "t": t})
+
+    def receive(self, request_id: str, source: str, t: float) -> None:
+        self.record({"kind": "receive", "request_id": request_id, "model": self.model, "source": source, "t": t})
 
     def take(self) -> list[dict[str, Any]]:
         """Every event recorded so far (and not yet taken or flushed), in order; they are forgotten here."""

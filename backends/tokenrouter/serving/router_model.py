@@ -27,13 +27,14 @@ from tokenrouter.engine.autotune import TunedThresholds, solve_in_subprocess
 from tokenrouter.engine.coordinator import Coordinator
 from tokenrouter.engine.outputs import RequestOutput
 from tokenrouter.engine.step_stats import StepStats
+from tokenrouter.engine.timeline import Timeline
 from tokenrouter.routing.policy import make_policy
 from tokenrouter.runner.arch import declared_context_limit, shared_vocab_size
 from tokenrouter.serving.metrics import RouterMetrics
 from tokenrouter.serving.model_control import REVIVE_BACKOFF_MAX_S, REVIVE_BACKOFF_S, cannot_reload, reload_model
 from tokenrouter.serving.tensors import TIMEOUT_ERROR, GenerateRequest, parse_request
 from tokenrouter.tokenizer import load_tokenizer
-from tokenrouter.transport.messages import StepStatsReport
+from tokenrouter.transport.messages import Handoff, StepStatsReport
 from tokenrouter.transport.sockets import SocketTransport
 
 log = logging.getLogger(__name__)
@@ -67,17 +68,25 @@ class SocketCoordinator(Coordinator):
         self.transport = SocketTransport(self.model_names, urls, loop, self._on_event, self._handle_events,
                                          self._model_gone)
         self._update_thresholds()
+        # TOKENROUTER_TIMELINE_DIR: when each handoff passed through here (perf/timeline.py served)
+        self.timeline = Timeline.from_env("router")
 
     # -- on the loop thread -----------------------------------------------------------------------------
 
     def _handle_events(self, events: list[Any]) -> None:
-        for ev in events:
+        # Handoffs first: a batch holds a step's commits too, and each commit costs a response to a client while
+        # the handed-off requests wait idle for their target. A handoff may pass its request's commit of the same
+        # step (it carries that token already); nothing of its request follows it out of that step.
+        for ev in sorted(events, key=lambda e: not isinstance(e, Handoff)):
             if isinstance(ev, StepStatsReport):
                 try:
                     self.step_stats[ev.model] = StepStats.from_snapshot(ev.stats)
                 except ValueError as e:
                     log.error("bad step statistics from %s: %s", ev.model, e)
             else:
+                timeline = self.timeline
+                if timeline is not None and isinstance(ev, Handoff):  # before the send: the target may be quicker
+                    timeline.relay(ev.arrive.request_id, ev.model, ev.target, time.monotonic())
                 self._on_event(ev)
 
     def _model_gone(self, model: str) -> None:
@@ -119,6 +128,8 @@ class SocketCoordinator(Coordinator):
 
     def close(self) -> None:
         self.transport.close()
+        if self.timeline is not None:
+            self.timeline.close()
 
 
 class _Graveyard:

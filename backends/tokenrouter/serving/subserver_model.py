@@ -79,6 +79,8 @@ class SubserverModel:
     # -- from the router (connection reader threads) ----------------------------------------------------
 
     def _on_messages(self, peer: ipc.Peer, messages: list[Any]) -> None:
+        timeline = self.sub.timeline  # read once: it may be switched off from another thread
+        received = time.monotonic() if timeline is not None else 0.0
         for msg in messages:
             if not isinstance(msg, Arrive | Append | Release) or not isinstance(msg.request_id, str):
                 log.error("%s: ignoring a %s from the router", self.name, type(msg).__name__)
@@ -87,6 +89,8 @@ class SubserverModel:
                 self._owner[msg.request_id] = peer
             problem = self._check(msg)
             if problem is None:
+                if timeline is not None and isinstance(msg, Arrive) and msg.source is not None:
+                    timeline.receive(msg.request_id, msg.source, received)
                 self.sub.submit(msg)
                 continue
             # Fail that request alone: report why, then release it here (which answers with Released).

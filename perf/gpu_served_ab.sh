@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# A serving change side by side with a baseline tree, served on one GPU in one device call (issue 11): each variant
+# is a tree (this checkout `.`, or a baseline made with
+# `git archive REV backends perf config ':!perf/results' | tar -x -C .baseline`) and optional environment
+# settings; each is served in turn with the timeline on (one Triton kernel cache for all: the first server
+# compiles), then perf/bench_served.py measures C=8 five times, C=1 and C=16; the C=8 window of the timeline is
+# summarized (perf/timeline.py served: busy fractions, step phases, handoff transit and its legs).
+# FIRST=1: the first variant's fresh server first takes 32 requests at C=8 without a warm-up round (issue 11,
+# point 4: the first requests' TTFT), and the Triton kernels compiled after ready are listed.
+# Usage (repository root, on the GPU machine, .gpu from perf/make_gpu_bundle.sh):
+#   bash perf/gpu_served_ab.sh OUT_DIR CONFIG NAME=TREE[,VAR=VALUE...] ...
+#   bash perf/gpu_served_ab.sh $OUT config/random/qwen3-0.6b_qwen3-32b.yaml new=. base=.baseline \
+#     gil5=.,TOKENROUTER_GIL_SWITCH_MS=5
+# Results: OUT_DIR/results_served_ab.tgz (served_NAME_c{8,1,16}.{json,md}, timeline_NAME_c8/, serve_NAME.log).
+set -uo pipefail
+out=${1:?output directory}
+cfg=${2:?deployment YAML}
+shift 2
+archive=results_served_ab.tgz
+bundle=${BUNDLE:-.gpu}
+source perf/gpu_env.sh  # (also: work, res, step, envflag)
+sp=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+load=(--config "$cfg" --prompt-len 100 --output-len 256)
+t_start=$(date +%s)
+first=${FIRST:-0}
+
+for variant in "$@"; do
+  name=${variant%%=*}
+  spec=${variant#*=}
+  tree=$(cd "${spec%%,*}" && pwd)
+  settings=(); [ "$spec" != "${spec#*,}" ] && IFS=, read -ra settings <<< "${spec#*,}"
+  [ -d "$tree/backends/tokenrouter" ] || { echo "$name: no tree at $tree"; continue; }
+  if [ $(( $(date +%s) - t_start )) -gt ${BUDGET_S:-400} ]; then step "$name skipped: past ${BUDGET_S:-400} s"; continue; fi
+  # The stubs import tokenrouter through the interpreter's path: this variant's tree, for every process.
+  echo "$tree/backends" > "$sp/tokenrouter-checkout.pth"
+  step "serve $name ($tree ${settings[*]:-})"
+  t0=$(date +%s)
+  env "${settings[@]}" PYTHONPATH=$tree/backends TRITON_CACHE_DIR=$work/triton-cache \
+    TOKENROUTER_TIMELINE_DIR=$work/tl_$name python3 -m tokenrouter.cli serve --config "$cfg" \
+    --model-repository $work/repo_$name "${envflag[@]}" > $res/serve_$name.log 2>&1 &
+  serve_pid=$!
+  ready=0
+  for _ in $(seq 1 300); do
+    curl -sf localhost:8000/v2/health/ready > /dev/null && { ready=1; break; }
+    kill -0 $serve_pid 2> /dev/null || break
+    sleep 1
+  done
+  if [ $ready = 0 ]; then step "$name: server not ready"; tail -30 $res/serve_$name.log; kill -INT $serve_pid; wait
+    continue; fi
+  touch $work/ready_$name
+  step "$name ready after $(( $(date +%s) - t0 )) s"
+  if [ "$first" = 1 ]; then
+    timeout 100 python3 perf/bench_served.py --url 127.0.0.1:8001 "${load[@]}" --concurrency 8 --warmup 0 \
+      --out $res/served_${name}_first 2>&1 | grep "^C="
+    echo "Triton kernels compiled after ready: $(find $work/triton-cache -name '__grp__*.json' -newer \
+      $work/ready_$name | wc -l), before: $(find $work/triton-cache -name '__grp__*.json' ! -newer $work/ready_$name | wc -l)"
+    first=0
+  fi
+  for point in ${POINTS:-8:5 1:1 16:1}; do
+    timeout 150 python3 perf/bench_served.py --url 127.0.0.1:8001 "${load[@]}" --concurrency ${point%:*} \
+      --repeat ${point#*:} --out $res/served_${name}_c${point%:*} 2>&1 | grep "^C="
+  done
+  kill -INT $serve_pid 2> /dev/null; wait $serve_pid
+  echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
+  for _ in $(seq 1 30); do pgrep -f nvidia-cuda-mps > /dev/null || break; sleep 1; done
+  for c in 8 1; do
+    window=$(python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; \
+print(min(x['monotonic_since'] for x in r), max(x['monotonic_until'] for x in r))" $res/served_${name}_c$c.json 2> /dev/null)
+    [ -n "$window" ] || continue
+    read -r since until <<< "$window"
+    python3 perf/timeline.py served $work/tl_$name --since $since --until $until --out $res/timeline_${name}_c$c > /dev/null 2>&1
+    grep -E "^\| (small|large)" $res/timeline_${name}_c$c/summary.md 2> /dev/null | cut -c1-160
+  done
+  step "$name measured"
+done
+echo "$PWD/backends" > "$sp/tokenrouter-checkout.pth"
+step "done"
