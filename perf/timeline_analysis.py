@@ -19,7 +19,8 @@ Summary, per model, over the window from the first step's start to the last step
   deployment recorded its legs, split into `to the router` (the source's response thread, its socket, the router's
   reader thread and loop), `to the process` (the router's send, the target's socket and reader thread) and `to the
   loop` (queued in the target's inbox until its loop takes it on: mostly the target finishing a step).
-And across models: the time two or more models stepped at once (they share the GPU then).
+And across models: the time two or more models stepped at once (they share the GPU then); served, how busy the
+router's loop was (handling the models' event batches: relaying handoffs, sending responses to clients).
 """
 
 from __future__ import annotations
@@ -186,9 +187,15 @@ def summarize(events: list[Event]) -> dict[str, Any]:
                 name: {"count": len(v), "p50_ms": _ms(_pct(v, 0.5)), "mean_ms": _ms(statistics.fmean(v))}
                 for name, v in legs.items()
             }
+    batches = [e["end"] - e["start"] for e in events if e["kind"] == "router_batch"]
+    router = None
+    if batches:
+        router = {"batches": len(batches), "busy_fraction": sum(batches) / length,
+                  "mean_ms": _ms(statistics.fmean(batches)), "p99_ms": _ms(_pct(batches, 0.99))}
     return {
         "window_s": length,
         "models": models,
+        "router": router,
         "handoffs": handoffs,
         "overlap_fraction": _overlap(intervals) / length if len(intervals) > 1 else None,
     }
@@ -205,6 +212,8 @@ def chrome_trace(events: list[Event]) -> dict[str, Any]:
     span = window(events)
     t0 = span[0] if span else min((e.get("t", 0.0) for e in events), default=0.0)
     tids = {m: i + 1 for i, m in enumerate(models_of(events))}
+    if any(e["kind"] == "router_batch" for e in events):
+        tids["router"] = len(tids) + 1
     out: list[dict[str, Any]] = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "tokenrouter"}}]
     out += [{"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": m}} for m, tid in tids.items()]
 
@@ -231,6 +240,9 @@ def chrome_trace(events: list[Event]) -> dict[str, Any]:
             if e.get("schedule_start"):
                 out.append({"ph": "X", "pid": 1, "tid": tid, "name": "schedule", "cat": "host",
                             "ts": us(e["schedule_start"]), "dur": us(e["start"]) - us(e["schedule_start"])})
+        elif e["kind"] == "router_batch":
+            out.append({"ph": "X", "pid": 1, "tid": tids["router"], "name": f"events x{e['events']}", "cat": "router",
+                        "ts": us(e["start"]), "dur": us(e["end"]) - us(e["start"])})
         elif e["kind"] == "handoff":
             flow += 1
             pending[(e["request_id"], e["target"])] = flow
@@ -268,6 +280,10 @@ def markdown(summary: dict[str, Any], title: str) -> str:
             f"{share['no request ready']:.1f} % | {share['waiting below threshold']:.1f} % | "
             f"{share['host work']:.1f} % | {f(s['longest_wait_ms_p50'], '.2f')} |"
         )
+    router = summary.get("router")
+    if router:
+        lines += ["", f"Router loop: {router['batches']} event batches, busy {100 * router['busy_fraction']:.1f} % of "
+                  f"the window, {router['mean_ms']:.3f} ms per batch (p99 {router['p99_ms']:.3f})."]
     phased = {m: s["phase_ms"] for m, s in summary["models"].items() if s.get("phase_ms")}
     if phased:
         names = [name for name, _, _ in PHASES]

@@ -71,6 +71,14 @@ def test_summary_of_known_events() -> None:
         "to the router": 50.0, "to the process": 50.0, "to the loop": 100.0}
     assert "legs" not in served["handoffs"]["large -> small"]  # a leg missing: not split
     assert served["models"].keys() == {"small", "large"}  # the router is no model
+    batches = [{"kind": "router_batch", "start": 0.95, "end": 0.97, "events": 2},
+               {"kind": "router_batch", "start": 2.45, "end": 2.5, "events": 1}]
+    router = summarize(sorted(events + batches, key=lambda e: e.get("t", e.get("start"))))["router"]
+    assert router["batches"] == 2 and router["busy_fraction"] == pytest.approx(0.07 / 6.5)
+    assert router["mean_ms"] == pytest.approx(35.0)
+    assert s["router"] is None
+    track = [e for e in chrome_trace(events + batches)["traceEvents"] if e.get("cat") == "router"]
+    assert [round(e["dur"]) for e in track] == [20000, 50000]
 
     trace = chrome_trace(events)["traceEvents"]
     slices = [e for e in trace if e["ph"] == "X"]
@@ -195,6 +203,7 @@ def test_served_recording_under_load(tiny_dir: Path, tmp_path: Path, monkeypatch
     # The router relayed every handoff and the target's process received it, in that order on one clock.
     relays = {(e["request_id"], e["target"]) for e in events if e["kind"] == "relay"}
     assert relays and relays <= {(e["request_id"], e["target"]) for e in events if e["kind"] == "handoff"}
+    assert summary["router"]["batches"] > 0 and 0 < summary["router"]["busy_fraction"] < 1
     for direction, legs in ((k, h["legs"]) for k, h in summary["handoffs"].items()):
         assert legs["to the router"]["count"] > 0, direction
         assert all(leg["p50_ms"] >= 0 for leg in legs.values()), (direction, legs)

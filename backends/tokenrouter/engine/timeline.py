@@ -21,6 +21,8 @@ Events (plain dicts, JSON-safe):
 Served deployments also record where a handoff is on its way (the legs of its transit):
 - relay: request_id, source, target, t (the router forwards it to the target; recorded as "router").
 - receive: request_id, model, source, t (the target's process has it off its socket, queued for its loop).
+- router_batch: start, end, events (the router's loop handling one batch of a model's events: the handoffs it
+  relays, the responses its commits send to clients).
 """
 
 from __future__ import annotations
@@ -96,6 +98,9 @@ class Timeline:
     def relay(self, request_id: str, source: str, target: str, t: float) -> None:
         self.record({"kind": "relay", "request_id": request_id, "source": source, "target": target, "t": t})
 
+    def router_batch(self, start: float, end: float, events: int) -> None:
+        self.record({"kind": "router_batch", "start": start, "end": end, "events": events})
+
     def receive(self, request_id: str, source: str, t: float) -> None:
         self.record({"kind": "receive", "request_id": request_id, "model": self.model, "source": source, "t": t})
 
@@ -136,4 +141,4 @@ def read_events(folder: Path) -> list[dict[str, Any]]:
 
 
 def event_time(event: dict[str, Any]) -> float:
-    return float(event["start"] if event["kind"] == "step" else event["t"])
+    return float(event["t"] if "t" in event else event["start"])

@@ -74,6 +74,8 @@ class SocketCoordinator(Coordinator):
     # -- on the loop thread -----------------------------------------------------------------------------
 
     def _handle_events(self, events: list[Any]) -> None:
+        timeline = self.timeline
+        start = time.monotonic() if timeline is not None else 0.0
         # Handoffs first: a batch holds a step's commits too, and each commit costs a response to a client while
         # the handed-off requests wait idle for their target. A handoff may pass its request's commit of the same
         # step (it carries that token already); nothing of its request follows it out of that step.
@@ -84,10 +86,11 @@ class SocketCoordinator(Coordinator):
                 except ValueError as e:
                     log.error("bad step statistics from %s: %s", ev.model, e)
             else:
-                timeline = self.timeline
                 if timeline is not None and isinstance(ev, Handoff):  # before the send: the target may be quicker
                     timeline.relay(ev.arrive.request_id, ev.model, ev.target, time.monotonic())
                 self._on_event(ev)
+        if timeline is not None:
+            timeline.router_batch(start, time.monotonic(), len(events))
 
     def _model_gone(self, model: str) -> None:
         """The model's process exited: everything it held is lost; fail those requests cleanly, refuse new
