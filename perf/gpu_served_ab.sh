@@ -63,14 +63,19 @@ for variant in "$@"; do
   kill -INT $serve_pid 2> /dev/null; wait $serve_pid
   echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
   for _ in $(seq 1 30); do pgrep -f nvidia-cuda-mps > /dev/null || break; sleep 1; done
-  for c in 8 1; do
+  for run in first c8 c1; do
     window=$(python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; \
-print(min(x['monotonic_since'] for x in r), max(x['monotonic_until'] for x in r))" $res/served_${name}_c$c.json 2> /dev/null)
+print(min(x['monotonic_since'] for x in r), max(x['monotonic_until'] for x in r))" $res/served_${name}_$run.json 2> /dev/null)
     [ -n "$window" ] || continue
     read -r since until <<< "$window"
-    python3 perf/timeline.py served $work/tl_$name --since $since --until $until --out $res/timeline_${name}_c$c > /dev/null 2>&1
-    grep -E "^\| (small|large)" $res/timeline_${name}_c$c/summary.md 2> /dev/null | cut -c1-160
+    python3 perf/timeline.py served $work/tl_$name --since $since --until $until --out $res/timeline_${name}_$run \
+      > /dev/null 2>&1
+    echo "timeline $name $run:"
+    grep -E "^\| (small|large|[a-z]+ -> [a-z]+) |^Router" $res/timeline_${name}_$run/summary.md 2> /dev/null | cut -c1-170
+    # (one archive of at most 16 MiB comes back: the C=8 traces, and the first variant's raw events)
+    if [ $run = c8 ]; then gzip -f $res/timeline_${name}_$run/trace.json; else rm -f $res/timeline_${name}_$run/trace.json; fi
   done
+  [ "$name" = "${1%%=*}" ] && tar -C $work -czf $res/timeline_raw_$name.tgz tl_$name
   step "$name measured"
 done
 echo "$PWD/backends" > "$sp/tokenrouter-checkout.pth"
