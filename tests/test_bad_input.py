@@ -102,6 +102,20 @@ def test_bad_prompts(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     assert_idle(engine)
 
 
+def test_first_text_prompt_scans_no_vocabulary(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prompt length bound comes from a scan of the whole vocabulary (a quarter of a second for Qwen3's); the
+    engine does it when it starts, so a first request does not wait for it."""
+    eng = Engine.from_config({"models": {MODEL: model_cfg(tiny_dir, MODEL, max_model_len=CONTEXT)}})
+
+    def scan(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the vocabulary was scanned on a request")
+
+    monkeypatch.setattr(type(eng.tokenizer), "get_vocab", scan)
+    (out,) = eng.generate(["hello"], GREEDY)
+    assert len(out.token_ids) == 12
+    assert_idle(eng)
+
+
 def test_bad_sampling_params(engine: Engine) -> None:
     for kw, msg in BAD_PARAMS:
         with pytest.raises(ValueError, match=msg):

@@ -155,7 +155,6 @@ class SubserverModel:
             per_peer: dict[ipc.Peer, list[Event]] = {}
             with self._lock:
                 for ev in batch:
-                    self.metrics.observe(ev)
                     rid = ev.arrive.request_id if isinstance(ev, Handoff) else ev.request_id
                     peer = self._owner.get(rid)
                     if isinstance(ev, Released):
@@ -174,6 +173,9 @@ class SubserverModel:
                     peer.send(events)
                 except OSError:
                     peer.close()  # its reader thread releases what that router brought here
+            # Counted after sending: each metric update is a round trip to tritonserver (holding the GIL).
+            for ev in batch:
+                self.metrics.observe(ev)
 
     # -- Triton entry points ----------------------------------------------------------------------------
 
