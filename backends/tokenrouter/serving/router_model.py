@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import json
 import logging
 import threading
@@ -32,6 +33,7 @@ from tokenrouter.routing.policy import make_policy
 from tokenrouter.runner.arch import declared_context_limit, shared_vocab_size
 from tokenrouter.serving.metrics import RouterMetrics
 from tokenrouter.serving.model_control import REVIVE_BACKOFF_MAX_S, REVIVE_BACKOFF_S, cannot_reload, reload_model
+from tokenrouter.serving.responder import Responder
 from tokenrouter.serving.tensors import TIMEOUT_ERROR, GenerateRequest, parse_request
 from tokenrouter.tokenizer import load_tokenizer
 from tokenrouter.transport.messages import Handoff, StepStatsReport
@@ -184,6 +186,8 @@ class RouterModel:
             self.metrics.model_up(model, True)
         self.clients: dict[str, _Client] = {}
         self.graveyard = _Graveyard()
+        # Every response and metric update leaves from the responder's thread, in order (serving/responder.py).
+        self.responder = Responder(self.graveyard.keep)
         self._thread = threading.Thread(target=self._run_loop, name="tr-router-loop", daemon=True)
         self._thread.start()
 
@@ -231,6 +235,7 @@ class RouterModel:
 
         self.loop.call_soon_threadsafe(stop)
         self._thread.join(timeout=10)
+        self.responder.close()  # the final responses queued above go out before the model unloads
 
     # -- on the loop thread ---------------------------------------------------------------------------------
 
@@ -253,19 +258,20 @@ class RouterModel:
         now = time.monotonic()
         if out.delta_token_ids:
             if client.last_token is None:
-                self.metrics.time_to_first_token(now - client.start)
+                self.responder.call(functools.partial(self.metrics.time_to_first_token, now - client.start))
             else:
-                self.metrics.inter_token_latency((now - client.last_token) / len(out.delta_token_ids))
+                itl = (now - client.last_token) / len(out.delta_token_ids)
+                self.responder.call(functools.partial(self.metrics.inter_token_latency, itl))
             client.last_token = now
         if out.finished:
             client.done = True
             self.clients.pop(out.request_id, None)
             self.graveyard.keep(client.request, client.sender)
             if client.timed_out:  # aborted at its deadline: the client learns why, not just "abort"
-                self.metrics.finished("timeout")
+                self.responder.call(functools.partial(self.metrics.finished, "timeout"))
                 self._send_error(client.sender, f"{TIMEOUT_ERROR} ({self.config.request_timeout_s:g} s): aborted")
                 return
-            self.metrics.finished(out.finish_reason or "unknown")
+            self.responder.call(functools.partial(self.metrics.finished, out.finish_reason or "unknown"))
             if out.finish_reason == "error":
                 self._send_error(client.sender, out.error or "request failed")
                 return
@@ -293,10 +299,8 @@ class RouterModel:
         flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
         response = self.pb.InferenceResponse(output_tensors=tensors)
         self.graveyard.keep(response, tensors)
-        try:
-            client.sender.send(response, flags=flags)
-        except Exception:  # the client went away; the cancellation watcher aborts the request
-            log.debug("could not send to client of %s", out.request_id)
+        # (A client that went away fails the send there; the cancellation watcher aborts its request.)
+        self.responder.send(client.sender, response, flags)
 
     def _model_down(self, model: str) -> None:
         self.metrics.model_up(model, False)
@@ -378,7 +382,4 @@ class RouterModel:
     def _send_error(self, sender: Any, message: str) -> None:
         response = self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message))
         self.graveyard.keep(response)
-        try:
-            sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception:
-            log.debug("could not send an error response: %s", message)
+        self.responder.send(sender, response, self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
