@@ -32,6 +32,7 @@ def main() -> None:
     t0 = time.perf_counter()
     sub = Subserver.from_config(config, config.entry, lambda event: None, load_tokenizer(config.tokenizer_path))
     print(f"built and warmed up in {time.perf_counter() - t0:.1f} s (warm-up {sub.warmup_s} s)")
+    sync = torch.cuda.synchronize if sub.runner.device.type == "cuda" else (lambda: None)
     rng = random.Random(1)
     vocab = sub.runner.arch.vocab_size
     for trial, length in enumerate((100, 101, 100)):
@@ -42,12 +43,12 @@ def main() -> None:
         for seq in seqs[1:]:
             sub.scheduler.add(seq)
         chunks = sub.scheduler.schedule()
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         with sub.runner.stream_context():
             sub.runner.forward(chunks)
             launched = time.perf_counter()
-            torch.cuda.synchronize()
+            sync()
         done = time.perf_counter()
         tokens = sum(c.num_new_tokens for c in chunks)
         print(f"trial {trial}: {len(chunks)} rows, {tokens} tokens: host {1000 * (launched - start):.2f} ms, "

@@ -12,7 +12,6 @@ under TRITON_INTERPRET=1, which is how CI tests it.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -638,11 +637,7 @@ class TritonAttention(AttentionBackend):
         if self._compile_only is None:
             kernel[grid](*args, **kwargs)
             return
-        compiled = kernel.warmup(*args, grid=grid, **kwargs)
-        # Compiling leaves the binary unloaded: its module and launcher would be made at the first launch, on a
-        # request. `run` makes both now (a variant that cannot load fails there at its launch, as before).
-        with contextlib.suppress(Exception):
-            _ = compiled.run
+        kernel.warmup(*args, grid=grid, **kwargs)
         self._compile_only.add((getattr(kernel, "__name__", repr(kernel)), tuple(sorted(kwargs.items()))))
 
     def _sm_count(self, device: torch.device) -> int:
