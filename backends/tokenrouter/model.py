@@ -37,11 +37,9 @@ class TritonPythonModel:
         return auto_complete(auto_complete_model_config)
 
     def initialize(self, args: dict) -> None:
-        from tokenrouter.serving.gil import set_switch_interval
         from tokenrouter.serving.lifeline import watch_parent
 
         watch_parent()  # end with tritonserver, however it ends
-        set_switch_interval()  # messages between processes must not wait 5 ms for the GIL
         settings = _settings(args)
         if settings["role"] == "router":
             from tokenrouter.serving.router_model import RouterModel
