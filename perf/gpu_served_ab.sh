@@ -10,7 +10,7 @@
 # Usage (repository root, on the GPU machine, .gpu from perf/make_gpu_bundle.sh):
 #   bash perf/gpu_served_ab.sh OUT_DIR CONFIG NAME=TREE[,VAR=VALUE...] ...
 #   bash perf/gpu_served_ab.sh $OUT config/random/qwen3-0.6b_qwen3-32b.yaml new=. base=.baseline \
-#     gil5=.,TOKENROUTER_GIL_SWITCH_MS=5
+#     nopdl=.,TOKENROUTER_PDL=0
 # Results: OUT_DIR/results_served_ab.tgz (served_NAME_c{8,1,16}.{json,md}, timeline_NAME_c8/, serve_NAME.log).
 set -uo pipefail
 out=${1:?output directory}
