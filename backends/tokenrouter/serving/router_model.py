@@ -3,7 +3,8 @@
 It tokenizes, admits each request to the entry subserver and forwards every handoff's token suffix and
 routing state to its target over that model's local socket (`transport.ipc`); each model's events come
 back on the same connection. Routing decisions stay inside the subservers: only handoffs cross models.
-Everything runs on one asyncio loop thread; `execute` only enqueues, socket reader threads only post.
+Everything runs on one asyncio loop thread; `execute` only enqueues, socket reader threads only post, and the
+responses to clients (and the metric updates) leave from a responder thread in the order the loop made them.
 With `thresholds: auto` the router also solves the delayed-batching thresholds from the step statistics
 the subservers report, and exports them and the predicted throughput as metrics.
 """
