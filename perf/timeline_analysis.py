@@ -128,16 +128,21 @@ def transit_legs(events: list[Event]) -> dict[str, dict[str, list[float]]]:
         kind = e["kind"]
         if kind == "handoff":
             marks[(e["request_id"], e["target"])] = {"handoff": e["t"]}
-        elif kind == "relay":
-            if (m := marks.get((e["request_id"], e["target"]))) is not None:
-                m["relay"] = e["t"]
-        elif kind in ("receive", "arrive") and e.get("source") is not None:
-            key = (e["request_id"], e["model"])
-            m = marks.get(key) if kind == "receive" else marks.pop(key, None)
+        elif kind in ("relay", "receive"):
+            # A mark that has this leg already was left by a handoff that never arrived (a cancel overtook it),
+            # and this one's own handoff was not recorded (cut off by the window): neither is split.
+            key = (e["request_id"], e["target"] if kind == "relay" else e["model"])
+            m = marks.get(key)
+            if m is not None and (kind in m or (kind == "receive" and "relay" not in m)):
+                del marks[key]
+            elif m is not None:
+                m[kind] = e["t"]
+        elif kind == "arrive" and e.get("source") is not None:
+            m = marks.pop((e["request_id"], e["model"]), None)
             if m is None:
                 continue
-            m[kind] = e["t"]
-            if kind == "arrive" and all(k in m for _, a, b in LEGS for k in (a, b)):
+            m["arrive"] = e["t"]
+            if all(k in m for _, a, b in LEGS for k in (a, b)):
                 for name, a, b in LEGS:
                     out[f"{e['source']} -> {e['model']}"][name].append(m[b] - m[a])
     return {k: dict(v) for k, v in out.items()}
@@ -146,7 +151,7 @@ def transit_legs(events: list[Event]) -> dict[str, dict[str, list[float]]]:
 def summarize(events: list[Event]) -> dict[str, Any]:
     span = window(events)
     if span is None:
-        return {"window_s": 0.0, "models": {}, "handoffs": {}, "overlap_fraction": None}
+        return {"window_s": 0.0, "models": {}, "router": None, "handoffs": {}, "overlap_fraction": None}
     length = max(span[1] - span[0], 1e-9)
     steps_by_model: dict[str, list[Event]] = defaultdict(list)
     for e in events:
@@ -208,14 +213,19 @@ def _ms(seconds: float | None) -> float | None:
 def chrome_trace(events: list[Event]) -> dict[str, Any]:
     """The Trace Event Format (JSON) that Perfetto and chrome://tracing open: one track per model, each step a
     slice with `forward` (`prepare+launch` in it) and `route+commit` inside it, `schedule` before it, each
-    handoff a flow arrow to the model that takes it."""
+    handoff a flow arrow to the model that takes it; served, a `router loop` track with each batch of events
+    its loop handled."""
     span = window(events)
     t0 = span[0] if span else min((e.get("t", 0.0) for e in events), default=0.0)
     tids = {m: i + 1 for i, m in enumerate(models_of(events))}
+    router_tid = len(tids) + 1  # (its own track, whatever the models are called)
     if any(e["kind"] == "router_batch" for e in events):
-        tids["router"] = len(tids) + 1
+        out_router = [{"ph": "M", "pid": 1, "tid": router_tid, "name": "thread_name", "args": {"name": "router loop"}}]
+    else:
+        out_router = []
     out: list[dict[str, Any]] = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "tokenrouter"}}]
     out += [{"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": m}} for m, tid in tids.items()]
+    out += out_router
 
     def us(t: float) -> float:
         return round((t - t0) * 1e6, 3)
@@ -241,7 +251,7 @@ def chrome_trace(events: list[Event]) -> dict[str, Any]:
                 out.append({"ph": "X", "pid": 1, "tid": tid, "name": "schedule", "cat": "host",
                             "ts": us(e["schedule_start"]), "dur": us(e["start"]) - us(e["schedule_start"])})
         elif e["kind"] == "router_batch":
-            out.append({"ph": "X", "pid": 1, "tid": tids["router"], "name": f"events x{e['events']}", "cat": "router",
+            out.append({"ph": "X", "pid": 1, "tid": router_tid, "name": f"events x{e['events']}", "cat": "router",
                         "ts": us(e["start"]), "dur": us(e["end"]) - us(e["start"])})
         elif e["kind"] == "handoff":
             flow += 1

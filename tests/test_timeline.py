@@ -70,6 +70,14 @@ def test_summary_of_known_events() -> None:
     assert {k: round(v["p50_ms"], 6) for k, v in got.items()} == {
         "to the router": 50.0, "to the process": 50.0, "to the loop": 100.0}
     assert "legs" not in served["handoffs"]["large -> small"]  # a leg missing: not split
+    # A handoff that never arrived (cancelled) leaves its mark; a later handoff's legs are not taken from it.
+    lost = [{"kind": "handoff", "request_id": "c", "source": "small", "target": "large", "t": 0.1},
+            {"kind": "relay", "request_id": "c", "source": "small", "target": "large", "t": 0.2},
+            {"kind": "relay", "request_id": "c", "source": "small", "target": "large", "t": 3.0},  # its handoff cut
+            {"kind": "receive", "request_id": "c", "model": "large", "source": "small", "t": 3.1},
+            {"kind": "arrive", "request_id": "c", "model": "large", "source": "small", "t": 3.2}]
+    mixed = summarize(sorted(events + legs + lost, key=lambda e: e.get("start", e.get("t"))))
+    assert mixed["handoffs"]["small -> large"]["legs"]["to the router"]["count"] == 1  # a's only
     assert served["models"].keys() == {"small", "large"}  # the router is no model
     batches = [{"kind": "router_batch", "start": 0.95, "end": 0.97, "events": 2},
                {"kind": "router_batch", "start": 2.45, "end": 2.5, "events": 1}]
@@ -77,8 +85,11 @@ def test_summary_of_known_events() -> None:
     assert router["batches"] == 2 and router["busy_fraction"] == pytest.approx(0.07 / 6.5)
     assert router["mean_ms"] == pytest.approx(35.0)
     assert s["router"] is None
-    track = [e for e in chrome_trace(events + batches)["traceEvents"] if e.get("cat") == "router"]
+    trace = chrome_trace(events + batches)["traceEvents"]
+    track = [e for e in trace if e.get("cat") == "router"]
     assert [round(e["dur"]) for e in track] == [20000, 50000]
+    names = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names[track[0]["tid"]] == "router loop" and len(names) == 3
 
     trace = chrome_trace(events)["traceEvents"]
     slices = [e for e in trace if e["ph"] == "X"]

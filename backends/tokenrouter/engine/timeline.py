@@ -2,12 +2,13 @@
 
 perf/timeline.py turns the events into a Perfetto / chrome://tracing trace and a summary of where the time
 goes (busy fraction, batch sizes, idle gaps and their causes, handoff transit). Recording is off unless
-asked for: `Engine.record_timeline()` in process, or the environment variable TIMELINE_DIR_ENV for the
-served subservers (each appends its events to `<dir>/<model>.<pid>.jsonl`, from a writer thread of its
-own every WRITE_INTERVAL_S: never on the decoding thread). When off, a step pays one `is None` test.
+asked for: `Engine.record_timeline()` in process, or the environment variable TIMELINE_DIR_ENV for a served
+deployment's processes (each subserver and the router append their events to `<dir>/<name>.<pid>.jsonl`, from a
+writer thread of their own every WRITE_INTERVAL_S: never on the decoding thread or the router's loop). When off,
+a step pays one `is None` test.
 
 Times are `time.monotonic()` seconds: CLOCK_MONOTONIC is one clock for every process of a machine, so the
-files of a served deployment's subservers merge into one trace.
+files of a served deployment's processes merge into one trace.
 
 Events (plain dicts, JSON-safe):
 - step: model, schedule_start (the scheduler starts choosing the batch), start (batch chosen), launched (the
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 TIMELINE_DIR_ENV = "TOKENROUTER_TIMELINE_DIR"
-WRITE_INTERVAL_S = 0.5  # how often a served subserver's writer thread appends what was recorded
+WRITE_INTERVAL_S = 0.5  # how often a served process's writer thread appends what was recorded
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,8 @@ class Timeline:
 
     @classmethod
     def from_env(cls, model: str) -> Timeline | None:
-        """The served subserver's recorder when TIMELINE_DIR_ENV names a directory (its writer thread
-        started), else None."""
+        """A served process's recorder (a subserver's, or the router's) when TIMELINE_DIR_ENV names a directory
+        (its writer thread started), else None."""
         folder = os.environ.get(TIMELINE_DIR_ENV)
         if not folder:
             return None
@@ -132,7 +133,7 @@ class Timeline:
 
 
 def read_events(folder: Path) -> list[dict[str, Any]]:
-    """All events of the `*.jsonl` files a served deployment's subservers wrote to `folder`, by time."""
+    """All events of the `*.jsonl` files a served deployment's processes wrote to `folder`, by time."""
     events = []
     for path in sorted(Path(folder).glob("*.jsonl")):
         with path.open() as f:

@@ -4,7 +4,8 @@ It tokenizes, admits each request to the entry subserver and forwards every hand
 routing state to its target over that model's local socket (`transport.ipc`); each model's events come
 back on the same connection. Routing decisions stay inside the subservers: only handoffs cross models.
 Everything runs on one asyncio loop thread; `execute` only enqueues, socket reader threads only post, and the
-responses to clients (and the metric updates) leave from a responder thread in the order the loop made them.
+responses to clients (and the request metrics: TTFT, inter-token latency, finished) leave from a responder thread
+in the order the loop made them.
 With `thresholds: auto` the router also solves the delayed-batching thresholds from the step statistics
 the subservers report, and exports them and the predicted throughput as metrics.
 """
@@ -81,7 +82,8 @@ class SocketCoordinator(Coordinator):
         start = time.monotonic() if timeline is not None else 0.0
         # Handoffs first: a batch holds a step's commits too, and each commit costs a response to a client while
         # the handed-off requests wait idle for their target. A handoff may pass its request's commit of the same
-        # step (it carries that token already); nothing of its request follows it out of that step.
+        # step (it carries that token already); nothing of its request follows it out of that step. (Its Arrive
+        # may carry a threshold from before a request that finishes in this batch: one bounded wait at most.)
         for ev in sorted(events, key=lambda e: not isinstance(e, Handoff)):
             if isinstance(ev, StepStatsReport):
                 try:
@@ -187,7 +189,7 @@ class RouterModel:
             self.metrics.model_up(model, True)
         self.clients: dict[str, _Client] = {}
         self.graveyard = _Graveyard()
-        # Every response and metric update leaves from the responder's thread, in order (serving/responder.py).
+        # Every response and request metric leaves from the responder's thread, in order (serving/responder.py).
         self.responder = Responder(self.graveyard.keep)
         self._thread = threading.Thread(target=self._run_loop, name="tr-router-loop", daemon=True)
         self._thread.start()
@@ -214,8 +216,7 @@ class RouterModel:
             try:
                 gen = parse_request(lambda name, r=request: self._input(r, name))
             except ValueError as e:
-                self._send_error(sender, str(e))
-                self.graveyard.keep(request, sender)
+                self._send_error(sender, str(e), request)
                 continue
             self.loop.call_soon_threadsafe(self._admit, _Client(sender, request, gen))
         return None
@@ -230,13 +231,17 @@ class RouterModel:
                 self.coordinator.abort(rid)
                 if not client.done:  # its final response would come from models that are unloading
                     client.done = True
-                    self._send_error(client.sender, "the server is shutting down")
+                    self._send_error(client.sender, "the server is shutting down", client.request)
             self.coordinator.close()
+            self.responder.finish()  # after the final responses above
             self.loop.stop()
 
         self.loop.call_soon_threadsafe(stop)
         self._thread.join(timeout=10)
-        self.responder.close()  # the final responses queued above go out before the model unloads
+        if self._thread.is_alive():  # the loop is stuck: end the responder after what it has
+            log.warning("router: the event loop did not stop within 10 s")
+            self.responder.finish()
+        self.responder.join(timeout=10)  # the final responses go out before the model unloads
 
     # -- on the loop thread ---------------------------------------------------------------------------------
 
@@ -250,8 +255,7 @@ class RouterModel:
             self.coordinator.add_request(client.gen.prompt, client.gen.params, rid, lambda o: self._respond(client, o))
         except ValueError as e:
             del self.clients[rid]
-            self._send_error(client.sender, str(e))
-            self.graveyard.keep(client.request, client.sender)
+            self._send_error(client.sender, str(e), client.request)
 
     def _respond(self, client: _Client, out: RequestOutput) -> None:
         if client.done:
@@ -267,14 +271,14 @@ class RouterModel:
         if out.finished:
             client.done = True
             self.clients.pop(out.request_id, None)
-            self.graveyard.keep(client.request, client.sender)
             if client.timed_out:  # aborted at its deadline: the client learns why, not just "abort"
                 self.responder.call(functools.partial(self.metrics.finished, "timeout"))
-                self._send_error(client.sender, f"{TIMEOUT_ERROR} ({self.config.request_timeout_s:g} s): aborted")
+                self._send_error(client.sender, f"{TIMEOUT_ERROR} ({self.config.request_timeout_s:g} s): aborted",
+                                 client.request)
                 return
             self.responder.call(functools.partial(self.metrics.finished, out.finish_reason or "unknown"))
             if out.finish_reason == "error":
-                self._send_error(client.sender, out.error or "request failed")
+                self._send_error(client.sender, out.error or "request failed", client.request)
                 return
         gen = client.gen
         if gen.stream:
@@ -299,9 +303,8 @@ class RouterModel:
                 tensors.append(self.pb.Tensor("routing_stats", np.array([stats_bytes], dtype=np.object_)))
         flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
         response = self.pb.InferenceResponse(output_tensors=tensors)
-        self.graveyard.keep(response, tensors)
-        # (A client that went away fails the send there; the cancellation watcher aborts its request.)
-        self.responder.send(client.sender, response, flags)
+        # Kept from the send on (the graveyard): its tensors, and the request its final response ends.
+        self.responder.send(client.sender, response, flags, tensors, *((client.request,) if out.finished else ()))
 
     def _model_down(self, model: str) -> None:
         self.metrics.model_up(model, False)
@@ -380,7 +383,7 @@ class RouterModel:
                 self.coordinator.apply_tuned(tuned.thresholds)
                 self.metrics.tuned(tuned.thresholds, tuned.predicted_tok_s)
 
-    def _send_error(self, sender: Any, message: str) -> None:
+    def _send_error(self, sender: Any, message: str, request: Any = None) -> None:
+        """The final response: `message` as the request's error (`request` is kept from the send on)."""
         response = self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message))
-        self.graveyard.keep(response)
-        self.responder.send(sender, response, self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self.responder.send(sender, response, self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, request)

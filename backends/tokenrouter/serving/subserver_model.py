@@ -173,7 +173,7 @@ class SubserverModel:
                     peer.send(events)
                 except OSError:
                     peer.close()  # its reader thread releases what that router brought here
-            # Counted after sending: each metric update is a round trip to tritonserver (holding the GIL).
+            # Counted after sending: each metric update is a round trip to tritonserver, which blocks this thread.
             for ev in batch:
                 self.metrics.observe(ev)
 
