@@ -18,7 +18,7 @@ cfg=${2:?deployment YAML}
 shift 2
 archive=results_served_ab.tgz
 bundle=${BUNDLE:-.gpu}
-source perf/gpu_env.sh  # (also: work, res, step, envflag)
+source perf/gpu_env.sh  # (also: work, res, step, envflag, serve, stop_server)
 sp=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 load=(--config "$cfg" --prompt-len 100 --output-len 256)
 t_start=$(date +%s)
@@ -35,18 +35,13 @@ for variant in "$@"; do
   echo "$tree/backends" > "$sp/tokenrouter-checkout.pth"
   step "serve $name ($tree ${settings[*]:-})"
   t0=$(date +%s)
-  env "${settings[@]}" PYTHONPATH=$tree/backends TRITON_CACHE_DIR=$work/triton-cache \
-    TOKENROUTER_TIMELINE_DIR=$work/tl_$name python3 -m tokenrouter.cli serve --config "$cfg" \
-    --model-repository $work/repo_$name "${envflag[@]}" > $res/serve_$name.log 2>&1 &
-  serve_pid=$!
-  ready=0
-  for _ in $(seq 1 300); do
-    curl -sf localhost:8000/v2/health/ready > /dev/null && { ready=1; break; }
-    kill -0 $serve_pid 2> /dev/null || break
-    sleep 1
-  done
-  if [ $ready = 0 ]; then step "$name: server not ready"; tail -30 $res/serve_$name.log; kill -INT $serve_pid; wait
-    continue; fi
+  # gpu_env.sh's serve and stop_server, with this variant's settings in the environment while it is served
+  export "${settings[@]}" PYTHONPATH=$tree/backends TRITON_CACHE_DIR=$work/triton-cache \
+    TOKENROUTER_TIMELINE_DIR=$work/tl_$name
+  if ! serve "$cfg" $work/repo_$name $res/serve_$name.log; then
+    step "$name: server not ready"; tail -30 $res/serve_$name.log; stop_server
+    unset "${settings[@]%%=*}" PYTHONPATH TOKENROUTER_TIMELINE_DIR; continue
+  fi
   touch $work/ready_$name
   step "$name ready after $(( $(date +%s) - t0 )) s"
   if [ "$first" = 1 ]; then
@@ -60,9 +55,8 @@ for variant in "$@"; do
     timeout 150 python3 perf/bench_served.py --url 127.0.0.1:8001 "${load[@]}" --concurrency ${point%:*} \
       --repeat ${point#*:} --out $res/served_${name}_c${point%:*} 2>&1 | grep "^C="
   done
-  kill -INT $serve_pid 2> /dev/null; wait $serve_pid
-  echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
-  for _ in $(seq 1 30); do pgrep -f nvidia-cuda-mps > /dev/null || break; sleep 1; done
+  stop_server
+  unset "${settings[@]%%=*}" PYTHONPATH TOKENROUTER_TIMELINE_DIR
   for run in first c8 c1; do
     window=$(python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; \
 print(min(x['monotonic_since'] for x in r), max(x['monotonic_until'] for x in r))" $res/served_${name}_$run.json 2> /dev/null)
