@@ -197,6 +197,26 @@ def test_random_rate_reproducibility_and_leases() -> None:
     assert small.receive(batch[0], L) == Lease(until_route=True)
 
 
+def test_uniform_draw_is_the_documented_hash() -> None:
+    """The draw is blake2b over "seed|salt|length|prompt list": routing decisions recorded before its prompt text
+    was cached stay the same, and a prompt that shares a cached prompt's tokens but not its length does not
+    share its draw."""
+    import hashlib
+
+    pol = make_policy("random", MODELS, S, {"p": 0.5, "seed": 3})
+
+    def spelled(r: RouteRequest, salt: str) -> float:
+        key = f"3|{salt}|{len(r.token_ids)}|{list(r.token_ids[: r.num_prompt_tokens])}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") / 2**64
+
+    prompt = [5, 17, 4096, 3]
+    for r in (req(prompt), req(prompt, [9]), req(prompt, [9, 2]), req(prompt[:3], [3]), req([], [1])):
+        for salt in ("random", "mixture:2"):
+            assert pol.uniform(r, salt) == spelled(r, salt)
+            assert pol.uniform(r, salt) == spelled(r, salt)  # the second time from the cache
+    assert pol.uniform(req(prompt[:3], [3]), "random") != pol.uniform(req(prompt), "random")
+
+
 def test_mixture_frequencies_reproducibility_and_leases() -> None:
     models, weights, n = ["a", "b", "c"], [0.2, 0.3, 0.5], 6000
     batch = batch_of(n, seed=2, model="b")
