@@ -5,13 +5,13 @@
         --num-requests 4 --output-len 64       # CPU plumbing run
 
 The deployment runs in process in background mode (one loop thread per model, as `bench_engine.py` runs it),
-closed loop at each concurrency after one warm-up round. Every subserver's `step` (schedule -> prepare and
-launch -> GPU wait -> route and commit) runs under cProfile, enabled in its own loop thread for the measured
-requests only. Printed per model: the steps, their mean wall time with and without the profiler, and the
-functions that took the most time of their own (tottime) and in total (cumtime) per step. cProfile roughly
-doubles pure-Python costs; the unprofiled mean says what a step really takes. Also: the host time of one
-`CUDAGraph.replay()` call for the smallest captured shape of each model (the launch alone, the GPU drained
-before each call).
+closed loop at each concurrency after one warm-up round. One model's `step` (`--model`, the entry model by
+default: schedule -> prepare and launch -> GPU wait -> route and commit) runs under cProfile, enabled in its
+loop thread for the measured requests only. (One model at a time: from Python 3.12 on, cProfile is one
+profiler per process, and while it is on it also records the other threads.) Printed: the steps, their mean
+wall time under the profiler, and the functions that took the most time of their own (tottime) and in total
+(cumtime; a graph replay's host cost is the `replay` method's line). cProfile roughly doubles pure-Python
+costs: the unprofiled throughput beside the profiled one says by how much the profiler slowed the loop.
 """
 
 from __future__ import annotations
@@ -64,28 +64,6 @@ class StepProfiler:
         return "\n".join(lines)
 
 
-def replay_host_us(engine: Engine, iters: int = 200) -> dict[str, float]:
-    """Per model with captured graphs: median host microseconds of one replay() of its smallest shape."""
-    import torch
-
-    out = {}
-    for name, sub in engine.subservers.items():
-        graphs = sub.runner.graphs
-        if graphs is None or not graphs.graphs:
-            continue
-        graph = graphs.graphs[min(graphs.graphs)]
-        times = []
-        with torch.cuda.stream(sub.runner.stream):
-            for _ in range(iters):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                graph.replay()
-                times.append(time.perf_counter() - t0)
-            torch.cuda.synchronize()
-        out[name] = 1e6 * sorted(times)[len(times) // 2]
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
@@ -93,6 +71,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=16, help="measured requests per concurrency")
     ap.add_argument("--prompt-len", type=int, default=100)
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--model", help="the model whose steps are profiled (default: the entry model)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", type=Path, help="also write the report here (markdown)")
     args = ap.parse_args()
@@ -103,7 +82,10 @@ def main() -> None:
     vocab = engine.entry.runner.arch.vocab_size
     report = [f"# Loop profile: {args.config}", "", f"- machine: {machine_line(machine_info())}",
               f"- workload: {args.prompt_len}-token prompts, {args.output_len} output tokens, greedy"]
-    profilers = {name: StepProfiler(sub) for name, sub in engine.subservers.items()}
+    profiled = args.model or cfg.entry
+    if profiled not in engine.subservers:
+        ap.error(f"--model {profiled!r} is not a model of the deployment ({', '.join(engine.subservers)})")
+    profilers = {profiled: StepProfiler(engine.subservers[profiled])}
     engine.start()
     try:
         for i, c in enumerate(parse_concurrency(ap, args.concurrency)):
@@ -133,9 +115,6 @@ def main() -> None:
             for p in profilers.values():
                 report += ["", p.report(args.top)]
                 p.profile, p.steps, p.seconds = cProfile.Profile(), 0, 0.0
-        if engine.entry.runner.device.type == "cuda":  # the loops idle now: nothing else replays
-            report += ["", "Host time of one CUDAGraph.replay() (smallest shape), us: "
-                       + ", ".join(f"{k} {v:.1f}" for k, v in replay_host_us(engine).items())]
     finally:
         engine.shutdown()
     text = "\n".join(report) + "\n"

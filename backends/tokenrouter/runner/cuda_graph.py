@@ -190,7 +190,7 @@ class StaticInputs:
             self.dev_tables[: len(chunks)].copy_(self.host_tables[: len(chunks)], non_blocking=True)
         if self.dev.is_cuda:
             self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.dev.device))  # named: no current-device lookup
 
 
 class CudaGraphRunner:

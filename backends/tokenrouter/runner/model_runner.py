@@ -82,7 +82,7 @@ class ModelRunner:
 
     def stream_context(self) -> contextlib.AbstractContextManager:
         """Run a step's device work (forward, sampling, policy tensors, copies to the host) inside this."""
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        return OnStream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def _load_model(self, fused: bool) -> CausalLM:
         prev = torch.get_default_dtype()
@@ -218,6 +218,37 @@ class ModelRunner:
         if self.step_hook is not None and len(last):
             values = self.step_hook(logits, last, greedy)
         return ForwardOutput(logits, last, greedy, values, logits.isfinite().all(dim=-1))
+
+
+class OnStream:
+    """`torch.cuda.stream(stream)` for a step, at a fraction of its host cost: the device is named by index, so
+    no lookup of the current device runs (torch's context asks for it twice per use, each through an NVML
+    availability check that reads the environment: ~0.1 ms of a small model's step under cProfile on the H200,
+    perf/profile_loop.py), and a thread already on the stream switches nothing. A thread whose current device is
+    another one gets torch's context, which also restores that device."""
+
+    __slots__ = ("stream", "index", "prev", "other")
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.stream, self.index = stream, stream.device_index
+        self.prev: torch.cuda.Stream | None = None
+        self.other: contextlib.AbstractContextManager | None = None
+
+    def __enter__(self) -> None:
+        if torch.cuda.current_device() != self.index:
+            self.other = torch.cuda.stream(self.stream)
+            self.other.__enter__()
+            return
+        prev = torch.cuda.current_stream(self.index)
+        self.prev = None if prev == self.stream else prev
+        if self.prev is not None:
+            torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.other is not None:
+            self.other.__exit__(*exc)
+        elif self.prev is not None:
+            torch.cuda.set_stream(self.prev)
 
 
 def _packed(segments: list[list[int]], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, list[slice]]:
