@@ -64,6 +64,37 @@ class StepProfiler:
         return "\n".join(lines)
 
 
+class ReplayClock:
+    """Host time of every CUDA graph replay (the launch call's wall time, not the GPU's), per thread, while `on`:
+    torch.cuda.CUDAGraph.replay wrapped for the process. Measured without cProfile."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.on = False
+        self.seconds: dict[str, list[float]] = {}
+        self._replay = torch.cuda.CUDAGraph.replay
+        clock = self
+
+        def replay(graph) -> None:
+            if not clock.on:
+                return clock._replay(graph)
+            t0 = time.perf_counter()
+            clock._replay(graph)
+            clock.seconds.setdefault(threading.current_thread().name, []).append(time.perf_counter() - t0)
+
+        torch.cuda.CUDAGraph.replay = replay
+
+    def lines(self) -> list[str]:
+        out = []
+        for thread, times in sorted(self.seconds.items()):
+            times = sorted(times)
+            out.append(f"- graph replay host time, thread {thread}: {len(times)} replays, median "
+                       f"{1e6 * times[len(times) // 2]:.1f} us, p90 {1e6 * times[int(0.9 * (len(times) - 1))]:.1f} us")
+        self.seconds = {}
+        return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
@@ -86,6 +117,7 @@ def main() -> None:
     if profiled not in engine.subservers:
         ap.error(f"--model {profiled!r} is not a model of the deployment ({', '.join(engine.subservers)})")
     profilers = {profiled: StepProfiler(engine.subservers[profiled])}
+    replays = ReplayClock()
     engine.start()
     try:
         for i, c in enumerate(parse_concurrency(ap, args.concurrency)):
@@ -95,7 +127,9 @@ def main() -> None:
             prompts = make_prompts(args.num_requests, args.prompt_len, vocab, set(), seed=i)
             before = {n: s.num_steps for n, s in engine.subservers.items()}
             t0 = time.perf_counter()
+            replays.on = True
             res = closed_loop(engine, prompts, c, params, timeout_s=600)
+            replays.on = False
             plain_s = time.perf_counter() - t0
             for p in profilers.values():
                 p.on.set()
@@ -112,6 +146,7 @@ def main() -> None:
             for name, sub in engine.subservers.items():
                 n = sub.num_steps - before[name]
                 report.append(f"- {name}: {n} steps unprofiled")
+            report += replays.lines()
             for p in profilers.values():
                 report += ["", p.report(args.top)]
                 p.profile, p.steps, p.seconds = cProfile.Profile(), 0, 0.0
