@@ -74,6 +74,9 @@ class Subserver:
         self.runner.setup_step(self._hook if cfg.route_in_step else None)
         self.stop = stop
         self.emit = emit
+        # defer_events(): events wait here until the loop has launched its next step or is about to idle.
+        self._deferred: list[Event] | None = None
+        self._send = emit
         self.seqs: dict[str, Sequence] = {}
         # Delayed batching: step when >= threshold requests are ready, or the oldest waited max_wait_s,
         # or `arrivals_possible()` says nothing else can come (set by whoever knows the whole system).
@@ -131,6 +134,28 @@ class Subserver:
                     f"model {self.name!r}: the GPU failed during the warm-up, before serving: {e}"
                 ) from e
             log.exception("%s: warm-up failed; serving without it (first requests may compile kernels)", self.name)
+
+    # -- events out ---------------------------------------------------------------------------------------
+
+    def defer_events(self) -> None:
+        """From now on, what the loop emits waits until it has launched its next step (then leaves while that
+        step runs on the GPU) or is about to idle, in the order it was emitted. For a deployment whose events
+        leave through another thread of this process (served: the response thread pickles, sends and counts
+        each batch): that thread's Python work then overlaps the GPU's step instead of contending for the GIL
+        with the next step's preparation. Only for loops run by `serve_forever`, which flushes before it waits;
+        a caller stepping by hand (the in-process engine's `step`) keeps direct emission."""
+        if self._deferred is None:
+            self._deferred = []
+            self.emit = self._deferred.append
+
+    def flush_events(self) -> None:
+        """Emit every deferred event, in order (loop thread only)."""
+        buf = self._deferred
+        if buf:
+            events = buf[:]
+            buf.clear()  # the same list: `emit` is its bound append
+            for ev in events:
+                self._send(ev)
 
     # -- messages in ------------------------------------------------------------------------------------
 
@@ -254,6 +279,7 @@ class Subserver:
         with self.runner.stream_context():
             out = self.runner.forward(chunks)
             launched = time.monotonic() if timeline is not None else 0.0
+            self.flush_events()  # the last step's events leave while this one runs (defer_events)
             tokens_dev, tokens, values, finite = self._sample(out, sampling)
         forward_end = time.monotonic() if timeline is not None else 0.0
         for c in chunks:
@@ -347,6 +373,7 @@ class Subserver:
             return self.step()
         except Exception as e:
             log.exception("%s: step failed", self.name)
+            self.flush_events()  # what the step committed before it failed goes first
             msg = str(e) if isinstance(e, ValueError) else f"internal error on model {self.name}: {e!r}"
             for rid in self._in_step:
                 if rid in self.seqs:
@@ -421,9 +448,11 @@ class Subserver:
             if self.should_step():
                 self.safe_step()
                 continue
+            self.flush_events()  # no step launched to overlap with: out now (defer_events)
             timeout = self.max_wait_s if self.scheduler.num_ready else 0.05
             self._wake.wait(timeout)
             self._wake.clear()
+        self.flush_events()
 
     # -- introspection ----------------------------------------------------------------------------------
 

@@ -61,6 +61,7 @@ class SubserverModel:
         if self.sub.warmup_s is not None:
             pb_utils.Logger.log_info(f"model {name!r} on {mcfg.device}: warm-up {self.sub.warmup_s:.1f} s")
         self.sub.timeline = Timeline.from_env(name)  # TOKENROUTER_TIMELINE_DIR: record for perf/timeline.py
+        self.sub.defer_events()  # the response thread's work overlaps the GPU's step, not the next step's host work
         # Which router connection each request came from: its events go back there.
         self._lock = threading.Lock()
         self._owner: dict[str, ipc.Peer] = {}

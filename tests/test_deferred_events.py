@@ -1,0 +1,62 @@
+"""A served subserver defers its events (Subserver.defer_events): what a step emits leaves once the loop has
+launched its next step, or before the loop idles, in the order it was emitted. Nothing is lost or reordered, and
+a deployment running that way produces exactly the same output."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from test_stepped_finals import assert_all_free, engine_for
+from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.transport.messages import Commit
+
+PROMPTS = [[5, 6, 7], [100, 200, 300, 400], [17] * 11, [40, 41, 42, 43, 44, 45, 46]]
+GREEDY = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+
+
+def test_a_steps_events_leave_after_the_next_launch(tiny_dir: Path) -> None:
+    eng = engine_for(tiny_dir, "random/tiny-small_tiny-large.yaml", p=0.0)  # stays on the small model
+    sub = eng.subservers["small"]
+    log: list[object] = []
+    sent = sub._send
+    sub._send = lambda ev: (log.append(ev), sent(ev))
+    forward = sub.runner.forward
+    sub.runner.forward = lambda chunks: (log.append("launch"), forward(chunks))[1]
+    sub.defer_events()
+    eng.add_request(PROMPTS[0], GREEDY)
+    eng._pump()
+    sub.drain()
+    sub.safe_step()  # the prefill: its first token is committed, and waits
+    assert log == ["launch"]
+    sub.safe_step()  # launched first, then the prefill's commit leaves; this step's own commit waits
+    assert log[1] == "launch" and isinstance(log[2], Commit) and len(log) == 3
+    first = log[2]
+    sub.flush_events()
+    assert isinstance(log[3], Commit) and log[3].token_ids != [] and len(log) == 4
+    assert first.request_id == log[3].request_id
+    eng.abort(first.request_id)
+    eng._pump()
+
+
+def test_deferred_events_change_no_output(tiny_dir: Path) -> None:
+    """Routed (random p=0.3, so requests move both ways), in background mode where each subserver runs
+    `serve_forever`: the same tokens as with direct emission, every request finished once, every block free."""
+    plain = engine_for(tiny_dir, "random/tiny-small_tiny-large.yaml", p=0.3)
+    expected = plain.generate(PROMPTS, GREEDY)
+    eng = engine_for(tiny_dir, "random/tiny-small_tiny-large.yaml", p=0.3)
+    for sub in eng.subservers.values():
+        sub.defer_events()
+    eng.start()
+    try:
+        done: list = []
+        runner = threading.Thread(target=lambda: done.append(eng.generate(PROMPTS, GREEDY)), daemon=True)
+        runner.start()
+        runner.join(120)
+        assert done, "requests did not finish: a deferred event never left"
+        got = done[0]
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+        assert all(o.finished for o in got)
+    finally:
+        eng.shutdown()
+    assert_all_free(eng)
