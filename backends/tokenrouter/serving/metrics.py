@@ -46,16 +46,24 @@ class SubserverMetrics:
         self.threshold = mf("tokenrouter_batching_threshold", "Batching threshold B", mf.mf.GAUGE).Metric(labels)
         self.kv_total.set(sub.block_manager.num_blocks)
 
-    def observe(self, ev: Event) -> None:
-        """Called by the response thread for every event that leaves the subserver."""
-        if isinstance(ev, Commit):
-            self.tokens.increment(len(ev.token_ids))
-        elif isinstance(ev, Handoff):
-            metric = self._handoffs.get(ev.target)
+    def observe(self, events: list[Event]) -> None:
+        """Called by the response thread for each batch of events that leaves the subserver: one update per
+        counter and batch (each update is a round trip to tritonserver), not one per event."""
+        tokens = 0
+        handoffs: dict[str, int] = {}
+        for ev in events:
+            if isinstance(ev, Commit):
+                tokens += len(ev.token_ids)
+            elif isinstance(ev, Handoff):
+                handoffs[ev.target] = handoffs.get(ev.target, 0) + 1
+        if tokens:
+            self.tokens.increment(tokens)
+        for target, n in handoffs.items():
+            metric = self._handoffs.get(target)
             if metric is None:
-                metric = self._handoffs_family.Metric({"from": self.model, "to": ev.target})
-                self._handoffs[ev.target] = metric
-            metric.increment(1)
+                metric = self._handoffs_family.Metric({"from": self.model, "to": target})
+                self._handoffs[target] = metric
+            metric.increment(n)
 
     def update_forever(self, stop: threading.Event, period: float = 0.25) -> None:
         steps = 0

@@ -175,8 +175,7 @@ class SubserverModel:
                 except OSError:
                     peer.close()  # its reader thread releases what that router brought here
             # Counted after sending: each metric update is a round trip to tritonserver, which blocks this thread.
-            for ev in batch:
-                self.metrics.observe(ev)
+            self.metrics.observe(batch)
 
     # -- Triton entry points ----------------------------------------------------------------------------
 
