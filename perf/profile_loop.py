@@ -131,6 +131,7 @@ def main() -> None:
             res = closed_loop(engine, prompts, c, params, timeout_s=600)
             replays.on = False
             plain_s = time.perf_counter() - t0
+            plain_steps = {n: s.num_steps - before[n] for n, s in engine.subservers.items()}
             for p in profilers.values():
                 p.on.set()
             t0 = time.perf_counter()
@@ -143,8 +144,7 @@ def main() -> None:
             report += ["", f"# Concurrency {c}", "",
                        f"Unprofiled: {tokens / plain_s:.1f} output tok/s; profiled: "
                        f"{args.num_requests * args.output_len / prof_s:.1f} tok/s."]
-            for name, sub in engine.subservers.items():
-                n = sub.num_steps - before[name]
+            for name, n in plain_steps.items():
                 report.append(f"- {name}: {n} steps unprofiled")
             report += replays.lines()
             for p in profilers.values():

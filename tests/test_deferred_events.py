@@ -9,7 +9,7 @@ from pathlib import Path
 
 from test_stepped_finals import assert_all_free, engine_for
 from tokenrouter.sampling_params import SamplingParams
-from tokenrouter.transport.messages import Commit
+from tokenrouter.transport.messages import Commit, Failed, Release, Released
 
 PROMPTS = [[5, 6, 7], [100, 200, 300, 400], [17] * 11, [40, 41, 42, 43, 44, 45, 46]]
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
@@ -45,8 +45,14 @@ def test_deferred_events_change_no_output(tiny_dir: Path) -> None:
     plain = engine_for(tiny_dir, "random/tiny-small_tiny-large.yaml", p=0.3)
     expected = plain.generate(PROMPTS, GREEDY)
     eng = engine_for(tiny_dir, "random/tiny-small_tiny-large.yaml", p=0.3)
+    emitted: dict[str, list] = {}
+    sent: dict[str, list] = {}
     for sub in eng.subservers.values():
         sub.defer_events()
+        buf, send = sub.emit, sub._send
+        emit_log, send_log = emitted.setdefault(sub.name, []), sent.setdefault(sub.name, [])
+        sub.emit = lambda ev, buf=buf, log=emit_log: (log.append(ev), buf(ev))[1]
+        sub._send = lambda ev, send=send, log=send_log: (log.append(ev), send(ev))[1]
     eng.start()
     try:
         done: list = []
@@ -60,3 +66,20 @@ def test_deferred_events_change_no_output(tiny_dir: Path) -> None:
     finally:
         eng.shutdown()
     assert_all_free(eng)
+    for name, events in emitted.items():  # every event left, in the order it was emitted
+        assert len(events) > len(PROMPTS) and [id(e) for e in sent[name]] == [id(e) for e in events], name
+
+
+def test_a_refused_request_fails_from_the_loop_in_order(tiny_dir: Path) -> None:
+    """A message the model's process refused is released through the loop with its error: Failed, then Released,
+    after what the loop emitted for the request before (the reader thread no longer sends the Failed itself)."""
+    eng = engine_for(tiny_dir, "random/tiny-small_tiny-large.yaml", p=0.0)
+    sub = eng.subservers["small"]
+    log: list[object] = []
+    sub._send = log.append
+    sub.defer_events()
+    sub.handle(Release("r-refused", "error", "model 'small' refused the request: bad tokens"))
+    assert log == []  # deferred like everything the loop emits
+    sub.flush_events()
+    assert isinstance(log[0], Failed) and log[0].error == "model 'small' refused the request: bad tokens"
+    assert isinstance(log[1], Released) and not log[1].held and len(log) == 2

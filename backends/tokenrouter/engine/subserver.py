@@ -75,7 +75,7 @@ class Subserver:
         self.stop = stop
         self.emit = emit
         # defer_events(): events wait here until the loop has launched its next step or is about to idle.
-        self._deferred: list[Event] | None = None
+        self._deferred: deque[Event] | None = None
         self._send = emit
         self.seqs: dict[str, Sequence] = {}
         # Delayed batching: step when >= threshold requests are ready, or the oldest waited max_wait_s,
@@ -145,17 +145,15 @@ class Subserver:
         with the next step's preparation. Only for loops run by `serve_forever`, which flushes before it waits;
         a caller stepping by hand (the in-process engine's `step`) keeps direct emission."""
         if self._deferred is None:
-            self._deferred = []
+            self._deferred = deque()
             self.emit = self._deferred.append
 
     def flush_events(self) -> None:
-        """Emit every deferred event, in order (loop thread only)."""
+        """Emit every deferred event, in order (loop thread only; one taken off at a time, so an event appended
+        meanwhile or a send that raises loses nothing)."""
         buf = self._deferred
-        if buf:
-            events = buf[:]
-            buf.clear()  # the same list: `emit` is its bound append
-            for ev in events:
-                self._send(ev)
+        while buf:
+            self._send(buf.popleft())
 
     # -- messages in ------------------------------------------------------------------------------------
 
@@ -184,6 +182,8 @@ class Subserver:
             if seq is not None:
                 seq.token_ids.extend(msg.tokens)
         elif isinstance(msg, Release):
+            if msg.error is not None:
+                self.emit(Failed(msg.request_id, self.name, msg.error))
             self._release(msg.request_id)
 
     def _arrive(self, msg: Arrive) -> None:
@@ -272,6 +272,7 @@ class Subserver:
         scheduled = time.monotonic() if timeline is not None else 0.0
         chunks = self.scheduler.schedule()
         if not chunks:
+            self.flush_events()  # ready requests that cannot be scheduled yet: no launch to wait for
             return 0
         t0, start = time.perf_counter(), time.monotonic()
         first_ready, last_ready, wait_max = self._begin_step(chunks, start)
@@ -443,16 +444,20 @@ class Subserver:
 
     def serve_forever(self, stop_event: threading.Event) -> None:
         """The independent decoding loop (one thread per subserver)."""
-        while not stop_event.is_set():
-            self.drain()
-            if self.should_step():
-                self.safe_step()
-                continue
-            self.flush_events()  # no step launched to overlap with: out now (defer_events)
-            timeout = self.max_wait_s if self.scheduler.num_ready else 0.05
-            self._wake.wait(timeout)
-            self._wake.clear()
-        self.flush_events()
+        if self.runner.device.type == "cuda":
+            torch.cuda.set_device(self.runner.device)  # a step's stream context then switches no device
+        try:
+            while not stop_event.is_set():
+                self.drain()
+                if self.should_step():
+                    self.safe_step()
+                    continue
+                self.flush_events()  # no step launched to overlap with: out now (defer_events)
+                timeout = self.max_wait_s if self.scheduler.num_ready else 0.05
+                self._wake.wait(timeout)
+                self._wake.clear()
+        finally:
+            self.flush_events()
 
     # -- introspection ----------------------------------------------------------------------------------
 

@@ -219,10 +219,11 @@ class Policy(ABC):
         return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") / 2**64
 
 
-@lru_cache(maxsize=512)
+@lru_cache(maxsize=64)
 def _prompt_text(prompt: tuple[int, ...]) -> str:
     """The prompt as the draw's key spells it (a list's repr). Cached: a request asks at every token of every
-    step, and writing out a 100-token prompt costs ~5x the rest of the draw (16 vs 3 us on the CI machine)."""
+    step, and writing out a 100-token prompt costs ~5x the rest of the draw (16 vs 3 us on the CI machine). The
+    prompts of more requests than a step holds at once; each entry keeps its prompt twice (ids and text)."""
     return repr(list(prompt))
 
 

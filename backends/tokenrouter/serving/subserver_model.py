@@ -28,7 +28,6 @@ from tokenrouter.transport.messages import (
     Append,
     Arrive,
     Event,
-    Failed,
     Handoff,
     Release,
     Released,
@@ -94,17 +93,17 @@ class SubserverModel:
                     timeline.receive(msg.request_id, msg.source, received)
                 self.sub.submit(msg)
                 continue
-            # Fail that request alone: report why, then release it here (which answers with Released).
+            # Fail that request alone: the loop reports why and releases it here (Failed, then Released), after
+            # whatever it emitted for the request before.
             log.error("%s: refused a %s for %s: %s", self.name, type(msg).__name__, msg.request_id, problem)
-            self._events.put(Failed(msg.request_id, self.name, f"model {self.name!r} refused the request: {problem}"))
-            self.sub.submit(Release(msg.request_id, "error"))
+            self.sub.submit(Release(msg.request_id, "error", f"model {self.name!r} refused the request: {problem}"))
 
     def _check(self, msg: Arrive | Append | Release) -> str | None:
         """What is wrong with a message from the router, or None. The router validated the request already;
         this keeps anything else that reaches the socket from indexing out of the embedding table (on a GPU
         a device-side assert that takes the whole process down) or stalling the loop."""
         if isinstance(msg, Release):
-            return None
+            return None if msg.error is None else "a release from the router carries no error"
         tokens = msg.tokens
         if not isinstance(tokens, list) or (isinstance(msg, Arrive) and msg.first_visit and not tokens):
             return "tokens must be a list of token ids (not empty on a first visit)"

@@ -44,6 +44,9 @@ class Release:
 
     request_id: str
     reason: str = "finished"
+    # Set by the model's own process when it refused a message for this request: the model reports it (Failed)
+    # from its loop, in order with what it emitted for the request before.
+    error: str | None = None
 
 
 # -- from a subserver ------------------------------------------------------------------------------------
