@@ -10,7 +10,8 @@ sharing the SMs that a deployment can choose:
   large model's cuBLAS matmuls captured with K SMs left out: torch's SM carve-out), `large_skinny` (the large
   model's matmuls on the skinny kernels wherever the tuned table has them, its step-level row cap lifted: their
   programs hold a tile's worth of shared memory where cuBLAS's hold more), `large_skinny_high` (that, and the
-  small model's stream at high priority);
+  small model's stream at high priority), `green<N>` (the large model's steps on a CUDA green context of N SMs:
+  `ModelConfig.num_sms`; the small model keeps the whole GPU);
 - in two processes under CUDA MPS (the served deployment: one process per model): `mps<P>`, the large model's
   process limited to P % of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), the small model's unlimited. Caution:
   on the H200 with torch 2.11 a limited process's cuBLAS matmuls returned NaN from finite inputs at some
@@ -140,8 +141,9 @@ def run_inprocess(args) -> dict:
     small = Step(small_runner, small_bm, args.small_batch, args.context, 1)
     # The large model's skinny variants and then the carve-outs recapture its graphs, which the earlier variants'
     # step replays: they go last (a carve-out after a skinny variant measures the skinny large model).
+    order = {"large_skinny": 1, "green": 2, "carveout": 3}
     for variant in sorted(args.variants.split(","),
-                          key=lambda v: 2 if v.startswith("carveout") else 1 if v.startswith("large_skinny") else 0):
+                          key=lambda v: next((k for p, k in order.items() if v.startswith(p)), 0)):
         try:
             if variant == "plain":
                 out[variant] = side_by_side(small, large)
@@ -171,6 +173,21 @@ def run_inprocess(args) -> dict:
                 out[variant] = side_by_side(other, skinny_large)
                 out[variant]["large_skinny_max_m"] = large_runner.model.skinny_max_m
                 del other
+            elif variant.startswith("green"):
+                # The large model's steps on a green context of N SMs (ModelConfig.num_sms), graphs recaptured
+                # there; the small model keeps the whole GPU. Its plain stream comes back afterwards.
+                from tokenrouter.runner.green import green_stream
+
+                plain_stream = large_runner.stream
+                try:
+                    large_runner.green_context, large_runner.stream = green_stream(
+                        large_runner.device, int(variant.removeprefix("green")))
+                    large_runner.graphs = None
+                    large_runner.setup_step(None)
+                    green = Step(large_runner, large_bm, args.large_batch, args.context, args.large_new)
+                    out[variant] = side_by_side(small, green)
+                finally:
+                    large_runner.green_context, large_runner.stream = None, plain_stream
             elif variant.startswith("carveout"):
                 # Recapture the large model's graphs with its cuBLAS matmuls told to leave K SMs out.
                 torch._C._set_sm_carveout_experimental(int(variant.removeprefix("carveout")))

@@ -53,6 +53,8 @@ MODEL_VALUES = [
     (dict(cuda_graph_max_batch=2.0), r"models\.small\.cuda_graph_max_batch must be an integer >= 0"),
     (dict(stream_priority=-1), r"models\.small\.stream_priority must be one of \('normal', 'high'\), got -1"),
     (dict(skinny_gemm="on"), r"models\.small\.skinny_gemm must be true or false, got 'on'"),
+    (dict(num_sms=-8), r"models\.small\.num_sms must be an integer >= 0 \(0: all SMs\), got -8"),
+    (dict(num_sms=0.5), r"models\.small\.num_sms must be an integer >= 0 \(0: all SMs\), got 0\.5"),
 ]
 
 

@@ -98,6 +98,12 @@ class ModelConfig:
     # its SMs: `high` lets the model whose short steps everything waits on (the small model that routes every
     # token) get SMs as soon as they free up, rather than queue behind the large model's long matmuls.
     stream_priority: Literal["normal", "high"] = "normal"
+    # SMs this model's steps may use (CUDA green contexts, torch.cuda.green_contexts; 0: all of them). A model
+    # beside it on the same GPU then always finds the other SMs free: the large model's matmuls, bound by memory
+    # bandwidth, lose little on fewer SMs, and the small model's short kernels stop queueing behind them. One
+    # process only (the in-process engine); the served deployment's processes share the GPU through MPS.
+    # Hopper hands out SMs in groups of 8. The stream priority does not apply to a green context's stream.
+    num_sms: int = _spec(0, ge=0, accepts="an integer >= 0 (0: all SMs)")
     # Before the model reports ready, run throwaway batches through it (prefills, extends, mixed and sampled
     # batches, a chunked prompt) so that no request pays for a kernel compile (engine/warmup.py). GPU only.
     warmup: bool = True

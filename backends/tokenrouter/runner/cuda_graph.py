@@ -205,7 +205,7 @@ class CudaGraphRunner:
         max_model_len: int,
         shapes: list[GraphShape],
         step_hook: StepHook | None = None,
-        stream_priority: int = 0,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
         if not backend.supports_cuda_graphs:
             raise ValueError(f"attention backend {backend.name!r} cannot run in a CUDA graph")
@@ -215,8 +215,9 @@ class CudaGraphRunner:
         self.block_size, self.max_model_len = block_size, max_model_len
         self.shapes = sorted(shapes)
         self.step_hook = step_hook
-        # Captured kernels keep the capture stream's priority: capture at the priority the model's steps run at.
-        self.stream_priority = stream_priority
+        # Captured on the stream the model steps on: its kernels keep that stream's priority, and (a green
+        # context's stream) its SM partition.
+        self.stream = stream
         max_blocks = -(-max_model_len // block_size)
         self.inputs = StaticInputs(
             max(s.num_seqs for s in shapes), max(s.num_tokens for s in shapes), max_blocks, device
@@ -253,7 +254,7 @@ class CudaGraphRunner:
             return
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device, priority=self.stream_priority)
+        stream = self.stream if self.stream is not None else torch.cuda.Stream(self.device)
         for shape in sorted(self.shapes, reverse=True):
             batch = self._batch(shape)
             self.inputs.clear()

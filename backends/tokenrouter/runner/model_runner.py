@@ -13,6 +13,7 @@ from tokenrouter.runner.arch import ArchConfig
 from tokenrouter.runner.attention import get_backend
 from tokenrouter.runner.cuda_graph import CudaGraphRunner, StepHook, graph_shapes
 from tokenrouter.runner.forward_batch import ForwardBatch, HostBatch, ScheduledChunk
+from tokenrouter.runner.green import green_stream
 from tokenrouter.runner.model import CausalLM
 from tokenrouter.runner.weights import init_dummy, load_safetensors
 
@@ -77,8 +78,13 @@ class ModelRunner:
         # the device instead of queueing behind each other on the default stream, and a step's synchronization
         # waits for this model's work only.
         self.stream_priority = _STREAM_PRIORITIES[cfg.stream_priority]
-        self.stream = (torch.cuda.Stream(self.device, priority=self.stream_priority) if self.device.type == "cuda"
-                       else None)
+        self.green_context = None  # holds the SM partition alive while its stream is in use
+        self.stream: torch.cuda.Stream | None = None
+        if self.device.type == "cuda":
+            if cfg.num_sms:
+                self.green_context, self.stream = green_stream(self.device, cfg.num_sms)
+            else:
+                self.stream = torch.cuda.Stream(self.device, priority=self.stream_priority)
 
     def stream_context(self) -> contextlib.AbstractContextManager:
         """Run a step's device work (forward, sampling, policy tensors, copies to the host) inside this."""
@@ -193,7 +199,7 @@ class ModelRunner:
             return
         self.graphs = CudaGraphRunner(
             self.model, self.attn_backend, self.device, self.block_size, self.max_model_len, shapes, step_hook,
-            stream_priority=self.stream_priority,
+            stream=self.stream,
         )
         if capture:
             self.graphs.capture()
