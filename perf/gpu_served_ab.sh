@@ -10,7 +10,7 @@
 # Usage (repository root, on the GPU machine, .gpu from perf/make_gpu_bundle.sh):
 #   bash perf/gpu_served_ab.sh OUT_DIR CONFIG NAME=TREE[,VAR=VALUE...] ...
 #   bash perf/gpu_served_ab.sh $OUT config/random/qwen3-0.6b_qwen3-32b.yaml new=. base=.baseline \
-#     nopdl=.,TOKENROUTER_PDL=0
+#     nopdl=.,TOKENROUTER_PDL=0 green=.,CONFIG=config/random/other.yaml
 # Results: OUT_DIR/results_served_ab.tgz (served_NAME_c{8,1,16}.{json,md}, timeline_NAME_c8/, serve_NAME.log).
 set -uo pipefail
 out=${1:?output directory}
@@ -30,6 +30,8 @@ for variant in "$@"; do
   tree=$(cd "${spec%%,*}" && pwd)
   settings=(); [ "$spec" != "${spec#*,}" ] && IFS=, read -ra settings <<< "${spec#*,}"
   [ -d "$tree/backends/tokenrouter" ] || { echo "$name: no tree at $tree"; continue; }
+  vcfg=$cfg  # a CONFIG=FILE setting serves this variant from another deployment YAML
+  for s in "${settings[@]}"; do [[ $s == CONFIG=* ]] && vcfg=${s#CONFIG=}; done
   if [ $(( $(date +%s) - t_start )) -gt ${BUDGET_S:-400} ]; then step "$name skipped: past ${BUDGET_S:-400} s"; continue; fi
   # The stubs import tokenrouter through the interpreter's path: this variant's tree, for every process.
   echo "$tree/backends" > "$sp/tokenrouter-checkout.pth"
@@ -38,7 +40,7 @@ for variant in "$@"; do
   # gpu_env.sh's serve and stop_server, with this variant's settings in the environment while it is served
   export "${settings[@]}" PYTHONPATH=$tree/backends TRITON_CACHE_DIR=$work/triton-cache \
     TOKENROUTER_TIMELINE_DIR=$work/tl_$name
-  if ! serve "$cfg" $work/repo_$name $res/serve_$name.log; then
+  if ! serve "$vcfg" $work/repo_$name $res/serve_$name.log; then
     step "$name: server not ready"; tail -30 $res/serve_$name.log; stop_server
     unset "${settings[@]%%=*}" PYTHONPATH TOKENROUTER_TIMELINE_DIR; continue
   fi
