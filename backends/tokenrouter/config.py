@@ -102,7 +102,7 @@ class ModelConfig:
     # beside it on the same GPU then always finds the other SMs free: the large model's matmuls, bound by memory
     # bandwidth, lose little on fewer SMs, and the small model's short kernels stop queueing behind them. One
     # process only (the in-process engine); the served deployment's processes share the GPU through MPS.
-    # Hopper hands out SMs in groups of 8. The stream priority does not apply to a green context's stream.
+    # Hopper hands out SMs in groups of 8. A green context's stream has the normal priority.
     num_sms: int = _spec(0, ge=0, accepts="an integer >= 0 (0: all SMs)")
     # Before the model reports ready, run throwaway batches through it (prefills, extends, mixed and sampled
     # batches, a chunked prompt) so that no request pays for a kernel compile (engine/warmup.py). GPU only.
@@ -134,6 +134,9 @@ class ModelConfig:
             raise ConfigError(
                 f"{where}.kv_cache_tokens must hold at least one block ({self.block_size}), got {self.kv_cache_tokens}"
             )
+        if self.num_sms and self.stream_priority != "normal":
+            raise ConfigError(f"{where}: num_sms ({self.num_sms}) and stream_priority {self.stream_priority!r} do not "
+                              "combine (a green context's stream has the normal priority); set one of them")
 
 
 @dataclass
