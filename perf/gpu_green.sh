@@ -3,7 +3,7 @@
 # call. perf/probe_green.py (does the partition hold for cuBLAS, Triton kernels and CUDA graphs; also as an MPS
 # client), perf/bench_corun.py in one process (the 32B on N SMs beside the 0.6B on all), then the in-process
 # engine (perf/bench_engine.py, routed) with the config as it is and with the large model on the N of the best
-# corun variant (or GREEN_N).
+# corun variant (or GREEN_N: one or more, e.g. "96 64").
 # Usage (repository root, on the GPU machine, its image's Python as it is):
 #   PARTS="probe tests corun engine" bash perf/gpu_green.sh OUT_DIR [CONFIG]
 # (engine without corun needs GREEN_N.)
@@ -56,24 +56,26 @@ PY
 fi
 part engine || { step "done"; exit 0; }
 [ -n "$n" ] || { step "no green variant worked: done"; exit 0; }
-python3 - "$config" $n $res/green.yaml <<'PY'
-import sys, yaml
+[ -d models/bench-tokenizer ] || python3 -m tokenrouter.cli make-bench-tokenizer > /dev/null || exit 1
+for k in $n; do
+python3 - "$config" $k $res/green$k.yaml <<'PY'
+import os, sys, yaml
 src, n, dst = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 cfg = yaml.safe_load(open(src))
 cfg["models"]["large"]["num_sms"] = n
-import os
 base = os.path.dirname(os.path.abspath(src))  # relative paths resolve against the file's folder
 for m in cfg["models"].values():
     m["path"] = os.path.join(base, m["path"])
 cfg["tokenizer"] = os.path.join(base, cfg["tokenizer"])
 yaml.safe_dump(cfg, open(dst, "w"))
 PY
-for name in plain green$n; do
-  cfgfile=$config; [ $name = plain ] || cfgfile=$res/green.yaml
+done
+for name in plain $(for k in $n; do echo green$k; done); do
+  cfgfile=$config; [ $name = plain ] || cfgfile=$res/$name.yaml
   step "in-process engine, routed, $name"
   timeout ${ENGINE_S:-170} python3 perf/bench_engine.py --config $cfgfile --variants routed \
     --concurrency ${POINTS:-8,8,8,16,1} --prompt-len 100 --output-len 256 --isolate off \
     --name engine_$name --out-dir $res > $res/engine_$name.log 2>&1
-  grep -E "^\| *(routed|[0-9])" $res/engine_$name.md 2>/dev/null | head -8 || tail -5 $res/engine_$name.log
+  grep -E "^\| *[0-9]" $res/engine_$name.md 2>/dev/null | head -8 || tail -5 $res/engine_$name.log
 done
 step "done"
