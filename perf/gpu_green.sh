@@ -67,7 +67,7 @@ base = os.path.dirname(os.path.abspath(src))  # relative paths resolve against t
 for m in cfg["models"].values():
     m["path"] = os.path.join(base, m["path"])
 cfg["tokenizer"] = os.path.join(base, cfg["tokenizer"])
-yaml.safe_dump(cfg, open(dst, "w"))
+yaml.safe_dump(cfg, open(dst, "w"), sort_keys=False)  # the models keep their order
 PY
 done
 for name in plain $(for k in $n; do echo green$k; done); do
@@ -76,6 +76,6 @@ for name in plain $(for k in $n; do echo green$k; done); do
   timeout ${ENGINE_S:-170} python3 perf/bench_engine.py --config $cfgfile --variants routed \
     --concurrency ${POINTS:-8,8,8,16,1} --prompt-len 100 --output-len 256 --isolate off \
     --name engine_$name --out-dir $res > $res/engine_$name.log 2>&1
-  grep -E "^\| *[0-9]" $res/engine_$name.md 2>/dev/null | head -8 || tail -5 $res/engine_$name.log
+  grep -E "^\| *[0-9]" $res/engine_$name.md 2>/dev/null | sort -u || tail -5 $res/engine_$name.log
 done
 step "done"
