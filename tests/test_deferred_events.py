@@ -9,7 +9,7 @@ from pathlib import Path
 
 from test_stepped_finals import assert_all_free, engine_for
 from tokenrouter.sampling_params import SamplingParams
-from tokenrouter.transport.messages import Commit, Failed, Release, Released
+from tokenrouter.transport.messages import Commit, Failed, Handoff, Release, Released
 
 PROMPTS = [[5, 6, 7], [100, 200, 300, 400], [17] * 11, [40, 41, 42, 43, 44, 45, 46]]
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
@@ -36,6 +36,26 @@ def test_a_steps_events_leave_after_the_next_launch(tiny_dir: Path) -> None:
     assert isinstance(log[3], Commit) and log[3].token_ids != [] and len(log) == 4
     assert first.request_id == log[3].request_id
     eng.abort(first.request_id)
+    eng._pump()
+
+
+def test_a_step_that_hands_off_sends_its_events_at_its_end(tiny_dir: Path) -> None:
+    """A handoff is on its request's critical path: it leaves when its step ends, not after the next launch."""
+    eng = engine_for(tiny_dir, "random/tiny-small_tiny-large.yaml", p=1.0)  # every token goes to the large model
+    sub = eng.subservers["small"]
+    log: list[object] = []
+    sent = sub._send
+    sub._send = lambda ev: (log.append(ev), sent(ev))
+    forward = sub.runner.forward
+    sub.runner.forward = lambda chunks: (log.append("launch"), forward(chunks))[1]
+    sub.defer_events()
+    eng.add_request(PROMPTS[0], GREEDY)
+    eng._pump()
+    sub.drain()
+    sub.safe_step()
+    assert log[0] == "launch" and isinstance(log[-1], Handoff) and "launch" not in log[1:]
+    assert not sub._deferred
+    eng.abort(log[-1].arrive.request_id)
     eng._pump()
 
 
