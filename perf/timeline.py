@@ -6,6 +6,8 @@
     # served: start the server with TOKENROUTER_TIMELINE_DIR=DIR (every subserver appends its events there),
     # run any load (perf_analyzer, genai-perf, bench_served.py), then (--since/--until: one run's window)
     python perf/timeline.py served DIR --out /tmp/timeline-served
+    # the tuning model's prediction for the runs of a bench_served.py json, against what they measured
+    python perf/timeline.py predict DIR --bench served_c8.json --out /tmp/predict_c8
 
 Each writes OUT/trace.json (open it in https://ui.perfetto.dev or chrome://tracing: one track per model,
 each step a slice with `forward` and `route+commit` inside, handoffs as arrows), OUT/summary.json and
@@ -105,6 +107,22 @@ def served(args: argparse.Namespace) -> int:
     return 0
 
 
+def predict(args: argparse.Namespace) -> int:
+    from timeline_predict import markdown as predict_markdown
+    from timeline_predict import predict as predict_window
+
+    runs = json.loads(Path(args.bench).read_text())["results"]
+    since, until = min(r["monotonic_since"] for r in runs), max(r["monotonic_until"] for r in runs)
+    events = [e for e in read_events(Path(args.folder)) if since <= event_time(e) <= until]
+    result = predict_window(events, runs, None if args.max_wait_ms is None else args.max_wait_ms / 1e3)
+    text = predict_markdown(result)
+    print(text)
+    if args.out:
+        Path(args.out).with_suffix(".md").write_text(text)
+        Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -127,7 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--since", type=float, help="only events at or after this time.monotonic() second "
                    "(perf/bench_served.py writes each run's monotonic_since / monotonic_until)")
     s.add_argument("--until", type=float, help="only events at or before this time.monotonic() second")
+    q = sub.add_parser("predict", help="the tuning model's prediction for a served window against what it measured")
+    q.add_argument("folder", help="the server's TOKENROUTER_TIMELINE_DIR")
+    q.add_argument("--bench", required=True, help="perf/bench_served.py's json for the runs of that window")
+    q.add_argument("--max-wait-ms", type=float, help="the deployment's batching.max_wait_ms (default: no bounded wait)")
+    q.add_argument("--out", help="write OUT.md and OUT.json")
     args = p.parse_args(argv)
+    if args.cmd == "predict":
+        return predict(args)
     if args.cmd == "record":
         for name in ("concurrency", "num_requests", "prompt_len", "output_len", "repeat"):
             if getattr(args, name) < 1:

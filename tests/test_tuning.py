@@ -275,3 +275,39 @@ def test_three_models() -> None:
     best, best_tp = best_thresholds(small)
     assert is_feasible(best, 4) and best_tp > 0.0
     assert best_tp == pytest.approx(simulate(small, best, duration=200.0).throughput, rel=0.05)
+
+
+# --------------------------------------------------------------------------------------------------- transit
+
+
+def test_transit_closed_form() -> None:
+    """One request alternating between two models: each round trip is both steps plus both transits."""
+    steps, transit = [[0.010], [0.030]], [[0.0, 0.002], [0.005, 0.0]]
+    model = SystemModel(1, [[0.0, 1.0], [1.0, 0.0]], steps, tokens=[[1.0, 1.0], [1.0, 1.0]], transit=transit)
+    assert model.has_transit
+    sim = simulate(model, (1, 1), duration=50.0)
+    assert sim.throughput == pytest.approx(2 / 0.047, rel=1e-3)  # without transit: 2 / 0.040
+    assert sim.utilization == pytest.approx([0.010 / 0.047, 0.030 / 0.047], rel=1e-2)
+
+
+def test_transit_lowers_throughput_and_zero_transit_changes_nothing() -> None:
+    plain = simulate(r2r(), (1, 1), duration=SIM_SECONDS / 4, seed=3)
+    zero = simulate(r2r(transit=[[0.0, 0.0], [0.0, 0.0]]), (1, 1), duration=SIM_SECONDS / 4, seed=3)
+    assert zero.throughput == plain.throughput and not r2r(transit=[[0.0, 0.0], [0.0, 0.0]]).has_transit
+    slow = simulate(r2r(transit=[[0.0, 0.004], [0.004, 0.0]]), (1, 1), duration=SIM_SECONDS / 4, seed=3)
+    assert slow.throughput < 0.97 * plain.throughput
+
+
+def test_the_chain_refuses_transit_and_the_chooser_simulates() -> None:
+    from tokenrouter.tuning.choose import choose_thresholds
+
+    model = r2r(transit=[[0.0, 0.001], [0.002, 0.0]])
+    with pytest.raises(ValueError, match="does not model transit"):
+        build_chain(model, (1, 1))
+    assert choose_thresholds(model).method == "simulator"
+
+
+@pytest.mark.parametrize("transit", [[[0.0, -0.001], [0.0, 0.0]], [[0.0, math.inf], [0.0, 0.0]], [[0.0, 0.1]]])
+def test_bad_transit_is_rejected(transit: list) -> None:
+    with pytest.raises(ValueError, match="transit must be"):
+        r2r(transit=transit)

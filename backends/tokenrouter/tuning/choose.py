@@ -60,6 +60,8 @@ def choose_thresholds(
     above it sends the whole ranking to the simulator, so all candidates are compared by one method).
     """
     candidates = list(feasible_thresholds(model.num_models, model.concurrency))
+    if model.has_transit:  # only the simulator models the time requests spend between models
+        return rank_by_simulation(model, candidates, sim_steps=sim_steps, seed=seed)
     tick = default_tick(model, state_budget=max(1.0, state_budget / len(candidates)))
     ticks_per_step = resolution(model, tick)
     if ticks_per_step >= MIN_TICKS_PER_MIN_LATENCY:

@@ -374,6 +374,8 @@ def build_chain(
         raise ValueError(f"method must be 'event' or 'tick', got {method!r}")
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if model.has_transit:
+        raise ValueError("the Markov chain does not model transit between models: rank with the simulator")
     thr = model.check_thresholds(thresholds)
     tick = default_tick(model) if tick is None else float(tick)
     if not (math.isfinite(tick) and tick > 0.0):

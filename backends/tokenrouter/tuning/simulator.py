@@ -6,7 +6,8 @@ than :data:`SIMULTANEOUS` seconds count as simultaneous) the simulator applies t
 
 1. *complete* -- every step finishing now, in model order: each request of the batch, in FIFO order, draws its next
    model ``j`` with probability ``P[i][j]`` from the seeded ``random.Random``, commits ``tokens[i][j]`` tokens and
-   joins the tail of ``j``'s queue; the model becomes idle;
+   joins the tail of ``j``'s queue (``transit[i][j]`` seconds later, when the model has transit); the model becomes
+   idle;
 2. *launch* -- every idle model ``i`` with ``q_i >= B_i`` -- or, with ``max_wait``, with ``q_i >= 1`` and a head of
    queue that has waited at least ``max_wait`` seconds -- starts a step on ``min(q_i, max_batch_i)`` requests from the
    head of its queue, which finishes ``step_latency[i][b - 1]`` seconds later.
@@ -34,7 +35,7 @@ from tokenrouter.tuning.system import SystemModel
 SIMULTANEOUS = 1e-9
 """Events closer than this (seconds) are processed as one event time, so float noise cannot reorder them."""
 
-_COMPLETE, _TIMER = 0, 1
+_COMPLETE, _TIMER, _ARRIVE = 0, 1, 2
 
 
 @dataclass
@@ -105,6 +106,7 @@ def simulate(
     assert model.tokens is not None
     toks = model.tokens
     lat = model.step_latency
+    transit = model.transit if model.has_transit else None
 
     queues: list[deque[float]] = [deque() for _ in range(m)]  # enqueue times, FIFO
     queues[0].extend([0.0] * n_req)
@@ -177,6 +179,8 @@ def simulate(
             _, _, kind, i = heapq.heappop(heap)
             if kind == _COMPLETE:
                 finished.append(i)
+            elif kind == _ARRIVE:  # a request that was between models joins model i's queue
+                queues[i].append(now)
             elif timer_due[i] is not None and timer_due[i] <= now + SIMULTANEOUS:
                 timer_due[i] = None  # fired; launch_phase re-arms it if the model still has to wait
         finished.sort()
@@ -186,7 +190,10 @@ def simulate(
             for _ in range(b):
                 j = min(bisect.bisect_right(row_cum, rng.random()), m - 1)
                 tokens += row_tok[j]
-                queues[j].append(now)
+                if transit is not None and transit[i][j] > 0.0:
+                    heapq.heappush(heap, (now + transit[i][j], next(counter), _ARRIVE, j))
+                else:
+                    queues[j].append(now)
             busy_time[i] += now - max(started[i], window_start)
             steps[i] += 1
             batch_sum[i] += b

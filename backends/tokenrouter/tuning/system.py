@@ -11,6 +11,9 @@ Model of the system (shared by :mod:`tokenrouter.tuning.markov` and :mod:`tokenr
   response (e.g. R2R discards the small model's token when the router escalates to the large model, so
   ``tokens[small][large] == 0``).
 * A step of model ``i`` with batch size ``b`` takes the deterministic time ``step_latency[i][b - 1]`` seconds.
+* Optionally, a request moving from ``i`` to ``j != i`` joins ``j``'s queue ``transit[i][j]`` seconds after its step
+  ended (the handoff's way between the models: a served deployment's response thread, sockets and router). Only the
+  simulator models transit; the Markov chain refuses a model with any.
 * *Delayed batching*: an idle subserver ``i`` starts a step only when at least ``B_i`` requests wait in its queue; the
   batch is then ``min(queue, max_batch[i])``. Because a waiting subserver holds at most ``B_i - 1`` requests, if
   ``sum(B_i - 1) >= N`` all ``N`` requests can end up parked in queues with no subserver allowed to start (deadlock);
@@ -41,6 +44,8 @@ class SystemModel:
         tokens: ``M x M``; ``tokens[i][j]`` tokens are committed by a request that steps on ``i`` and goes next to
             ``j``. ``None`` means 1.0 everywhere.
         max_batch: optional per-model cap on the batch size (``None``: no cap beyond ``N``).
+        transit: optional ``M x M`` seconds a request moving from ``i`` to ``j`` spends between the models (the
+            diagonal is ignored: a request that stays is queued at once). ``None`` means none.
     """
 
     concurrency: int
@@ -48,6 +53,7 @@ class SystemModel:
     step_latency: list[list[float]]
     tokens: list[list[float]] | None = None
     max_batch: list[int] | None = None
+    transit: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
         n = self.concurrency
@@ -91,6 +97,19 @@ class SystemModel:
             self.tokens = [[float(t) for t in row] for row in self.tokens]
             if any(not math.isfinite(t) or t < 0.0 for row in self.tokens for t in row):
                 raise ValueError(f"tokens must be non-negative and finite: {self.tokens}")
+
+        if self.transit is not None:
+            if len(self.transit) != m or any(len(row) != m for row in self.transit):
+                raise ValueError(f"transit must be {m}x{m}")
+            self.transit = [[0.0 if i == j else float(t) for j, t in enumerate(row)]
+                            for i, row in enumerate(self.transit)]
+            if any(not math.isfinite(t) or t < 0.0 for row in self.transit for t in row):
+                raise ValueError(f"transit must be non-negative and finite: {self.transit}")
+
+    @property
+    def has_transit(self) -> bool:
+        """Some move between two models takes time (which only the simulator models)."""
+        return self.transit is not None and any(t > 0.0 for row in self.transit for t in row)
 
     @property
     def num_models(self) -> int:
