@@ -100,10 +100,11 @@ class ModelConfig:
     stream_priority: Literal["normal", "high"] = "normal"
     # SMs this model's steps may use (CUDA green contexts, torch.cuda.green_contexts; 0: all of them). A model
     # beside it on the same GPU then always finds the other SMs free: the large model's matmuls, bound by memory
-    # bandwidth, may lose little on fewer SMs, and the small model's short kernels stop queueing behind them. Works in
-    # process and served (an MPS client); measured on an H200, 0.6B + 32B: the 0.6B's steps got faster, the 32B's
-    # slower, routed throughput no higher (perf/results/green_h200_2026-12-03), hence off by default.
-    # Hopper hands out SMs in groups of 8. A green context's stream has the normal priority.
+    # bandwidth, may lose little on fewer SMs, and the small model's short kernels stop queueing behind them.
+    # Green contexts also work in an MPS client (the served layout: probed, not served). Measured in process on an
+    # H200, 0.6B + 32B: the 0.6B's steps got faster, the 32B's slower, routed throughput no higher
+    # (perf/results/green_h200_2026-12-03), hence off by default. Hopper hands out SMs in groups of 8. A green
+    # context's stream has the normal priority.
     num_sms: int = _spec(0, ge=0, accepts="an integer >= 0 (0: all SMs)")
     # Before the model reports ready, run throwaway batches through it (prefills, extends, mixed and sampled
     # batches, a chunked prompt) so that no request pays for a kernel compile (engine/warmup.py). GPU only.
