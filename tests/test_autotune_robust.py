@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tokenrouter.engine.autotune import MAX_SOLVED_N, TunedThresholds, solve_thresholds
+from tokenrouter.engine.autotune import MAX_SOLVED_N, TunedThresholds, solve_thresholds, system_model
 from tokenrouter.engine.step_stats import StepStats
 from tokenrouter.tuning import SystemModel, choose_thresholds, rank_by_simulation, sanitize_latency, simulate, solve
 from tokenrouter.tuning.markov import STATE_BUDGET, build_chain, default_tick, estimated_states
@@ -240,6 +240,26 @@ def test_snapshot_round_trips_through_json() -> None:
     )
 
 
+def test_transit_travels_and_counts_in_the_expected_throughput() -> None:
+    """Handoffs' transit measured at each target crosses the snapshot, lands in the tuning model, and lowers the
+    expected tokens/s of the chosen vector (which is ranked as before: the ranking does not see transit)."""
+    pair = ["small", "large"]
+    plain = two_model_stats()
+    slow = {m: StepStats.from_snapshot(json.loads(json.dumps(s.snapshot()))) for m, s in two_model_stats().items()}
+    for _ in range(3):
+        slow["large"].record_transit("small", 0.004)
+        slow["small"].record_transit("large", 0.006)
+    slow["small"].record_transit("large", 99.0)  # another clock: not a transit
+    back = {m: StepStats.from_snapshot(json.loads(json.dumps(s.snapshot()))) for m, s in slow.items()}
+    assert back["small"].mean_transit("large") == pytest.approx(0.006) and back["small"].mean_transit("x") is None
+    model = system_model(pair, back, N)
+    assert model.transit == [[0.0, pytest.approx(0.004)], [pytest.approx(0.006), 0.0]]
+    assert not system_model(pair, plain, N).has_transit
+    fast, delayed = solve_thresholds(pair, plain, N), solve_thresholds(pair, back, N)
+    assert delayed.thresholds == fast.thresholds and delayed.method == fast.method
+    assert delayed.predicted_tok_s < 0.97 * fast.predicted_tok_s
+
+
 def good_snapshot() -> dict[str, Any]:
     return json.loads(json.dumps(two_model_stats()["small"].snapshot()))
 
@@ -260,7 +280,13 @@ def broken(**changes: Any) -> dict[str, Any]:
         pytest.param([], id="not-a-mapping"),
         pytest.param(broken(rows=KeyError), id="missing-key"),
         pytest.param({**good_snapshot(), "extra": 1}, id="extra-key"),
-        pytest.param(broken(version=2), id="future-version"),
+        pytest.param(broken(version=3), id="future-version"),
+        pytest.param(broken(version=1), id="old-version"),
+        pytest.param(broken(transit={"large": [0.001]}), id="short-transit"),
+        pytest.param(broken(transit={"large": [-0.001, 1]}), id="negative-transit"),
+        pytest.param(broken(transit={"large": [0.001, 0]}), id="transit-without-handoffs"),
+        pytest.param(broken(transit={"large": [60.0, 2]}), id="transit-from-another-clock"),
+        pytest.param(broken(transit={"": [0.001, 1]}), id="transit-unnamed-source"),
         pytest.param(broken(latency={"0": [0.01, 1]}), id="batch-zero"),
         pytest.param(broken(latency={"x": [0.01, 1]}), id="batch-not-a-number"),
         pytest.param(broken(latency={"1": [0.01, True]}), id="bool-count"),

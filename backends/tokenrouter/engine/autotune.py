@@ -21,9 +21,13 @@ from pathlib import Path
 from tokenrouter.engine.step_stats import StepStats
 from tokenrouter.tuning.choose import TOTAL_STATE_BUDGET, Method, choose_thresholds
 from tokenrouter.tuning.markov import DEFAULT_MAX_STATES
+from tokenrouter.tuning.simulator import simulate
 from tokenrouter.tuning.system import SystemModel, sanitize_latency
 
 log = logging.getLogger(__name__)
+
+TRANSIT_SIM_STEPS = 8_000
+"""Simulated steps for the chosen vector's throughput with transit (~1-2 % noise at N = 8, tens of ms)."""
 
 # Largest concurrency solved, by number of models: C(N - 1 + M, M) candidates (136 for M=2, N=16; 120 for M=3, N=8).
 MAX_SOLVED_N = {1: 64, 2: 16, 3: 8}
@@ -62,17 +66,24 @@ def solve_thresholds(
     system = system_model(models, stats, concurrency)
     if system is None:
         return None
-    choice = choose_thresholds(system, state_budget=state_budget, max_states=max_states)
+    # The candidates are ranked without the handoffs' transit (it delays every vector's moves alike, and the exact
+    # chain cannot model it); the chosen vector's expected tokens/s counts it (served: ~1-2 ms a handoff, 4-7 %
+    # of the C=1..8 throughput on an H200, perf/results/green_h200_2026-12-03).
+    choice = choose_thresholds(dataclasses.replace(system, transit=None), state_budget=state_budget,
+                               max_states=max_states)
+    expected = choice.throughput
+    if system.has_transit:
+        expected = simulate(system, choice.thresholds, num_steps=TRANSIT_SIM_STEPS).throughput
     best = dict(zip(models, choice.thresholds))
     n = system.concurrency
-    log.info("auto thresholds for N=%d: %s (%.1f tok/s expected, %s)", n, best, choice.throughput, choice.method)
-    return TunedThresholds(best, choice.throughput, choice.method, n)
+    log.info("auto thresholds for N=%d: %s (%.1f tok/s expected, %s)", n, best, expected, choice.method)
+    return TunedThresholds(best, expected, choice.method, n)
 
 
 def system_model(models: list[str], stats: Mapping[str, StepStats], concurrency: int) -> SystemModel | None:
-    """The Markov model's inputs from measurements: each model's routing row and tokens per step, and its
-    step latency by batch size, for `concurrency` requests (capped by :data:`MAX_SOLVED_N`); None while some
-    model has no measurements yet."""
+    """The tuning model's inputs from measurements: each model's routing row and tokens per step, its step
+    latency by batch size, and the mean transit of a handoff between two models where one was measured, for
+    `concurrency` requests (capped by :data:`MAX_SOLVED_N`); None while some model has no measurements yet."""
     n = min(concurrency, MAX_SOLVED_N.get(len(models), 4))
     if n < 1 or not models:
         return None
@@ -90,7 +101,9 @@ def system_model(models: list[str], stats: Mapping[str, StepStats], concurrency:
         # The table comes from measurements and extrapolation; an entry of ~0 would count as a free step to the
         # tuner (and, as the tick's scale, once made the chain explode), so bound it by what batching allows.
         latency.append(sanitize_latency(table))
-    return SystemModel(concurrency=n, route_probs=rows, step_latency=latency, tokens=tokens)
+    # transit[i][j]: measured where it ends (at model j, from model i)
+    transit = [[stats[dst].mean_transit(src) or 0.0 for dst in models] for src in models]
+    return SystemModel(concurrency=n, route_probs=rows, step_latency=latency, tokens=tokens, transit=transit)
 
 
 def solve_in_subprocess(

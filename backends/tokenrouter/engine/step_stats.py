@@ -1,5 +1,6 @@
-"""What a subserver measures about itself for threshold tuning: step latency by batch size, and where
-its requests go after a step (routing rates, and how many tokens such a step commits).
+"""What a subserver measures about itself for threshold tuning: step latency by batch size, where its requests
+go after a step (routing rates, and how many tokens such a step commits), and how long a handoff takes to reach it
+from each other model (the transit).
 
 The served deployment runs each subserver in its own process and solves thresholds in the router's, so the
 measurements cross a process boundary as a plain, JSON-safe :meth:`StepStats.snapshot`, rebuilt (and validated) by
@@ -15,8 +16,10 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-SNAPSHOT_VERSION = 1
-_SNAPSHOT_KEYS = {"version", "latency", "rows", "moves", "committed_on_move"}
+SNAPSHOT_VERSION = 2
+_SNAPSHOT_KEYS = {"version", "latency", "rows", "moves", "committed_on_move", "transit"}
+MAX_TRANSIT_S = 10.0
+"""A longer handoff transit is not one: a stamp from another clock (or a suspended process); it is not counted."""
 
 
 class StepStats:
@@ -27,6 +30,8 @@ class StepStats:
         self.rows = 0  # requests that sampled a token here
         self.moves: dict[str, int] = defaultdict(int)  # target model -> requests sent there
         self.committed_on_move: dict[str, int] = defaultdict(int)  # ... of which committed their token
+        self.transit_sum: dict[str, float] = defaultdict(float)  # source model -> seconds of its handoffs' way here
+        self.transit_count: dict[str, int] = defaultdict(int)
 
     def record_step(self, batch_size: int, seconds: float) -> None:
         # One zero, negative or NaN reading (a clock glitch) would poison the mean of its batch size forever.
@@ -43,6 +48,20 @@ class StepStats:
             if target is not None:
                 self.moves[target] += 1
                 self.committed_on_move[target] += int(committed)
+
+    def record_transit(self, source: str, seconds: float) -> None:
+        """A handoff from `source` reached this model `seconds` after it left there."""
+        if not (math.isfinite(seconds) and 0.0 <= seconds <= MAX_TRANSIT_S):
+            return
+        with self._lock:
+            self.transit_sum[source] += seconds
+            self.transit_count[source] += 1
+
+    def mean_transit(self, source: str) -> float | None:
+        """Mean seconds of a handoff's way from `source` to this model, or None before one was measured."""
+        with self._lock:
+            n = self.transit_count.get(source, 0)
+            return self.transit_sum[source] / n if n else None
 
     def latency_table(self, max_batch: int) -> list[float] | None:
         """Mean step time for batch sizes 1..max_batch, or None before any step was timed.
@@ -109,6 +128,7 @@ class StepStats:
                 "rows": int(self.rows),
                 "moves": {m: int(c) for m, c in self.moves.items()},
                 "committed_on_move": {m: int(c) for m, c in self.committed_on_move.items()},
+                "transit": {m: [float(self.transit_sum[m]), int(c)] for m, c in self.transit_count.items() if c},
             }
 
     @classmethod
@@ -149,6 +169,15 @@ class StepStats:
                 raise ValueError(f"committed_on_move[{target!r}] exceeds moves[{target!r}]")
         if sum(out.moves.values()) > out.rows:
             raise ValueError(f"moves ({sum(out.moves.values())}) exceed rows ({out.rows})")
+        for source, value in _mapping(d["transit"], "transit").items():
+            if not isinstance(value, (list, tuple)) or len(value) != 2:
+                raise ValueError(f"transit[{source!r}] must be [seconds_sum, count], got {value!r}")
+            total = _seconds(value[0], f"transit[{source!r}] sum")
+            count = _count(value[1], f"transit[{source!r}] count")
+            if count < 1 or total > MAX_TRANSIT_S * count:
+                raise ValueError(f"transit[{source!r}] needs at least one handoff of at most {MAX_TRANSIT_S} s, "
+                                 f"got {value!r}")
+            out.transit_sum[_name(source)], out.transit_count[source] = total, count
         return out
 
 

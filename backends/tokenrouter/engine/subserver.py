@@ -162,6 +162,7 @@ class Subserver:
 
     def submit(self, msg: Arrive | Append | Release) -> None:
         """Thread-safe: queue a message for the loop thread."""
+        self.note_arrival(msg)
         self.inbox.put(msg)
         self._wake.set()
 
@@ -176,6 +177,12 @@ class Subserver:
             except Exception as e:  # a malformed or out-of-order message fails its request, not the loop
                 log.exception("%s: could not handle %s", self.name, type(msg).__name__)
                 self._fail_request(msg.request_id, f"model {self.name!r} rejected the request: {e}")
+
+    def note_arrival(self, msg: Arrive | Append | Release) -> None:
+        """A message reached this model (thread-safe): a handoff's way here from its source model is measured now.
+        What follows, the wait until the loop takes it on, the tuner models as queueing."""
+        if isinstance(msg, Arrive) and msg.source is not None and msg.sent_at is not None:
+            self.stats.record_transit(msg.source, time.monotonic() - msg.sent_at)
 
     def handle(self, msg: Arrive | Append | Release) -> None:
         if isinstance(msg, Arrive):
@@ -424,12 +431,14 @@ class Subserver:
         seen[self.name] = seen[target] = len(seq.token_ids)
         seq.seen, seq.lease = seen, None
         self.scheduler.park(seq)
+        now = time.monotonic()
         arrive = Arrive(
-            seq.request_id, suffix, first, seq.num_prompt_tokens, seq.params, seq.state, self.name, seen
+            seq.request_id, suffix, first, seq.num_prompt_tokens, seq.params, seq.state, self.name, seen,
+            sent_at=now,
         )
         timeline = self.timeline  # read once: it may be switched off from another thread
         if timeline is not None:
-            timeline.handoff(seq.request_id, target, time.monotonic())
+            timeline.handoff(seq.request_id, target, now)
         self.emit(Handoff(self.name, target, arrive))
         self._handed_off = True
 

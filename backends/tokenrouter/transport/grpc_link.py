@@ -13,6 +13,7 @@ often (serving/server.py passes `keepalive_flags()` to tritonserver: its default
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -26,7 +27,7 @@ import numpy as np
 
 from tokenrouter.transport import codec
 from tokenrouter.transport.ipc import RETRY_AFTER_S
-from tokenrouter.transport.messages import Failed, Released
+from tokenrouter.transport.messages import Arrive, Failed, Handoff, Released
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class GrpcLink:
             if error is None:
                 out = result.as_numpy("tokenrouter_events")
                 if out is not None:
-                    self._on_events(codec.decode(out.reshape(-1)[0]))
+                    self._on_events(_without_clock(codec.decode(out.reshape(-1)[0])))
                 return
             text = error.message() if hasattr(error, "message") else str(error)
             status = error.status() if hasattr(error, "status") else None
@@ -187,7 +188,7 @@ class GrpcLink:
             while len(self._sent) > SENT_REMEMBERED:
                 self._sent.popitem(last=False)
         try:
-            self._request(client, conn, codec.encode(messages), request_id)
+            self._request(client, conn, codec.encode(_without_clock(messages)), request_id)
         except Exception as e:
             self._lost(conn, str(e))
             raise ConnectionError(f"model {self.model!r} at {self.url} went away: {e}") from None
@@ -197,6 +198,19 @@ class GrpcLink:
             client, self._client, self._conn = self._client, None, None
         if client is not None:
             _close(client)
+
+
+def _without_clock(messages: list[Any]) -> list[Any]:
+    """The messages with their handoff stamps (`Arrive.sent_at`) dropped: another machine's monotonic clock is
+    not comparable with ours, so a transit measured across the link would be noise."""
+    out = []
+    for m in messages:
+        if isinstance(m, Arrive) and m.sent_at is not None:
+            m = dataclasses.replace(m, sent_at=None)
+        elif isinstance(m, Handoff) and m.arrive.sent_at is not None:
+            m = dataclasses.replace(m, arrive=dataclasses.replace(m.arrive, sent_at=None))
+        out.append(m)
+    return out
 
 
 def _close(client: Any) -> None:

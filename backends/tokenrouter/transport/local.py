@@ -43,7 +43,9 @@ class SteppedTransport(_Local):
         self.events.append(ev)
 
     def deliver(self, model: str, msg: Message) -> None:
-        self.subservers[model].handle(msg)
+        sub = self.subservers[model]
+        sub.note_arrival(msg)
+        sub.handle(msg)
         self.pump()
 
     def pump(self) -> None:

@@ -28,6 +28,10 @@ class Arrive:
     # The target's current delayed-batching threshold, for transports where the coordinator cannot set it
     # directly (piggybacked: no extra message per change).
     threshold: int | None = None
+    # time.monotonic() when the source model handed the request off: the target measures the handoff's way
+    # between the models (the tuner's transit). One clock for the processes of one machine; a link to another
+    # machine drops it (transport/grpc_link.py).
+    sent_at: float | None = None
 
 
 @dataclass

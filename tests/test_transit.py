@@ -1,0 +1,45 @@
+"""A handoff's way between two models (the tuner's transit): stamped by the source model, measured where it
+arrives, kept within one machine's clock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from test_stepped_finals import engine_for
+from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.transport import codec
+from tokenrouter.transport.grpc_link import _without_clock
+from tokenrouter.transport.messages import Arrive, Commit, Handoff
+
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+
+
+def _arrive(sent_at: float | None) -> Arrive:
+    return Arrive("r1", [5, 6], False, 2, GREEDY, {}, "small", {"small": 2}, sent_at=sent_at)
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["lockstep", "background"])
+def test_routed_handoffs_are_measured_where_they_arrive(tiny_dir: Path, background: bool) -> None:
+    eng = engine_for(tiny_dir, "random/tiny-small_tiny-large.yaml", p=0.3)  # requests move both ways
+    if background:  # each model's own loop thread, messages through its inbox
+        eng.start()
+    try:
+        eng.generate([[5, 6, 7], [100, 200, 300, 400], [17] * 11], GREEDY)
+    finally:
+        if background:
+            eng.shutdown()
+    small, large = eng.subservers["small"].stats, eng.subservers["large"].stats
+    assert large.transit_count["small"] > 0 and small.transit_count["large"] > 0
+    assert 0.0 <= large.mean_transit("small") < 1.0 and 0.0 <= small.mean_transit("large") < 1.0
+    assert "large" not in large.transit_count  # nothing moves from a model to itself
+
+
+def test_the_stamp_crosses_a_local_socket_but_not_a_link_to_another_machine() -> None:
+    stamped = [_arrive(12.5), Handoff("small", "large", _arrive(7.0)), Commit("r1", "small", [3], None, 0)]
+    assert [m.sent_at for m in codec.decode(codec.encode(stamped[:1]))] == [12.5]
+    bare = _without_clock(stamped)
+    assert bare[0].sent_at is None and bare[1].arrive.sent_at is None and bare[2] is stamped[2]
+    assert bare[0].tokens == [5, 6] and bare[1].target == "large"
+    assert stamped[0].sent_at == 12.5 and stamped[1].arrive.sent_at == 7.0  # the caller's messages are untouched
