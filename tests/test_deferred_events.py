@@ -15,8 +15,10 @@ PROMPTS = [[5, 6, 7], [100, 200, 300, 400], [17] * 11, [40, 41, 42, 43, 44, 45, 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
 
 
-def test_a_steps_events_leave_after_the_next_launch(tiny_dir: Path) -> None:
-    eng = engine_for(tiny_dir, "random/tiny-small_tiny-large.yaml", p=0.0)  # stays on the small model
+def _one_request_deferred(tiny_dir: Path, p: float) -> tuple:
+    """(engine, its small subserver, the log of what the subserver launched and sent) with events deferred and
+    one request taken in, not yet stepped."""
+    eng = engine_for(tiny_dir, "random/tiny-small_tiny-large.yaml", p=p)
     sub = eng.subservers["small"]
     log: list[object] = []
     sent = sub._send
@@ -27,6 +29,11 @@ def test_a_steps_events_leave_after_the_next_launch(tiny_dir: Path) -> None:
     eng.add_request(PROMPTS[0], GREEDY)
     eng._pump()
     sub.drain()
+    return eng, sub, log
+
+
+def test_a_steps_events_leave_after_the_next_launch(tiny_dir: Path) -> None:
+    eng, sub, log = _one_request_deferred(tiny_dir, p=0.0)  # stays on the small model
     sub.safe_step()  # the prefill: its first token is committed, and waits
     assert log == ["launch"]
     sub.safe_step()  # launched first, then the prefill's commit leaves; this step's own commit waits
@@ -41,17 +48,7 @@ def test_a_steps_events_leave_after_the_next_launch(tiny_dir: Path) -> None:
 
 def test_a_step_that_hands_off_sends_its_events_at_its_end(tiny_dir: Path) -> None:
     """A handoff is on its request's critical path: it leaves when its step ends, not after the next launch."""
-    eng = engine_for(tiny_dir, "random/tiny-small_tiny-large.yaml", p=1.0)  # every token goes to the large model
-    sub = eng.subservers["small"]
-    log: list[object] = []
-    sent = sub._send
-    sub._send = lambda ev: (log.append(ev), sent(ev))
-    forward = sub.runner.forward
-    sub.runner.forward = lambda chunks: (log.append("launch"), forward(chunks))[1]
-    sub.defer_events()
-    eng.add_request(PROMPTS[0], GREEDY)
-    eng._pump()
-    sub.drain()
+    eng, sub, log = _one_request_deferred(tiny_dir, p=1.0)  # every token goes to the large model
     sub.safe_step()
     assert log[0] == "launch" and isinstance(log[-1], Handoff) and "launch" not in log[1:]
     assert not sub._deferred
