@@ -186,8 +186,10 @@ def run_inprocess(args) -> dict:
                     large_runner.setup_step(None)
                     green = Step(large_runner, large_bm, args.large_batch, args.context, args.large_new)
                     out[variant] = side_by_side(small, green)
-                finally:
-                    large_runner.green_context, large_runner.stream = None, plain_stream
+                finally:  # graphs recaptured on the plain stream before the green context goes
+                    large_runner.stream, large_runner.graphs = plain_stream, None
+                    large_runner.setup_step(None)
+                    large_runner.green_context = None
             elif variant.startswith("carveout"):
                 # Recapture the large model's graphs with its cuBLAS matmuls told to leave K SMs out.
                 torch._C._set_sm_carveout_experimental(int(variant.removeprefix("carveout")))

@@ -30,8 +30,11 @@ for variant in "$@"; do
   tree=$(cd "${spec%%,*}" && pwd)
   settings=(); [ "$spec" != "${spec#*,}" ] && IFS=, read -ra settings <<< "${spec#*,}"
   [ -d "$tree/backends/tokenrouter" ] || { echo "$name: no tree at $tree"; continue; }
-  vcfg=$cfg  # a CONFIG=FILE setting serves this variant from another deployment YAML
-  for s in "${settings[@]}"; do [[ $s == CONFIG=* ]] && vcfg=${s#CONFIG=}; done
+  vcfg=$cfg  # a CONFIG=FILE setting serves this variant from another deployment YAML (not an environment setting)
+  env_settings=()
+  for s in "${settings[@]}"; do if [[ $s == CONFIG=* ]]; then vcfg=${s#CONFIG=}; else env_settings+=("$s"); fi; done
+  settings=("${env_settings[@]}")
+  load=(--config "$vcfg" --prompt-len 100 --output-len 256)
   if [ $(( $(date +%s) - t_start )) -gt ${BUDGET_S:-400} ]; then step "$name skipped: past ${BUDGET_S:-400} s"; continue; fi
   # The stubs import tokenrouter through the interpreter's path: this variant's tree, for every process.
   echo "$tree/backends" > "$sp/tokenrouter-checkout.pth"

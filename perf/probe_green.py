@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenrouter.runner.green import green_stream
+
 
 @triton.jit
 def _spin(x_ptr, out_ptr, iters: tl.constexpr, BLOCK: tl.constexpr):
@@ -65,19 +67,6 @@ def side_by_side(long_fn, long_stream: torch.cuda.Stream, short_fn, short_stream
     return statistics.median(a.elapsed_time(b) for a, b in zip(ev, ev[1:]))
 
 
-def green_stream(num_sms: int) -> tuple[object, torch.cuda.Stream]:
-    from torch.cuda.green_contexts import GreenContext
-
-    ctx = GreenContext.create(num_sms=num_sms, device_id=0)
-    if hasattr(ctx, "Stream"):
-        return ctx, ctx.Stream()
-    ctx.set_context()  # older torch: a stream made while the green context is current belongs to it
-    try:
-        return ctx, torch.cuda.Stream()
-    finally:
-        ctx.pop_context()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sms", default="64,96,112")
@@ -105,7 +94,7 @@ def main() -> None:
     print(f"plain stream: a chain of 100 small matmuls {t_chain:.3f} ms")
     for n in (int(s) for s in args.sms.split(",")):
         try:
-            ctx, gs = green_stream(n)
+            ctx, gs = green_stream(torch.device("cuda", 0), n)
         except Exception as exc:
             print(f"green {n}: create failed: {type(exc).__name__}: {exc}")
             continue

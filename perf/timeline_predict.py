@@ -4,9 +4,10 @@ From one recorded window (perf/timeline.py) and the benchmark's runs in it (perf
 tuning model's inputs are rebuilt the way the deployment measures them itself (engine/step_stats.py: each model's
 mean step time by batch size, which includes the slowdown of sharing the GPU with the other model; where requests
 go after a step), and the simulator (tuning/simulator.py) predicts the long-run tokens/s at the thresholds the
-steps ran with. Once as the deployment's own tuner sees the system (no transit between models) and once with the
+steps ran with. Once from step times and routing alone (how the tuner ranks thresholds) and once with the
 handoffs' measured way between the models (a served timeline's legs "to the router" + "to the process", mean per
-direction): the part of a handoff's transit the model cannot see as queueing at the target.
+direction; what the tuner's expected tokens/s now counts too): the part of a handoff's transit that is not
+queueing at the target.
 
 Committed tokens per move: a row that stays commits its token, and so does one handed back to the entry model (the
 model that ends a lease commits its last token, engine/subserver.py); of the rows that leave the entry model a share
@@ -39,16 +40,17 @@ def system_model(events: list[Event], concurrency: int, output_tokens: int,
                  with_transit: bool) -> tuple[SystemModel, tuple[int, ...], dict[str, Any]]:
     """(the model, the thresholds the steps ran with, what went into it) from the window's events."""
     steps = [e for e in events if e["kind"] == "step"]
-    models = [m for m in dict.fromkeys(e["model"] for e in steps)]
+    models = list(dict.fromkeys(e["model"] for e in steps))
     if len(models) < 2:
         raise ValueError(f"the window holds steps of {len(models)} model(s); a routed deployment needs two or more")
+    entry = next((e["model"] for e in events if e["kind"] == "arrive" and e.get("source") is None), models[0])
+    models.sort(key=lambda m: m != entry)  # the simulator starts every request at model 0: the entry model
     stats = {m: StepStats() for m in models}
     rows = Counter()
     for e in steps:
         stats[e["model"]].record_step(e["batch"], e["end"] - e["start"])
         rows[e["model"]] += e["batch"]
     moves = Counter((e["source"], e["target"]) for e in events if e["kind"] == "handoff")
-    entry = next((e["model"] for e in events if e["kind"] == "arrive" and e.get("source") is None), models[0])
     escalated = sum(n for (src, _), n in moves.items() if src == entry)
     sure = sum(rows.values()) - escalated  # rows that stayed, and rows handed back to the entry model
     commit = min(1.0, max(0.0, (output_tokens - sure) / escalated)) if escalated else 1.0
@@ -81,6 +83,8 @@ def predict(events: list[Event], runs: list[dict[str, Any]], max_wait_s: float |
     """Measured tokens/s against the model's prediction, without and with transit; `max_wait_s`: the deployment's
     bounded wait below a threshold (batching.max_wait_ms)."""
     concurrency = runs[0]["concurrency"]
+    if any(r["concurrency"] != concurrency for r in runs):
+        raise ValueError("the benchmark's runs mix concurrencies: give one point's runs")
     tokens = sum(r["output_tokens"] for r in runs)
     out: dict[str, Any] = {"concurrency": concurrency, "measured_tok_s": measured_rate(runs), "max_wait_s": max_wait_s}
     for label, with_transit in (("no_transit", False), ("transit", True)):

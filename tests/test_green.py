@@ -36,6 +36,7 @@ def test_green_context_generates_the_same_tokens(tiny_dir: Path) -> None:
     del whole
     green = _engine(tiny_dir, 16)
     assert green.runner.green_context is not None and green.runner.graphs is not None
+    assert green.runner.graphs.stream is green.runner.stream  # captured on the green context's stream
     assert [o.token_ids for o in green.generate(prompts, params)] == expected
     assert green.runner.graphs.num_replays > 0  # the captured graphs ran on the green context's stream
 

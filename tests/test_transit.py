@@ -33,7 +33,17 @@ def test_routed_handoffs_are_measured_where_they_arrive(tiny_dir: Path, backgrou
     small, large = eng.subservers["small"].stats, eng.subservers["large"].stats
     assert large.transit_count["small"] > 0 and small.transit_count["large"] > 0
     assert 0.0 <= large.mean_transit("small") < 1.0 and 0.0 <= small.mean_transit("large") < 1.0
-    assert "large" not in large.transit_count  # nothing moves from a model to itself
+
+
+def test_a_malformed_stamp_is_not_measured_and_stops_nothing(tiny_dir: Path) -> None:
+    """Off a socket anything can come: a stamp that is not a number, or no source name, is ignored."""
+    eng = engine_for(tiny_dir, "random/tiny-small_tiny-large.yaml", p=0.3)
+    sub = eng.subservers["large"]
+    for sent_at, source in (("soon", "small"), (True, "small"), (1.0, ""), (1.0, ["small"])):
+        bad = _arrive(None)
+        bad.sent_at, bad.source = sent_at, source
+        sub.note_arrival(bad)
+    assert not sub.stats.transit_count
 
 
 def test_the_stamp_crosses_a_local_socket_but_not_a_link_to_another_machine() -> None:

@@ -19,15 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenrouter.engine.step_stats import StepStats
-from tokenrouter.tuning.choose import TOTAL_STATE_BUDGET, Method, choose_thresholds
+from tokenrouter.tuning.choose import REFINE_FACTOR, SIM_STEPS, TOTAL_STATE_BUDGET, Method, choose_thresholds
 from tokenrouter.tuning.markov import DEFAULT_MAX_STATES
 from tokenrouter.tuning.simulator import simulate
 from tokenrouter.tuning.system import SystemModel, sanitize_latency
 
 log = logging.getLogger(__name__)
 
-TRANSIT_SIM_STEPS = 8_000
-"""Simulated steps for the chosen vector's throughput with transit (~1-2 % noise at N = 8, tens of ms)."""
+TRANSIT_NEGLIGIBLE = 0.01
+"""Transit below this share of the fastest step is left out of the model (in process a handoff takes microseconds:
+the exact chain then still answers)."""
 
 # Largest concurrency solved, by number of models: C(N - 1 + M, M) candidates (136 for M=2, N=16; 120 for M=3, N=8).
 MAX_SOLVED_N = {1: 64, 2: 16, 3: 8}
@@ -39,8 +40,10 @@ class TunedThresholds:
 
     Attributes:
         thresholds: model name -> B_i; feasible for ``concurrency`` (``sum(B_i - 1) < concurrency``).
-        predicted_tok_s: long-run committed tokens per second the tuning model expects under ``thresholds``.
-        method: "markov" (exact chain) or "simulator" (the chain was too large, see tuning/choose.py).
+        predicted_tok_s: long-run committed tokens per second the tuning model expects under ``thresholds`` (simulated
+            with the handoffs' measured transit when there is any).
+        method: how the candidates were ranked: "markov" (exact chain) or "simulator" (the chain was too large, see
+            tuning/choose.py).
         concurrency: the N solved for: the requested concurrency capped by :data:`MAX_SOLVED_N`.
     """
 
@@ -67,13 +70,13 @@ def solve_thresholds(
     if system is None:
         return None
     # The candidates are ranked without the handoffs' transit (it delays every vector's moves alike, and the exact
-    # chain cannot model it); the chosen vector's expected tokens/s counts it (served: ~1-2 ms a handoff, 4-7 %
-    # of the C=1..8 throughput on an H200, perf/results/green_h200_2026-12-03).
+    # chain cannot model it); the chosen vector's expected tokens/s counts it, simulated (served on an H200:
+    # 0.7-1.9 ms a handoff, 4-5 % of the C=1 and C=8 throughput, perf/results/green_h200_2026-12-03).
     choice = choose_thresholds(dataclasses.replace(system, transit=None), state_budget=state_budget,
                                max_states=max_states)
     expected = choice.throughput
     if system.has_transit:
-        expected = simulate(system, choice.thresholds, num_steps=TRANSIT_SIM_STEPS).throughput
+        expected = simulate(system, choice.thresholds, num_steps=REFINE_FACTOR * SIM_STEPS).throughput
     best = dict(zip(models, choice.thresholds))
     n = system.concurrency
     log.info("auto thresholds for N=%d: %s (%.1f tok/s expected, %s)", n, best, expected, choice.method)
@@ -101,8 +104,12 @@ def system_model(models: list[str], stats: Mapping[str, StepStats], concurrency:
         # The table comes from measurements and extrapolation; an entry of ~0 would count as a free step to the
         # tuner (and, as the tick's scale, once made the chain explode), so bound it by what batching allows.
         latency.append(sanitize_latency(table))
-    # transit[i][j]: measured where it ends (at model j, from model i)
+    # transit[i][j]: measured where it ends (at model j, from model i); a direction never measured counts as none
+    # (a link to another machine carries no stamp: its transit is not known, so the expectation is optimistic there)
     transit = [[stats[dst].mean_transit(src) or 0.0 for dst in models] for src in models]
+    fastest = min(row[0] for row in latency)
+    if all(t < TRANSIT_NEGLIGIBLE * fastest for row in transit for t in row):
+        transit = None
     return SystemModel(concurrency=n, route_probs=rows, step_latency=latency, tokens=tokens, transit=transit)
 
 

@@ -154,6 +154,7 @@ class Subserver:
     def flush_events(self) -> None:
         """Emit every deferred event, in order (loop thread only; one taken off at a time, so an event appended
         meanwhile or a send that raises loses nothing)."""
+        self._handed_off = False
         buf = self._deferred
         while buf:
             self._send(buf.popleft())
@@ -182,7 +183,10 @@ class Subserver:
         """A message reached this model (thread-safe): a handoff's way here from its source model is measured now.
         What follows, the wait until the loop takes it on, the tuner models as queueing."""
         if isinstance(msg, Arrive) and msg.source is not None and msg.sent_at is not None:
-            self.stats.record_transit(msg.source, time.monotonic() - msg.sent_at)
+            sent, source = msg.sent_at, msg.source
+            # (off a socket: a malformed stamp is not measured, and must not stop the message)
+            if isinstance(sent, int | float) and not isinstance(sent, bool) and isinstance(source, str) and source:
+                self.stats.record_transit(source, time.monotonic() - sent)
 
     def handle(self, msg: Arrive | Append | Release) -> None:
         if isinstance(msg, Arrive):
@@ -299,7 +303,6 @@ class Subserver:
         if sampling:
             self._route_and_commit(sampling, out, tokens_dev, tokens, values, finite)
             if self._handed_off:  # (defer_events) a handoff leaves now, with what was emitted before it
-                self._handed_off = False
                 self.flush_events()
         self.num_steps += 1
         self.last_batch_size = len(chunks)

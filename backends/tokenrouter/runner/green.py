@@ -15,26 +15,24 @@ import torch
 
 
 def green_stream(device: torch.device, num_sms: int) -> tuple[Any, torch.cuda.Stream]:
-    """(green context, a stream of it) for `num_sms` SMs of `device`. Keep the context alive while the stream is
-    in use. RuntimeError, naming the setting, where this torch, driver or GPU cannot make one."""
-    from torch.cuda import green_contexts
-
+    """(green context, its stream) for `num_sms` SMs of `device`. Keep the context alive while the stream (or a
+    graph captured on it) is in use. RuntimeError, naming the setting, where this torch, driver or GPU cannot
+    make one."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).multi_processor_count
-    if not green_contexts.SUPPORTED:
-        raise RuntimeError(f"num_sms: {num_sms}: this torch ({torch.__version__}) was built without CUDA green "
-                           "contexts; set num_sms: 0 (all SMs)")
     if num_sms > total:
         raise RuntimeError(f"num_sms: {num_sms}: GPU {index} has only {total} SMs")
     try:
-        ctx = green_contexts.GreenContext.create(num_sms=num_sms, device_id=index)
-        if hasattr(ctx, "Stream"):
-            return ctx, ctx.Stream()
-        # Older torch: a stream made while the green context is current belongs to it.
-        ctx.set_context()
-        try:
-            return ctx, torch.cuda.Stream(index)
-        finally:
-            ctx.pop_context()
-    except Exception as exc:  # the driver's refusal (granularity, MPS, an old driver) says why
+        from torch.cuda.green_contexts import SUPPORTED, GreenContext
+    except ImportError:
+        SUPPORTED = False
+    # A green context's own stream is the only one sure to be in it (torch's pooled streams belong to whichever
+    # context was current when the pool was made), and torch offers it from 2.10 on.
+    if not SUPPORTED or not hasattr(GreenContext, "Stream"):
+        raise RuntimeError(f"num_sms: {num_sms}: this torch ({torch.__version__}) has no CUDA green context "
+                           "streams; set num_sms: 0 (all SMs)")
+    try:
+        ctx = GreenContext.create(num_sms=num_sms, device_id=index)
+        return ctx, ctx.Stream()
+    except Exception as exc:  # the driver's refusal (granularity, an old driver) says why
         raise RuntimeError(f"num_sms: {num_sms}: no green context on GPU {index}: {exc}") from exc
