@@ -53,3 +53,29 @@ def test_the_stamp_crosses_a_local_socket_but_not_a_link_to_another_machine() ->
     assert bare[0].sent_at is None and bare[1].arrive.sent_at is None and bare[2] is stamped[2]
     assert bare[0].tokens == [5, 6] and bare[1].target == "large"
     assert stamped[0].sent_at == 12.5 and stamped[1].arrive.sent_at == 7.0  # the caller's messages are untouched
+
+
+class _Events:
+    """A peer gateway's stream response carrying a batch of events (what tritonclient hands the callback)."""
+
+    def __init__(self, payload: str) -> None:
+        self.payload = payload
+
+    def as_numpy(self, name: str):
+        import numpy as np
+
+        return np.array([self.payload.encode()], dtype=np.object_)
+
+
+def test_a_link_to_another_machine_carries_no_stamp_either_way() -> None:
+    from tokenrouter.transport.grpc_link import GrpcLink
+
+    got: list = []
+    link = GrpcLink("large", "127.0.0.1:1", got.extend, lambda: None)
+    link._conn, link._client = "c1", object()
+    link._on_result("c1", _Events(codec.encode([Handoff("large", "small", _arrive(3.0))])), None)
+    assert isinstance(got[0], Handoff) and got[0].arrive.sent_at is None  # the peer's clock: not measured here
+    bodies: list = []
+    link._request = lambda client, conn, body, request_id: bodies.append(body)
+    link.send([_arrive(5.0)])
+    assert codec.decode(bodies[0])[0].sent_at is None
