@@ -158,14 +158,13 @@ def run_ablation(args: argparse.Namespace, out_dir: Path, work: Path) -> None:
 def predicted(system: Any, thresholds: tuple[int, ...]) -> float:
     """The Markov chain's long-run tok/s for `thresholds` (the simulator when the chain is too large, or the
     measured system has handoff transit, which only the simulator models)."""
-    from tokenrouter.tuning.choose import REFINE_FACTOR, SIM_STEPS
+    from tokenrouter.tuning.choose import simulated_throughput
     from tokenrouter.tuning.markov import expected_throughput
-    from tokenrouter.tuning.simulator import simulate
 
     try:
         return float(expected_throughput(system, thresholds))
     except (ValueError, RuntimeError):
-        return float(simulate(system, thresholds, num_steps=REFINE_FACTOR * SIM_STEPS).throughput)
+        return float(simulated_throughput(system, thresholds))
 
 
 def run_sweep(args: argparse.Namespace, out_dir: Path, work: Path) -> None:

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenrouter.engine.step_stats import StepStats
-from tokenrouter.tuning.choose import REFINE_FACTOR, SIM_STEPS, TOTAL_STATE_BUDGET, Method, choose_thresholds
+from tokenrouter.tuning.choose import TOTAL_STATE_BUDGET, Method, choose_thresholds, simulated_throughput
 from tokenrouter.tuning.markov import DEFAULT_MAX_STATES
-from tokenrouter.tuning.simulator import simulate
 from tokenrouter.tuning.system import SystemModel, sanitize_latency
 
 log = logging.getLogger(__name__)
@@ -76,7 +75,7 @@ def solve_thresholds(
                                max_states=max_states)
     expected = choice.throughput
     if system.has_transit:
-        expected = simulate(system, choice.thresholds, num_steps=REFINE_FACTOR * SIM_STEPS).throughput
+        expected = simulated_throughput(system, choice.thresholds)
     best = dict(zip(models, choice.thresholds))
     n = system.concurrency
     log.info("auto thresholds for N=%d: %s (%.1f tok/s expected, %s)", n, best, expected, choice.method)
