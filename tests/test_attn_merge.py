@@ -157,6 +157,8 @@ def test_graph_step_with_merged_o_proj_matches_plain_model(tiny_dir: Path, monke
     monkeypatch.setattr(sg, "skinny_linear", recorded)
     graphed = _runner(tiny_dir, max_tokens=64)
     graphed.setup_step(_hook(graphed), capture=ON_GPU)
+    # On a GPU the graphs were captured just now, with the merge (replays run no Python).
+    assert any(merges) == ON_GPU
     plain = ModelRunner(dataclasses.replace(graphed.cfg, skinny_gemm=False), default_kv_tokens=1024)
     plain.step_hook = graphed.step_hook
     assert all(layer.attn_merge for layer in graphed.model.model.layers)
@@ -168,7 +170,7 @@ def test_graph_step_with_merged_o_proj_matches_plain_model(tiny_dir: Path, monke
                          ([[12], [], [13]], True)):
         merges.clear()
         ours, ref = a.step(toks), b.step(toks)
-        assert any(merges) == merged, toks
+        assert ON_GPU or any(merges) == merged, toks
         torch.testing.assert_close(ours[0], ref[0], rtol=MODEL_TOL, atol=MODEL_TOL)  # logits
         torch.testing.assert_close(ours[1], ref[1], rtol=MODEL_TOL, atol=MODEL_TOL)  # hidden
         assert torch.equal(ours[2], ref[2])  # greedy tokens

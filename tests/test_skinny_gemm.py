@@ -380,13 +380,13 @@ for prologue, residual, split, bm, bk, warps, stages, dot, bias, act, pdl in (
         (1, False, 0, 16, 64, 4, 4, "", 0, 0, True), (2, True, 0, 32, 128, 8, 3, "", 0, 0, False),
         (3, False, 0, 16, 64, 4, 4, "tf32x3", 1, 1, True),
         (1, False, -1, 16, 128, 4, 4, "", 0, 0, True), (1, False, -2, 16, 128, 8, 3, "", 0, 0, False),
-        (4, True, 8, 16, 128, 4, 3, "", 0, 0, True), (4, True, 1, 16, 64, 4, 4, "", 0, 0, False)):
+        (4, True, 16, 16, 128, 8, 3, "", 0, 0, True), (4, True, 1, 16, 64, 4, 4, "", 0, 0, False)):
     kernel = sg._stream_k_gemm_kernel if split == 0 else sg._skinny_gemm_kernel
     # split -1 / -2: the qkv matmul with the QKRope epilogue (one head of 128 per tile), split 2 / 1, q/k norms or not
     rope = {"QK_ROPE": split < 0, "QK_NORM": split == -1, "NUM_HEADS": 16 if split < 0 else 0,
             "NUM_KV_HEADS": 8 if split < 0 else 0, "SPLIT_K": split if split > 0 else 2 if split == -1 else 1}
-    # prologue 4: o_proj merging the attention's splits (16 heads of 128, 16 splits at a time: the 0.6B's)
-    merge = {"MERGE_CHUNK": 16, "MERGE_HEADS": 16, "MERGE_HEAD_DIM": 128, "MERGE_BLOCK_N": 64} if prologue == 4 else {}
+    # prologue 4: o_proj merging the attention's splits (16 heads of 128, 8 splits at a time: the 0.6B's)
+    merge = {"MERGE_CHUNK": 8, "MERGE_HEADS": 16, "MERGE_HEAD_DIM": 128, "MERGE_BLOCK_N": 64} if prologue == 4 else {}
     consts = dict(PROLOGUE=prologue, HAS_BIAS=bool(bias), ACTIVATION=act, HAS_RESIDUAL=residual, FP32_DOT=dot,
                   BLOCK_M=bm, BLOCK_N=128 if split < 0 else 64, BLOCK_K=bk, STATS_BLOCK=16 * 512 // bm,
                   STATS_ITERS=2 if prologue in (1, 3) else 0, PDL=pdl, **(rope if split else {}), **merge)

@@ -66,8 +66,8 @@ TUNED_PATH = Path(__file__).with_name("skinny_gemm_tuned.json")
 # Merge a decode batch's attention splits in the o_proj matmul's prologue (`attn_merge`) instead of a reduce kernel
 # (model.py). TOKENROUTER_ATTN_MERGE=0 keeps the reduce kernel (benchmarks compare both ways).
 ATTN_MERGE = os.environ.get("TOKENROUTER_ATTN_MERGE", "1") != "0"
-# Attention splits the attn_merge prologue loads at once (an unrolled loop; more would cost registers).
-MERGE_CHUNK = 16
+# Attention splits the attn_merge prologue loads at once (rows x splits x a K block of float32 in registers).
+MERGE_CHUNK = 8
 # Apply the table's step-level row caps (`layers`). perf/bench_runner.py turns this off to measure a model at the
 # rows the per-matmul table allows, so that a new cap can come out higher than the last.
 LAYER_CAPS = True
@@ -130,32 +130,32 @@ def _merged_block(part_ptr, lse_ptr, rm, k0, rk, K, row_ok, split_len, kv_len, n
     """Prologue attn_merge: columns k0.. (within one head) of the attention output, merged from its KV splits the way
     triton_attention's reduce kernel merges them (each split's output weighted by exp2(lse - max lse), over the
     weights' sum, rounded to the dtype); a row with no split written, or a block past K (a split's ragged end),
-    comes out 0. The splits go MERGE_CHUNK at a time (their loads issued together), up to the last one any row
-    wrote: a graph launches splits for its longest context, and shorter ones leave the rest empty."""
+    comes out 0. The splits go MERGE_CHUNK at a time, each chunk one [rows, splits, columns] load so that its bytes
+    are in flight together, up to the last split any row wrote (a graph launches splits for its longest context;
+    shorter ones leave the rest empty), with a running maximum as flash attention keeps one."""
     row_ok = row_ok & ((rm * 0 + k0) < K)  # (a tensor: a constant against a scalar argument is a plain bool)
     head = k0 // MERGE_HEAD_DIM
     d = k0 % MERGE_HEAD_DIM + rk
     row = (rm * MERGE_HEADS + head) * num_splits  # [BLOCK_M]: split 0's row of the scratch
     written = tl.where(row_ok & (kv_len > 0), (kv_len + split_len - 1) // tl.maximum(split_len, 1), 0)
     used = tl.minimum(tl.max(written, 0), num_splits)
-    lse_max = tl.full(row.shape, float("-inf"), tl.float32)
-    for s0 in range(0, used, MERGE_CHUNK):
-        for i in tl.static_range(MERGE_CHUNK):
-            sv = rm * 0 + s0 + i
-            ok = row_ok & (sv < num_splits) & (sv * split_len < kv_len)  # the splits the split kernel wrote
-            lse_max = tl.maximum(lse_max, tl.load(lse_ptr + row + sv, mask=ok, other=float("-inf")))
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    c = tl.arange(0, MERGE_CHUNK)
+    m_run = tl.full(row.shape, float("-inf"), tl.float32)
     num = tl.zeros([row.shape[0], rk.shape[0]], dtype=tl.float32)
     den = tl.zeros(row.shape, dtype=tl.float32)
     for s0 in range(0, used, MERGE_CHUNK):
-        for i in tl.static_range(MERGE_CHUNK):
-            sv = rm * 0 + s0 + i
-            ok = row_ok & (sv < num_splits) & (sv * split_len < kv_len)
-            w = tl.exp2(tl.load(lse_ptr + row + sv, mask=ok, other=float("-inf")) - lse_max)  # 0 where not written
-            part = tl.load(part_ptr + (row + sv).to(tl.int64)[:, None] * MERGE_HEAD_DIM + d[None, :],
-                           mask=ok[:, None], other=0.0)
-            num += part * w[:, None]
-            den += w
+        sv = s0 + c  # [MERGE_CHUNK]
+        ok = row_ok[:, None] & (sv[None, :] < num_splits) & (sv[None, :] * split_len[:, None] < kv_len[:, None])
+        lse = tl.load(lse_ptr + row[:, None] + sv[None, :], mask=ok, other=float("-inf"))  # [BLOCK_M, MERGE_CHUNK]
+        part = tl.load(part_ptr + (row[:, None] + sv[None, :]).to(tl.int64)[:, :, None] * MERGE_HEAD_DIM
+                       + d[None, None, :], mask=ok[:, :, None], other=0.0)  # [BLOCK_M, MERGE_CHUNK, BLOCK_K]
+        m_new = tl.maximum(m_run, tl.max(lse, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_ref)
+        w = tl.exp2(lse - m_ref[:, None])  # 0 where not written
+        num = num * alpha[:, None] + tl.sum(part * w[:, :, None], 1)
+        den = den * alpha + tl.sum(w, 1)
+        m_run = m_new
     return (num / tl.where(den > 0.0, den, 1.0)[:, None]).to(dtype)
 
 
@@ -537,6 +537,14 @@ def attn_merge_config(cfg: GemmConfig, n: int, k: int, head_dim: int) -> GemmCon
     return dataclasses.replace(cfg, block_k=block_k, split_k=split, programs=0)
 
 
+def attn_merge_default(n: int, k: int, head_dim: int) -> GemmConfig:
+    """The launch of an o_proj with the `attn_merge` prologue. Every column tile merges the attention's splits of its
+    K range again (from L2: float32 partials, splits x the bf16 output's bytes), so few, wide column tiles, and one
+    head per K split (up to 16) for enough programs; 8 warps for the merge's [rows, splits, columns] loads."""
+    block_n = min(128, triton.next_power_of_2(n))
+    return GemmConfig(block_n, min(head_dim, 128), max(1, min(16, k // head_dim)), num_warps=8, num_stages=3)
+
+
 def block_m(m: int) -> int:
     """The kernel's row tile: tl.dot needs at least 16."""
     return max(16, triton.next_power_of_2(m))
@@ -712,8 +720,7 @@ def workspace_for(shapes: list[tuple[int, int]], rows: int, device: torch.device
         needs += [_split_k_need(qk_rope_config_for(n, k, m, d, device, dtype), m, n, k) for m in tiles]
     if o_proj is not None:
         n, k, d = o_proj
-        needs += [_split_k_need(attn_merge_config(config_for(n, k, m, device, dtype), n, k, d), m, n, k)
-                  for m in tiles]
+        needs += [_split_k_need(attn_merge_config(attn_merge_default(n, k, d), n, k, d), m, n, k) for m in tiles]
     return SplitKWorkspace(device, max(p for p, _ in needs), max(t for _, t in needs))
 
 
@@ -777,7 +784,8 @@ def skinny_linear(
     if partials is not None:
         if qk_rope is not None:
             raise ValueError("attn_merge and qk_rope are different matmuls' ops")
-        cfg = attn_merge_config(config or config_for(N, K, M, x.device, x.dtype), N, K, partials.mid_o.shape[-1])
+        d = partials.mid_o.shape[-1]
+        cfg = attn_merge_config(config or attn_merge_default(N, K, d), N, K, d)
     elif qk_rope is not None:
         if bias is not None or residual is not None or activation != "none":
             raise ValueError("qk_rope takes no bias, activation or residual")
