@@ -48,7 +48,7 @@ def _workspace() -> sg.SplitKWorkspace:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("prologue", [p for p in sg.PROLOGUES if p != "attn_merge"])  # (its own tests: test_attn_merge)
+@pytest.mark.parametrize("prologue", sg.PROLOGUES)
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize(("M", "N", "K", "cfg"), [
     (1, 96, 80, sg.GemmConfig(32, 32, 1)),  # N and K ragged against the tiles
@@ -379,23 +379,18 @@ for prologue, residual, split, bm, bk, warps, stages, dot, bias, act, pdl in (
         (1, False, 1, 16, 256, 4, 3, "", 0, 0, True), (2, True, 8, 16, 64, 8, 4, "", 0, 0, True),
         (1, False, 0, 16, 64, 4, 4, "", 0, 0, True), (2, True, 0, 32, 128, 8, 3, "", 0, 0, False),
         (3, False, 0, 16, 64, 4, 4, "tf32x3", 1, 1, True),
-        (1, False, -1, 16, 128, 4, 4, "", 0, 0, True), (1, False, -2, 16, 128, 8, 3, "", 0, 0, False),
-        (4, True, 16, 16, 128, 8, 3, "", 0, 0, True), (4, True, 1, 16, 64, 4, 4, "", 0, 0, False)):
+        (1, False, -1, 16, 128, 4, 4, "", 0, 0, True), (1, False, -2, 16, 128, 8, 3, "", 0, 0, False)):
     kernel = sg._stream_k_gemm_kernel if split == 0 else sg._skinny_gemm_kernel
     # split -1 / -2: the qkv matmul with the QKRope epilogue (one head of 128 per tile), split 2 / 1, q/k norms or not
     rope = {"QK_ROPE": split < 0, "QK_NORM": split == -1, "NUM_HEADS": 16 if split < 0 else 0,
             "NUM_KV_HEADS": 8 if split < 0 else 0, "SPLIT_K": split if split > 0 else 2 if split == -1 else 1}
-    # prologue 4: o_proj merging the attention's splits (16 heads of 128, 8 splits at a time: the 0.6B's)
-    merge = {"MERGE_CHUNK": 8, "MERGE_HEADS": 16, "MERGE_HEAD_DIM": 128, "MERGE_BLOCK_N": 64} if prologue == 4 else {}
     consts = dict(PROLOGUE=prologue, HAS_BIAS=bool(bias), ACTIVATION=act, HAS_RESIDUAL=residual, FP32_DOT=dot,
                   BLOCK_M=bm, BLOCK_N=128 if split < 0 else 64, BLOCK_K=bk, STATS_BLOCK=16 * 512 // bm,
-                  STATS_ITERS=2 if prologue in (1, 3) else 0, PDL=pdl, **(rope if split else {}), **merge)
+                  STATS_ITERS=2 if prologue in (1, 3) else 0, PDL=pdl, **(rope if split else {}))
     elem = "*fp32" if dot else "*bf16"
     sig = {n: elem if n.endswith("_ptr") else "fp32" if n.endswith("eps") else "i32" for n in kernel.arg_names}
     sig.update(part_ptr="*fp32", count_ptr="*i32", cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64",
-               merge_lse_ptr="*fp32", merge_kv_len_ptr="*i64", merge_cu_ptr="*i64", **{c: "constexpr" for c in consts})
-    if prologue == 4:
-        sig["x_ptr"] = "*fp32"  # the split partials
+               **{c: "constexpr" for c in consts})
     sig = {n: t for n, t in sig.items() if n in kernel.arg_names}
     ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": warps, "num_stages": stages, "launch_pdl": pdl}).asm["ptx"]

@@ -3,28 +3,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from tokenrouter.runner.forward_batch import ForwardBatch
-
-
-@dataclass(frozen=True)
-class SplitPartials:
-    """A decode batch's attention before its KV splits are merged: what `AttentionBackend.forward_partials` hands
-    the next matmul, whose prologue merges them (skinny_gemm's `attn_merge`) instead of a reduce kernel. Row t is
-    sequence t (a decode-only batch); a row whose q_len is not 1 (a CUDA graph's padding) merges to zeros."""
-
-    out: torch.Tensor  # [T, Hq, D]: the shape and dtype of the merged output (never written)
-    mid_o: torch.Tensor  # [B, Hq, num_splits, D] float32, each split's normalised output
-    mid_lse: torch.Tensor  # [B, Hq, num_splits] float32, each split's log2-sum-exp2 of the scores
-    kv_lens: torch.Tensor  # [B]: which splits a sequence wrote follows from its length (`split_len`)
-    cu_seqlens_q: torch.Tensor  # [B + 1]
-    num_splits: int
-    block_n: int  # the split kernel's key tile: split lengths are multiples of it
 
 
 class AttentionBackend(ABC):
@@ -72,13 +56,6 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
         ...
-
-    def forward_partials(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float,
-    ) -> torch.Tensor | SplitPartials:
-        """`forward`, or, where the backend splits a decode batch's context, the splits unmerged (`SplitPartials`)
-        for a caller that merges them in its next kernel."""
-        return self.forward(q, k_cache, v_cache, batch, scale)
 
 
 class TorchAttention(AttentionBackend):

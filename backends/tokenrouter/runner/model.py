@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from tokenrouter.runner.arch import ArchConfig
-from tokenrouter.runner.attention import AttentionBackend, SplitPartials
+from tokenrouter.runner.attention import AttentionBackend
 from tokenrouter.runner.forward_batch import ForwardBatch
 from tokenrouter.runner.layers import RMSNorm, RotaryEmbedding, SwiGLU
 
@@ -87,12 +87,10 @@ class Attention(nn.Module):
 
     def attend(
         self, qkv: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding, backend: AttentionBackend,
-        roped: bool = False, unmerged: bool = False,
-    ) -> torch.Tensor | SplitPartials:  # [T, Hq * D], the input of o_proj
+        roped: bool = False,
+    ) -> torch.Tensor:  # [T, Hq * D], the input of o_proj
         """The fused path between qkv_proj and o_proj: q/k norm, RoPE and the KV write in one kernel, then
-        attention. `roped`: the qkv matmul's epilogue did the first part already (`qk_rope`); q is read in place.
-        `unmerged`: a decode batch's KV splits may come back unmerged (`AttentionBackend.forward_partials`), for
-        o_proj's prologue to merge."""
+        attention. `roped`: the qkv matmul's epilogue did the first part already (`qk_rope`); q is read in place."""
         from tokenrouter.runner import fused_ops
 
         if roped:
@@ -105,12 +103,7 @@ class Attention(nn.Module):
                 self.eps, self.k_cache, self.v_cache, batch.slot_mapping,
                 self.num_heads, self.num_kv_heads, self.head_dim,
             )  # fmt: skip
-        if unmerged:
-            o = backend.forward_partials(q, self.k_cache, self.v_cache, batch, self.scale)
-            if isinstance(o, SplitPartials):
-                return o
-        else:
-            o = backend.forward(q, self.k_cache, self.v_cache, batch, self.scale)
+        o = backend.forward(q, self.k_cache, self.v_cache, batch, self.scale)
         return o.reshape(qkv.shape[0], self.q_size)
 
 
@@ -121,7 +114,6 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(arch.hidden_size, arch.intermediate_size, fused)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused)
-        self.attn_merge = False  # o_proj merges the attention's splits (skinny path; `CausalLM.use_skinny_gemm`)
 
     def forward(self, h, residual, batch, rope, backend):
         # The residual stream travels beside h so that each norm also does the preceding residual add.
@@ -144,21 +136,16 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:  # the next residual stream
         """The layer for a few tokens: four skinny matmuls with the norms, q/k-norm + RoPE + the KV write,
         SwiGLU's activation and the residual adds fused into them, so the layer is six kernels (attention's split
-        and reduce included; seven without the qkv epilogue, `qk_rope` False; eleven on cuBLAS), or five where
-        o_proj merges a decode batch's attention splits itself (`attn_merge`, set by `CausalLM.use_skinny_gemm`).
-        Same roundings as `forward`: the stream is what `forward`'s norms compute as x + residual."""
+        and reduce included; seven without the qkv epilogue, `qk_rope` False; eleven on cuBLAS). Same roundings as
+        `forward`: the stream is what `forward`'s norms compute as x + residual."""
         from tokenrouter.runner.skinny_gemm import skinny_linear
 
         attn, mlp = self.self_attn, self.mlp
         qkv = skinny_linear(stream, attn.qkv_proj.weight, workspace, prologue="rms_norm",
                             norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps,
                             qk_rope=attn.qk_rope(batch, rope) if qk_rope else None)
-        o = attn.attend(qkv, batch, rope, backend, roped=qk_rope, unmerged=self.attn_merge)
-        if isinstance(o, SplitPartials):
-            stream = skinny_linear(o.out.view(o.out.shape[0], -1), attn.o_proj.weight, workspace,
-                                   prologue="attn_merge", partials=o, residual=stream)
-        else:
-            stream = skinny_linear(o, attn.o_proj.weight, workspace, residual=stream)
+        o = attn.attend(qkv, batch, rope, backend, roped=qk_rope)
+        stream = skinny_linear(o, attn.o_proj.weight, workspace, residual=stream)
         gate_up = skinny_linear(stream, mlp.gate_up_proj.weight, workspace, prologue="rms_norm",
                                 norm_weight=self.post_attention_layernorm.weight,
                                 eps=self.post_attention_layernorm.eps)
@@ -209,11 +196,7 @@ class CausalLM(nn.Module):
         a = self.arch
         if skinny_gemm.QKRope.supports(a.head_dim, a.qk_norm, a.qk_norm):
             self.qk_rope_qkv = (shapes[0][0], shapes[0][1], a.head_dim)
-        merge = skinny_gemm.ATTN_MERGE and a.head_dim & (a.head_dim - 1) == 0
-        for layer in self.model.layers:
-            layer.attn_merge = merge
-        self.workspace = skinny_gemm.workspace_for(shapes, self.skinny_max_m, device, dtype, self.qk_rope_qkv,
-                                                   (*shapes[1], a.head_dim) if merge else None)
+        self.workspace = skinny_gemm.workspace_for(shapes, self.skinny_max_m, device, dtype, self.qk_rope_qkv)
         return True
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:  # [T, hidden]

@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -50,24 +49,18 @@ import triton
 import triton.language as tl
 
 from tokenrouter.runner import pdl
-from tokenrouter.runner.attention import SplitPartials
 from tokenrouter.runner.pdl import wait_for_predecessor
 
 log = logging.getLogger(__name__)
 
 MAX_M = 64  # rows the kernel takes; larger batches go to cuBLAS (they are no longer weight-read bound)
 BLOCK_M_SIZES = (16, 32, 64)  # the row tiles up to MAX_M, each a tuned table column
-PROLOGUES = ("none", "rms_norm", "silu_mul", "layer_norm", "attn_merge")
+PROLOGUES = ("none", "rms_norm", "silu_mul", "layer_norm")
 ACTIVATIONS = ("none", "gelu", "relu")
 # Elements per load of the RMSNorm statistics (rows x columns): 16 x 512 is 32 float32 values a thread at 4
 # warps. Wider row tiles load fewer columns at a time, or the unrolled loads spill registers.
 _STATS_ELEMS = 16 * 512
 TUNED_PATH = Path(__file__).with_name("skinny_gemm_tuned.json")
-# Merge a decode batch's attention splits in the o_proj matmul's prologue (`attn_merge`) instead of a reduce kernel
-# (model.py). TOKENROUTER_ATTN_MERGE=0 keeps the reduce kernel (benchmarks compare both ways).
-ATTN_MERGE = os.environ.get("TOKENROUTER_ATTN_MERGE", "1") != "0"
-# Attention splits the attn_merge prologue loads at once (rows x splits x a K block of float32 in registers).
-MERGE_CHUNK = 8
 # Apply the table's step-level row caps (`layers`). perf/bench_runner.py turns this off to measure a model at the
 # rows the per-matmul table allows, so that a new cap can come out higher than the last.
 LAYER_CAPS = True
@@ -114,66 +107,14 @@ def _row_stats(x_rows, m_ok, K, eps, PROLOGUE: tl.constexpr, BLOCK_M: tl.constex
 
 
 @triton.jit
-def _merge_rows(cu_ptr, kv_len_ptr, rm, m_ok, num_splits, MERGE_BLOCK_N: tl.constexpr):
-    """Prologue attn_merge, per row: (whether row t is sequence t's single query, the sequence's split length), as
-    the decode kernels compute them (triton_attention.py)."""
-    tok = tl.load(cu_ptr + rm, mask=m_ok, other=-1)
-    q_len = tl.load(cu_ptr + rm + 1, mask=m_ok, other=0) - tok
-    kv_len = tl.load(kv_len_ptr + rm, mask=m_ok, other=0)
-    split_len = (kv_len + num_splits * MERGE_BLOCK_N - 1) // (num_splits * MERGE_BLOCK_N) * MERGE_BLOCK_N
-    return m_ok & (tok == rm) & (q_len == 1), split_len, kv_len
-
-
-@triton.jit
-def _merged_block(part_ptr, lse_ptr, rm, k0, rk, K, row_ok, split_len, kv_len, num_splits, dtype: tl.constexpr,
-                  MERGE_CHUNK: tl.constexpr, MERGE_HEADS: tl.constexpr, MERGE_HEAD_DIM: tl.constexpr):
-    """Prologue attn_merge: columns k0.. (within one head) of the attention output, merged from its KV splits the way
-    triton_attention's reduce kernel merges them (each split's output weighted by exp2(lse - max lse), over the
-    weights' sum, rounded to the dtype); a row with no split written, or a block past K (a split's ragged end),
-    comes out 0. The splits go MERGE_CHUNK at a time, each chunk one [rows, splits, columns] load so that its bytes
-    are in flight together, up to the last split any row wrote (a graph launches splits for its longest context;
-    shorter ones leave the rest empty), with a running maximum as flash attention keeps one."""
-    row_ok = row_ok & ((rm * 0 + k0) < K)  # (a tensor: a constant against a scalar argument is a plain bool)
-    head = k0 // MERGE_HEAD_DIM
-    d = k0 % MERGE_HEAD_DIM + rk
-    row = (rm * MERGE_HEADS + head) * num_splits  # [BLOCK_M]: split 0's row of the scratch
-    written = tl.where(row_ok & (kv_len > 0), (kv_len + split_len - 1) // tl.maximum(split_len, 1), 0)
-    used = tl.minimum(tl.max(written, 0), num_splits)
-    c = tl.arange(0, MERGE_CHUNK)
-    m_run = tl.full(row.shape, float("-inf"), tl.float32)
-    num = tl.zeros([row.shape[0], rk.shape[0]], dtype=tl.float32)
-    den = tl.zeros(row.shape, dtype=tl.float32)
-    for s0 in range(0, used, MERGE_CHUNK):
-        sv = s0 + c  # [MERGE_CHUNK]
-        ok = row_ok[:, None] & (sv[None, :] < num_splits) & (sv[None, :] * split_len[:, None] < kv_len[:, None])
-        lse = tl.load(lse_ptr + row[:, None] + sv[None, :], mask=ok, other=float("-inf"))  # [BLOCK_M, MERGE_CHUNK]
-        part = tl.load(part_ptr + (row[:, None] + sv[None, :]).to(tl.int64)[:, :, None] * MERGE_HEAD_DIM
-                       + d[None, None, :], mask=ok[:, :, None], other=0.0)  # [BLOCK_M, MERGE_CHUNK, BLOCK_K]
-        m_new = tl.maximum(m_run, tl.max(lse, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_ref)
-        w = tl.exp2(lse - m_ref[:, None])  # 0 where not written
-        num = num * alpha[:, None] + tl.sum(part * w[:, :, None], 1)
-        den = den * alpha + tl.sum(w, 1)
-        m_run = m_new
-    return (num / tl.where(den > 0.0, den, 1.0)[:, None]).to(dtype)
-
-
-@triton.jit
 def _accumulate(acc, x_rows, w_rows, m_ok, n_ok, k_lo, k_hi, K, norm_w_ptr, norm_b_ptr, mean, rstd, dtype: tl.constexpr,
-                PROLOGUE: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_K: tl.constexpr, merge_lse_ptr, rm, row_ok,
-                split_len, kv_len, num_splits, MERGE_CHUNK: tl.constexpr, MERGE_HEADS: tl.constexpr,
-                MERGE_HEAD_DIM: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] += W[cols, k_lo:k_hi] @ prologue(x)[:, k_lo:k_hi]^T (k_lo a multiple of BLOCK_K).
-    Prologue attn_merge reads x_rows' base (the split partials) through `_merged_block` instead."""
+                PROLOGUE: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] += W[cols, k_lo:k_hi] @ prologue(x)[:, k_lo:k_hi]^T (k_lo a multiple of BLOCK_K)."""
     rk = tl.arange(0, BLOCK_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_ok = (k0 + rk) < K
         x_mask = m_ok[:, None] & k_ok[None, :]
-        if PROLOGUE == 4:
-            x = _merged_block(x_rows, merge_lse_ptr, rm, k0, rk, K, row_ok, split_len, kv_len, num_splits, dtype,
-                              MERGE_CHUNK, MERGE_HEADS, MERGE_HEAD_DIM)
-        elif PROLOGUE == 2:
+        if PROLOGUE == 2:
             gate = tl.load(x_rows + k0 + rk[None, :], mask=x_mask, other=0.0).to(tl.float32)
             up = tl.load(x_rows + K + k0 + rk[None, :], mask=x_mask, other=0.0).to(tl.float32)
             # As fused_ops.silu_mul: silu rounded to the dtype, then the product rounded.
@@ -201,7 +142,7 @@ def _accumulate(acc, x_rows, w_rows, m_ok, n_ok, k_lo, k_hi, K, norm_w_ptr, norm
 
 
 # M (the batch's rows) must not pick a variant: Triton would compile one for M == 1 and for multiples of 16.
-@triton.jit(do_not_specialize=["M", "num_splits"])
+@triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr,  # [M, K] (prologue silu_mul: [M, 2K], gate then up), row stride stride_x
     w_ptr,  # [N, K], row stride stride_w
@@ -234,11 +175,7 @@ def _skinny_gemm_kernel(
     stride_kh,
     stride_vc,
     stride_vh,
-    merge_lse_ptr,  # ATTN_MERGE (PROLOGUE 4; x_ptr is then the split partials [M, MERGE_HEADS, num_splits, D]):
-    merge_kv_len_ptr,  # [M, MERGE_HEADS, num_splits] log2-sum-exp2s, the sequences' [M] KV lengths and
-    merge_cu_ptr,  # [M + 1] cu_seqlens_q
-    num_splits,
-    PROLOGUE: tl.constexpr,  # 0 none, 1 rms_norm, 2 silu_mul, 3 layer_norm, 4 attn_merge
+    PROLOGUE: tl.constexpr,  # 0 none, 1 rms_norm, 2 silu_mul, 3 layer_norm
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,  # 0 none, 1 gelu (erf), 2 relu
     HAS_RESIDUAL: tl.constexpr,
@@ -254,10 +191,6 @@ def _skinny_gemm_kernel(
     QK_NORM: tl.constexpr = False,  # ... with Qwen3's per-head q/k RMSNorm first
     NUM_HEADS: tl.constexpr = 0,  # QK_ROPE: Hq, then Hkv k heads, then the v heads
     NUM_KV_HEADS: tl.constexpr = 0,
-    MERGE_CHUNK: tl.constexpr = 0,  # ATTN_MERGE: splits merged at a time (`MERGE_CHUNK` below)
-    MERGE_HEADS: tl.constexpr = 0,  # ... the attention's query heads, head_dim and key tile (`SplitPartials`)
-    MERGE_HEAD_DIM: tl.constexpr = 0,
-    MERGE_BLOCK_N: tl.constexpr = 0,
 ):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K): program (n, s) owns columns n*BLOCK_N.. over the s-th K range."""
     wait_for_predecessor(PDL)
@@ -271,16 +204,11 @@ def _skinny_gemm_kernel(
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
     mean, rstd = _row_stats(x_rows, m_ok, K, eps, PROLOGUE, BLOCK_M, STATS_BLOCK, STATS_ITERS)
-    row_ok, split_len, kv_len = m_ok, rm, rm
-    if PROLOGUE == 4:
-        x_rows = x_ptr  # the partials, indexed by `_merged_block`
-        row_ok, split_len, kv_len = _merge_rows(merge_cu_ptr, merge_kv_len_ptr, rm, m_ok, num_splits, MERGE_BLOCK_N)
 
     k_begin = pid_k * k_per_split
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc = _accumulate(acc, x_rows, w_rows, m_ok, n_ok, k_begin, k_begin + k_per_split, K, norm_w_ptr, norm_b_ptr,
-                      mean, rstd, dtype, PROLOGUE, FP32_DOT, BLOCK_K, merge_lse_ptr, rm, row_ok, split_len, kv_len,
-                      num_splits, MERGE_CHUNK, MERGE_HEADS, MERGE_HEAD_DIM)
+                      mean, rstd, dtype, PROLOGUE, FP32_DOT, BLOCK_K)
 
     out_offs = rm[None, :] * N + rn[:, None]  # [BLOCK_N, BLOCK_M] view of out[M, N]
     out_mask = n_ok[:, None] & m_ok[None, :]
@@ -363,8 +291,7 @@ def _stream_k_gemm_kernel(
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc = _accumulate(acc, x_rows, w_rows, m_ok, n_ok, (u - tile_start) * BLOCK_K, (seg_end - tile_start) * BLOCK_K,
-                          K, norm_w_ptr, norm_b_ptr, mean, rstd, dtype, PROLOGUE, FP32_DOT, BLOCK_K, x_ptr, rm, m_ok,
-                          rm, rm, 0, 0, 0, 0)  # (no attn_merge prologue here)
+                          K, norm_w_ptr, norm_b_ptr, mean, rstd, dtype, PROLOGUE, FP32_DOT, BLOCK_K)
         out_offs = rm[None, :] * N + rn[:, None]
         out_mask = n_ok[:, None] & m_ok[None, :]
         if (u == tile_start) & (seg_end == tile_start + iters):
@@ -486,21 +413,6 @@ class QKRope:
                                      self.num_heads, self.num_kv_heads, d)
 
 
-def _check_partials(p: SplitPartials, m: int, k: int, x: torch.Tensor) -> None:
-    """`partials` fit an [m, k] input x (prologue attn_merge): one decode row per sequence, heads x head_dim = k."""
-    b, heads, splits, d = p.mid_o.shape
-    if b != m or heads * d != k or p.mid_lse.shape != (b, heads, splits) or splits < p.num_splits:
-        raise ValueError(f"attn_merge: partials {tuple(p.mid_o.shape)} / {tuple(p.mid_lse.shape)} with "
-                         f"{p.num_splits} splits do not fit an [{m}, {k}] input")
-    if p.mid_o.dtype != torch.float32 or p.mid_lse.dtype != torch.float32 or not (
-            p.mid_o.is_contiguous() and p.mid_lse.is_contiguous()):
-        raise ValueError("attn_merge: partials must be contiguous float32 (the split kernel's scratch)")
-    if d & (d - 1) or p.num_splits < 1 or p.kv_lens.shape != (b,) or p.cu_seqlens_q.shape != (b + 1,):
-        raise ValueError("attn_merge: head_dim must be a power of two, with kv_lens [M] and cu_seqlens_q [M + 1]")
-    if p.out.dtype != x.dtype:
-        raise ValueError(f"attn_merge: partials.out is {p.out.dtype}, x {x.dtype}")
-
-
 @dataclass(frozen=True)
 class GemmConfig:
     """Launch parameters of one (N, K, M) shape."""
@@ -522,27 +434,6 @@ def qk_rope_config(cfg: GemmConfig, n: int, k: int, head_dim: int) -> GemmConfig
     programs = cfg.programs or triton.cdiv(n, cfg.block_n) * cfg.split_k
     split = max(1, min(16, triton.cdiv(programs, triton.cdiv(n, head_dim)), k // block_k))
     return dataclasses.replace(cfg, block_n=head_dim, block_k=block_k, split_k=split, programs=0)
-
-
-def attn_merge_config(cfg: GemmConfig, n: int, k: int, head_dim: int) -> GemmConfig:
-    """`cfg` reshaped for the `attn_merge` prologue: split-K (a stream-K config becomes a split-K grid of about as
-    many programs) with K blocks that stay within one head, so a block's splits share one log-sum-exp per row."""
-    block_k = min(cfg.block_k, head_dim)
-    while head_dim % block_k:
-        block_k //= 2
-    if cfg.block_k == block_k and not cfg.programs:
-        return cfg
-    programs = cfg.programs or triton.cdiv(n, cfg.block_n) * cfg.split_k
-    split = max(1, min(16, triton.cdiv(programs, triton.cdiv(n, cfg.block_n)), k // block_k))
-    return dataclasses.replace(cfg, block_k=block_k, split_k=split, programs=0)
-
-
-def attn_merge_default(n: int, k: int, head_dim: int) -> GemmConfig:
-    """The launch of an o_proj with the `attn_merge` prologue. Every column tile merges the attention's splits of its
-    K range again (from L2: float32 partials, splits x the bf16 output's bytes), so few, wide column tiles, and one
-    head per K split (up to 16) for enough programs; 8 warps for the merge's [rows, splits, columns] loads."""
-    block_n = min(128, triton.next_power_of_2(n))
-    return GemmConfig(block_n, min(head_dim, 128), max(1, min(16, k // head_dim)), num_warps=8, num_stages=3)
 
 
 def block_m(m: int) -> int:
@@ -708,19 +599,14 @@ def workspace_need(n: int, k: int, m: int, device: torch.device, dtype: torch.dt
 
 
 def workspace_for(shapes: list[tuple[int, int]], rows: int, device: torch.device,
-                  dtype: torch.dtype = torch.bfloat16, qkv: tuple[int, int, int] | None = None,
-                  o_proj: tuple[int, int, int] | None = None) -> SplitKWorkspace:
+                  dtype: torch.dtype = torch.bfloat16, qkv: tuple[int, int, int] | None = None) -> SplitKWorkspace:
     """A workspace big enough for any launch of these (N, K) shapes at up to `rows` rows; with `qkv` (N, K,
-    head_dim), also for that matmul with the `QKRope` epilogue; with `o_proj` (N, K, head_dim), for that one with
-    the `attn_merge` prologue."""
+    head_dim), also for that matmul with the `QKRope` epilogue."""
     tiles = {min(bm, rows) for bm in BLOCK_M_SIZES}  # the most rows of each row tile
     needs = [workspace_need(n, k, m, device, dtype) for n, k in shapes for m in tiles]
     if qkv is not None:
         n, k, d = qkv
         needs += [_split_k_need(qk_rope_config_for(n, k, m, d, device, dtype), m, n, k) for m in tiles]
-    if o_proj is not None:
-        n, k, d = o_proj
-        needs += [_split_k_need(attn_merge_config(attn_merge_default(n, k, d), n, k, d), m, n, k) for m in tiles]
     return SplitKWorkspace(device, max(p for p, _ in needs), max(t for _, t in needs))
 
 
@@ -738,7 +624,6 @@ def skinny_linear(
     residual: torch.Tensor | None = None,
     config: GemmConfig | None = None,
     qk_rope: QKRope | None = None,
-    partials: SplitPartials | None = None,
 ) -> torch.Tensor:
     """activation(prologue(x) @ weight^T + bias) (+ residual) -> new contiguous [M, N] in x's dtype.
 
@@ -747,9 +632,7 @@ def skinny_linear(
     `bias` [N] joins the product before its rounding; activation: "none", "gelu" (erf) or "relu"; `residual`
     [M, N] is added last. A split-K or stream-K config needs `workspace` (SplitKWorkspace). `qk_rope` (a layer's
     qkv matmul, without bias, activation or residual): the output's q columns come out normed and rotated, k and v
-    go to the KV pool (`QKRope`). prologue "attn_merge" (o_proj after a decode batch's split attention): the input
-    is `partials` (`SplitPartials`) merged, and x is `partials.out` viewed as [M, K] (its shape and dtype; never read).
-    Never synchronises, so it can be captured in a CUDA graph.
+    go to the KV pool (`QKRope`). Never synchronises, so it can be captured in a CUDA graph.
     """
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
@@ -774,19 +657,10 @@ def skinny_linear(
         raise ValueError(f"bias must be a contiguous [{N}], got {tuple(bias.shape)}")
     if residual is not None and (residual.shape != (M, N) or residual.stride(-1) != 1):
         raise ValueError(f"residual must be [{M}, {N}] with a contiguous last dim, got {tuple(residual.shape)}")
-    if (prologue == "attn_merge") != (partials is not None):
-        raise ValueError("prologue 'attn_merge' and `partials` come together")
-    if partials is not None:
-        _check_partials(partials, M, K, x)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    if partials is not None:
-        if qk_rope is not None:
-            raise ValueError("attn_merge and qk_rope are different matmuls' ops")
-        d = partials.mid_o.shape[-1]
-        cfg = attn_merge_config(config or attn_merge_default(N, K, d), N, K, d)
-    elif qk_rope is not None:
+    if qk_rope is not None:
         if bias is not None or residual is not None or activation != "none":
             raise ValueError("qk_rope takes no bias, activation or residual")
         qk_rope.check(M, N, x.dtype)
@@ -806,7 +680,7 @@ def skinny_linear(
     else:
         part, counts = out, out  # never read: SPLIT_K == 1 compiles the branch away
     stats_block = _STATS_ELEMS // block_m(M)
-    args = (partials.mid_o if partials is not None else x, weight, out,
+    args = (x, weight, out,
             norm_weight if norm_weight is not None else out,
             norm_bias if norm_bias is not None else out,
             bias if bias is not None else out,
@@ -835,13 +709,6 @@ def skinny_linear(
                     r.cos.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1))
             consts.update(QK_ROPE=True, QK_NORM=r.q_norm_weight is not None, NUM_HEADS=r.num_heads,
                           NUM_KV_HEADS=r.num_kv_heads)
-        p = partials
-        if p is None:
-            merge = (out, out, out, 0)
-        else:
-            merge = (p.mid_lse, p.kv_lens, p.cu_seqlens_q, p.num_splits)
-            consts.update(MERGE_CHUNK=min(MERGE_CHUNK, triton.next_power_of_2(p.num_splits)),
-                          MERGE_HEADS=p.mid_o.shape[1], MERGE_HEAD_DIM=p.mid_o.shape[3], MERGE_BLOCK_N=p.block_n)
-        _skinny_gemm_kernel[(triton.cdiv(N, cfg.block_n), cfg.split_k)](*args, k_per_split, *rest, *rope, *merge,
+        _skinny_gemm_kernel[(triton.cdiv(N, cfg.block_n), cfg.split_k)](*args, k_per_split, *rest, *rope,
                                                                         SPLIT_K=cfg.split_k, **consts)
     return out

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from tokenrouter.runner import pdl
-from tokenrouter.runner.attention import AttentionBackend, SplitPartials
+from tokenrouter.runner.attention import AttentionBackend
 from tokenrouter.runner.forward_batch import ForwardBatch
 from tokenrouter.runner.pdl import wait_for_predecessor
 
@@ -580,42 +580,10 @@ class TritonAttention(AttentionBackend):
         batch: ForwardBatch,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D] in q's dtype
-        state = self._state(batch)
-        q = self._checked(q, k_cache, v_cache)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, Hq, D]
-        if state.num_decode:
-            self._decode(q, k_cache, v_cache, out, batch, state, scale)
-        if state.num_extend:
-            self._extend(q, k_cache, v_cache, out, batch, state, scale)
-        return out
-
-    def forward_partials(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float,
-    ) -> torch.Tensor | SplitPartials:
-        """A decode-only batch in a CUDA graph whose context is split launches only
-        the split kernel and returns its partials; the caller's next kernel merges them (skinny_gemm's
-        `attn_merge` prologue), so the reduce kernel is not launched. Any other batch: `forward`. Graphs only: there
-        the split count is fixed per graph, so the merging kernel's variant is compiled when the graph is captured,
-        never on a request."""
-        state = self._state(batch)
-        if not (state.in_graph and state.num_extend == 0 and q.shape[0] == batch.num_seqs):
-            return self.forward(q, k_cache, v_cache, batch, scale)
-        splits = self._pick_num_splits(q.device, state.num_decode, k_cache.shape[1], state.max_decode_kv_len)
-        if splits == 1:
-            return self.forward(q, k_cache, v_cache, batch, scale)
-        q = self._checked(q, k_cache, v_cache)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        mid_o, mid_lse, block_n = self._decode(q, k_cache, v_cache, out, batch, state, scale, reduce=False)
-        return SplitPartials(out, mid_o, mid_lse, batch.kv_lens, batch.cu_seqlens_q, splits, block_n)
-
-    def _state(self, batch: ForwardBatch) -> _TritonState:
-        if not isinstance(batch.attn_state, _TritonState):
+        state = batch.attn_state
+        if not isinstance(state, _TritonState):
             self.prepare(batch)
-        return batch.attn_state
-
-    @staticmethod
-    def _checked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """q with a contiguous last dim, after checking the three fit the kernels."""
+            state = batch.attn_state
         num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
         if num_heads % num_kv_heads:
             raise ValueError(f"Hq={num_heads} is not a multiple of Hkv={num_kv_heads}")
@@ -624,7 +592,14 @@ class TritonAttention(AttentionBackend):
         if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
             # Copying the pool to fix its layout would cost more than the attention itself.
             raise ValueError("the KV pool must be contiguous along head_dim")
-        return q if q.stride(-1) == 1 else q.contiguous()
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, Hq, D]
+        if state.num_decode:
+            self._decode(q, k_cache, v_cache, out, batch, state, scale)
+        if state.num_extend:
+            self._extend(q, k_cache, v_cache, out, batch, state, scale)
+        return out
 
     def precompile(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
                    scale: float) -> int:
@@ -718,10 +693,7 @@ class TritonAttention(AttentionBackend):
         batch: ForwardBatch,
         state: _TritonState,
         scale: float,
-        reduce: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Launch the split kernel, and the reduce unless `reduce` is False; returns the split scratch and the
-        key tile (`SplitPartials`' fields)."""
+    ) -> None:
         B = batch.num_seqs
         _, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
@@ -741,14 +713,13 @@ class TritonAttention(AttentionBackend):
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group,
             GROUP_PAD=max(16, _next_pow2(group)), PAGE=batch.block_size, DIRECT_OUT=splits == 1, **cfg,
         )  # fmt: skip
-        if splits > 1 and reduce:
+        if splits > 1:
             self._launch(_decode_reduce_kernel, (B, num_heads),
                 mid_o, mid_lse, out, batch.cu_seqlens_q, batch.kv_lens, splits, out.stride(0), out.stride(1),
                 NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_N=cfg["BLOCK_N"],
                 SPLITS_PAD=_next_pow2(splits),
                 num_warps=4, num_stages=1,
             )  # fmt: skip
-        return mid_o, mid_lse, cfg["BLOCK_N"]
 
     def _extend(
         self,
