@@ -6,11 +6,18 @@ the last sampled token (decode). Running sequences go first, in arrival order; t
 admitted while the token budget, the sequence cap and the KV pool allow. When the pool runs dry a running
 sequence first takes the blocks of the longest-parked request (in flight on another model; it re-prefills
 on return), then the most recently admitted sequence is preempted (its blocks freed, recomputed later).
+
+Graph-aware admission (`graph_fits`, set where a model's eager steps cost more than its graph replays): a
+newcomer that would turn a step that a CUDA graph holds into one that runs eagerly (too many tokens for any
+graph, or a prompt chunk that does not sample) waits for the next step, once. On the H200 a small model's burst
+of seven 100-token prompts beside a decoding row (701 tokens, graphs up to 512) ran eagerly for 35 ms of kernel
+launches (perf/results/served_legs_h200_2026-12-03); as a 501-token and a 200-token step it replays two graphs.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 from tokenrouter.engine.block_manager import BlockManager
 from tokenrouter.engine.sequence import SeqStatus, Sequence
@@ -27,6 +34,10 @@ class Scheduler:
         # Requests decoding elsewhere, oldest first: their blocks are the first to go under pressure.
         self.parked: OrderedDict[str, Sequence] = OrderedDict()
         self.num_preemptions = 0
+        # (number of sequences, number of tokens) -> whether a step of them replays a CUDA graph; None: admission
+        # does not look at graphs.
+        self.graph_fits: Callable[[int, int], bool] | None = None
+        self.num_graph_waits = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -83,7 +94,10 @@ class Scheduler:
                     break
             if self._admission_cost(prefix, cached + n) > self.bm.num_free_blocks:
                 break
+            if self._wait_for_graph(chunks, seq, cached, n):
+                break
             self.waiting.popleft()
+            seq.waited_for_graph = False
             self.bm.allocate_prefix(seq, prefix)
             ok = self.bm.ensure(seq, seq.num_computed_tokens + n)
             assert ok
@@ -92,6 +106,22 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
         return chunks
+
+    def _wait_for_graph(self, chunks: list[ScheduledChunk], seq: Sequence, cached: int, n: int) -> bool:
+        """Whether admitting `n` tokens of `seq` would take a step that a CUDA graph holds out of every graph, so
+        that it should wait for the next step instead. Once per admission: the next step admits it whatever it
+        does to the graphs (a prompt too long for any graph beside the others would otherwise never run)."""
+        if self.graph_fits is None or not chunks or seq.waited_for_graph:
+            return False
+        tokens = sum(c.num_new_tokens for c in chunks)
+        if not all(c.samples for c in chunks) or not self.graph_fits(len(chunks), tokens):
+            return False  # eager already: one more chunk costs no graph
+        samples = cached + n == seq.num_tokens  # (a waiting sequence has nothing computed: see `schedule`)
+        if samples and self.graph_fits(len(chunks) + 1, tokens + n):
+            return False
+        seq.waited_for_graph = True
+        self.num_graph_waits += 1
+        return True
 
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Blocks for `n` more tokens of `seq`, preempting from the back of the running list if needed.

@@ -51,6 +51,7 @@ class Sequence:
     lease: Lease | None = None
     seen: dict[str, int] = field(default_factory=dict)
     ready_since: float | None = None  # when it last became ready to be scheduled here (queue-wait metric)
+    waited_for_graph: bool = False  # admission held it back one step to keep a step in a CUDA graph (scheduler)
 
     @property
     def num_tokens(self) -> int:

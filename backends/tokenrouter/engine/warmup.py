@@ -27,6 +27,7 @@ import torch
 
 from tokenrouter.engine.sequence import Sequence
 from tokenrouter.engine.step_stats import StepStats
+from tokenrouter.runner.forward_batch import ScheduledChunk
 from tokenrouter.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -34,6 +35,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Where a step of whole prompts runs this many times slower eagerly than replayed from its CUDA graph, admission
+# makes a newcomer that would push a step out of the graphs wait one step (Scheduler.graph_fits): it then pays
+# about one graph step more, and the step it would have joined saves more than that.
+EAGER_PENALTY = 2.0
 GREEDY = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True, temperature=0.0)
 SAMPLED = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True, temperature=0.8, top_p=0.9, top_k=20, seed=0)
 
@@ -91,6 +96,8 @@ def warm_up(sub: Subserver, max_seqs: int = 16) -> float:
         # with a long context (split attention).
         long = add(2 * budget + 7)
         run(-(-long.num_prompt_tokens // budget) + 2)
+        _finish(sub, seqs)
+        _graph_admission(sub, rng)
     finally:
         _finish(sub, seqs)
         sub.stats = StepStats()
@@ -102,6 +109,45 @@ def warm_up(sub: Subserver, max_seqs: int = 16) -> float:
     seconds = time.perf_counter() - t0
     log.info("%s: warm-up in %.1f s", sub.name, seconds)
     return seconds
+
+
+def _graph_admission(sub: Subserver, rng: random.Random) -> None:
+    """Time a step of whole prompts filling the largest captured extend graph, replayed and eagerly (best of two
+    each); where eager costs over EAGER_PENALTY times the replay (a small model: its eager steps are bound by
+    the host's kernel launches, perf/results/graphs_prefill_h200_2026-12-02), turn on the scheduler's
+    graph-aware admission. A large model's eager prefill is bound by the GPU's work and keeps admitting
+    as before."""
+    graphs = sub.runner.graphs
+    captured = [s for s in (graphs.graphs if graphs is not None else ()) if s.has_extend]
+    if not captured:
+        return
+    shape = max(captured, key=lambda s: (s.num_tokens, s.num_seqs))
+    k = min(4, shape.num_seqs)
+    length = min(shape.num_tokens // k, sub.runner.max_model_len - 1)
+    vocab = sub.runner.arch.vocab_size
+    seqs = [Sequence(f"warm-up-graph-{i}", [rng.randrange(vocab) for _ in range(length)], length, GREEDY)
+            for i in range(k)]
+    bm = sub.block_manager
+    try:
+        if length < 2 or not all(bm.ensure(seq, length) for seq in seqs):
+            return
+        chunks = [ScheduledChunk(seq, length) for seq in seqs]
+        best = {False: float("inf"), True: float("inf")}
+        with sub.runner.stream_context():
+            for eager in (False, True, False, True):
+                torch.cuda.synchronize(sub.runner.device)
+                t0 = time.perf_counter()
+                sub.runner.forward(chunks, eager=eager)
+                torch.cuda.synchronize(sub.runner.device)
+                best[eager] = min(best[eager], time.perf_counter() - t0)
+    finally:
+        for seq in seqs:
+            bm.release(seq)
+    on = best[True] > EAGER_PENALTY * best[False]
+    if on:
+        sub.scheduler.graph_fits = graphs.holds
+    log.info("%s: a step of %d x %d prompt tokens took %.2f ms eagerly, %.2f ms in its graph: graph-aware "
+             "admission %s", sub.name, k, length, best[True] * 1e3, best[False] * 1e3, "on" if on else "off")
 
 
 def _step(sub: Subserver, precompile: bool = False) -> bool:

@@ -280,6 +280,11 @@ class CudaGraphRunner:
             return None
         return pick_shape(self.shapes, len(chunks), sum(c.num_new_tokens for c in chunks))
 
+    def holds(self, num_seqs: int, num_tokens: int) -> bool:
+        """Whether a step of `num_seqs` sequences and `num_tokens` tokens, each sequence sampling, replays a
+        graph (the scheduler's graph-aware admission asks)."""
+        return pick_shape(self.shapes, num_seqs, num_tokens) is not None
+
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], shape: GraphShape) -> GraphOutputs:
         """Replay `shape` for `chunks`; the returned tensors are the graph's own buffers, valid until the next

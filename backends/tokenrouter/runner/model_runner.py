@@ -205,12 +205,13 @@ class ModelRunner:
             self.graphs.capture()
 
     @torch.inference_mode()
-    def forward(self, chunks: list[ScheduledChunk]) -> ForwardOutput:
-        """Run one mixed batch; KV of the new tokens is written to the pool; counters are NOT advanced."""
+    def forward(self, chunks: list[ScheduledChunk], eager: bool = False) -> ForwardOutput:
+        """Run one mixed batch; KV of the new tokens is written to the pool; counters are NOT advanced.
+        `eager`: not through a CUDA graph even where one fits (the warm-up times both ways)."""
         for c in chunks:
             c.seq.num_forwarded_tokens += c.num_new_tokens
         self.num_forwarded_tokens += sum(c.num_new_tokens for c in chunks)
-        shape = self.graphs.fits(chunks) if self.graphs is not None else None
+        shape = self.graphs.fits(chunks) if self.graphs is not None and not eager else None
         if shape is not None:
             out = self.graphs.run(chunks, shape)
             return ForwardOutput(out.logits, out.hidden, out.greedy, out.step_values, out.finite)

@@ -1,0 +1,94 @@
+"""Graph-aware admission (Scheduler.graph_fits): a newcomer that would take a step out of every CUDA graph waits
+one step, once; nothing else changes. The graphs are the served default's shapes (decode up to 64 sequences,
+extends up to 512 tokens, 16 sequences past 128 tokens)."""
+
+from __future__ import annotations
+
+from tokenrouter.engine.block_manager import BlockManager
+from tokenrouter.engine.scheduler import Scheduler
+from tokenrouter.engine.sequence import Sequence
+from tokenrouter.runner.cuda_graph import graph_shapes, pick_shape
+from tokenrouter.sampling_params import SamplingParams
+
+SHAPES = graph_shapes(64, 512, 256)
+
+
+def _holds(num_seqs: int, num_tokens: int) -> bool:
+    return pick_shape(SHAPES, num_seqs, num_tokens) is not None
+
+
+def _seq(rid: str, n: int) -> Sequence:
+    return Sequence(rid, list(range(1, n + 1)), n, SamplingParams(temperature=0.0))
+
+
+def _scheduler(graphs: bool, budget: int = 2048) -> Scheduler:
+    sched = Scheduler(BlockManager(num_blocks=512, block_size=16, enable_prefix_caching=False), 256, budget)
+    sched.graph_fits = _holds if graphs else None
+    return sched
+
+
+def _step(sched: Scheduler) -> list[tuple[str, int]]:
+    """Schedule, pretend the step ran (each sampling row gets a token), return (request, tokens) per chunk."""
+    chunks = sched.schedule()
+    for c in chunks:
+        c.seq.num_computed_tokens += c.num_new_tokens
+        if c.seq.num_computed_tokens == c.seq.num_tokens:
+            c.seq.token_ids.append(7)
+    return [(c.seq.request_id, c.num_new_tokens) for c in chunks]
+
+
+def _decoding(sched: Scheduler) -> Sequence:
+    seq = _seq("dec", 40)
+    sched.add(seq)
+    _step(sched)  # its prefill
+    return seq
+
+
+def test_a_burst_of_prompts_runs_as_two_graph_steps() -> None:
+    """A decoding row and seven 100-token prompts (701 tokens: past the 512-token graphs): five prompts join the
+    decode (501 tokens, a graph); the other two follow in the next step (a graph again)."""
+    sched = _scheduler(graphs=True)
+    _decoding(sched)
+    for i in range(7):
+        sched.add(_seq(f"p{i}", 100))
+    first = _step(sched)
+    assert first == [("dec", 1)] + [(f"p{i}", 100) for i in range(5)]
+    assert _holds(len(first), sum(n for _, n in first)) and sched.num_graph_waits == 1
+    second = _step(sched)
+    assert [r for r, _ in second] == ["dec"] + [f"p{i}" for i in range(7)]
+    assert second[-2:] == [("p5", 100), ("p6", 100)] and _holds(len(second), sum(n for _, n in second))
+
+
+def test_without_graphs_admission_is_unchanged() -> None:
+    sched = _scheduler(graphs=False)
+    _decoding(sched)
+    for i in range(7):
+        sched.add(_seq(f"p{i}", 100))
+    assert len(_step(sched)) == 8 and sched.num_graph_waits == 0
+
+
+def test_a_prompt_no_graph_holds_waits_once() -> None:
+    """600 tokens fit no graph beside the decoding row, nor alone: it waits one step, then runs (eagerly) rather
+    than wait for ever."""
+    sched = _scheduler(graphs=True)
+    _decoding(sched)
+    sched.add(_seq("long", 600))
+    assert _step(sched) == [("dec", 1)]
+    assert _step(sched) == [("dec", 1), ("long", 600)]
+    assert sched.num_graph_waits == 1
+
+
+def test_nothing_to_keep_in_a_graph() -> None:
+    """A prompt no graph holds, admitted into an empty step, makes it eager: what joins it costs no graph."""
+    sched = _scheduler(graphs=True)
+    sched.add(_seq("long", 600))
+    sched.add(_seq("short", 100))
+    assert _step(sched) == [("long", 600), ("short", 100)]
+    assert sched.num_graph_waits == 0
+
+
+def test_a_prompt_that_keeps_the_graph_is_admitted() -> None:
+    sched = _scheduler(graphs=True)
+    _decoding(sched)
+    sched.add(_seq("p", 100))
+    assert _step(sched) == [("dec", 1), ("p", 100)] and sched.num_graph_waits == 0
