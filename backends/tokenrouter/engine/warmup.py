@@ -157,6 +157,12 @@ def _step(sub: Subserver, precompile: bool = False) -> bool:
     chunks = sub.scheduler.schedule()
     if not chunks:
         return False
+    run_chunks(sub, chunks, precompile)
+    return True
+
+
+def run_chunks(sub: Subserver, chunks: list[ScheduledChunk], precompile: bool = False) -> None:
+    """`_step`'s forward pass over `chunks` (what the scheduler picked): tokens appended, nothing routed."""
     if precompile and sub.runner.device.type == "cuda":  # nothing compiles on the CPU (the interpreter runs)
         log.info("%s: %d attention kernel variants compiled", sub.name, sub.runner.precompile(chunks))
     sampling = [c.seq for c in chunks if c.samples]
@@ -173,7 +179,6 @@ def _step(sub: Subserver, precompile: bool = False) -> bool:
             seq.token_ids.append(tok)
             if seq.num_tokens >= sub.runner.max_model_len - 1:  # no room for another position
                 sub.scheduler.finish(seq)
-    return True
 
 
 class NonFiniteLogits(RuntimeError):
