@@ -103,6 +103,7 @@ def warm_up(sub: Subserver, max_seqs: int = 16) -> float:
         sub.stats = StepStats()
         sub.num_steps = 0
         sub.scheduler.num_preemptions = 0
+        sub.scheduler.num_graph_waits = 0
         sub.runner.num_forwarded_tokens = 0
         if sub.runner.graphs is not None:
             sub.runner.graphs.num_replays = 0
