@@ -67,15 +67,54 @@ def test_without_graphs_admission_is_unchanged() -> None:
     assert len(_step(sched)) == 8 and sched.num_graph_waits == 0
 
 
-def test_a_prompt_no_graph_holds_waits_once() -> None:
-    """600 tokens fit no graph beside the decoding row, nor alone: it waits one step, then runs (eagerly) rather
-    than wait for ever."""
+def test_no_wait_where_the_next_step_holds_no_graph_either() -> None:
+    """A wait must buy a graph step: a prompt no graph holds beside the decoding row (600 tokens), a queue of
+    prompts too big for one graph together (six of 300: admitted at once, one eager step, not six graph steps one
+    prompt each), or more rows than the big graphs hold (20 decoding rows beside a 200-token prompt)."""
     sched = _scheduler(graphs=True)
     _decoding(sched)
     sched.add(_seq("long", 600))
-    assert _step(sched) == [("dec", 1)]
     assert _step(sched) == [("dec", 1), ("long", 600)]
-    assert sched.num_graph_waits == 1
+    sched = _scheduler(graphs=True)
+    _decoding(sched)
+    for i in range(6):
+        sched.add(_seq(f"p{i}", 300))
+    assert len(_step(sched)) == 7
+    sched = _scheduler(graphs=False)
+    for i in range(20):
+        sched.add(_seq(f"d{i}", 10))
+    _step(sched)
+    sched.graph_fits = _holds
+    sched.add(_seq("p", 200))
+    assert _step(sched)[-1] == ("p", 200)
+    assert sched.num_graph_waits == 0
+
+
+def test_a_group_waits_once() -> None:
+    """The prompt that waited is admitted next step even where that step again has no graph room for it (a request
+    returning with a 400-token extend), rather than wait again."""
+    sched = _scheduler(graphs=True)
+    _decoding(sched)
+    for i in range(4):
+        sched.add(_seq(f"p{i}", 150))
+    first = _step(sched)  # dec + p0, p1, p2 (451 tokens); p3 (150) waits
+    assert [r for r, _ in first] == ["dec", "p0", "p1", "p2"] and sched.num_graph_waits == 1
+    back = _seq("back", 420)  # its first 20 tokens cached, 400 new: (5 rows, 404 tokens) still fits a graph
+    back.num_computed_tokens = 20
+    assert sched.bm.ensure(back, 420)
+    back.status = back.status.RUNNING
+    sched.running.append(back)
+    second = _step(sched)
+    assert second[-2:] == [("back", 400), ("p3", 150)] and sched.num_graph_waits == 1
+
+
+def test_a_chunk_of_a_longer_prompt_does_not_wait() -> None:
+    """With a token budget below the graphs' (300), a prompt of 400 beside a decoding row runs its first 299
+    tokens at once: waiting would bring a chunk that does not sample next step too."""
+    sched = _scheduler(graphs=True, budget=300)
+    _decoding(sched)
+    sched.add(_seq("p", 400))
+    assert _step(sched) == [("dec", 1), ("p", 299)] and sched.num_graph_waits == 0
 
 
 def test_nothing_to_keep_in_a_graph() -> None:

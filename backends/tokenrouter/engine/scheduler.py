@@ -7,11 +7,12 @@ admitted while the token budget, the sequence cap and the KV pool allow. When th
 sequence first takes the blocks of the longest-parked request (in flight on another model; it re-prefills
 on return), then the most recently admitted sequence is preempted (its blocks freed, recomputed later).
 
-Graph-aware admission (`graph_fits`, set where a model's eager steps cost more than its graph replays): a
-newcomer that would turn a step that a CUDA graph holds into one that runs eagerly (too many tokens for any
-graph, or a prompt chunk that does not sample) waits for the next step, once. On the H200 a small model's burst
-of seven 100-token prompts beside a decoding row (701 tokens, graphs up to 512) ran eagerly for 35 ms of kernel
-launches (perf/results/served_legs_h200_2026-12-03); as a 501-token and a 200-token step it replays two graphs.
+Graph-aware admission (`graph_fits`, set where a model's eager steps cost more than its graph replays): when a
+newcomer would turn a step that a CUDA graph holds into one that runs eagerly (too many tokens or sequences for
+any graph), it and the prompts behind it wait for the next step, once, if they all fit one graph there. On the
+H200 a small model's burst of seven 100-token prompts beside a decoding row (701 tokens, graphs up to 512) ran
+eagerly for 35 ms of kernel launches (perf/results/served_legs_h200_2026-12-03); as a 501-token and a 206-token
+step it replays two graphs (perf/results/graph_admission_h200_2026-12-03).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class Scheduler:
                     break
             if self._admission_cost(prefix, cached + n) > self.bm.num_free_blocks:
                 break
-            if self._wait_for_graph(chunks, seq, cached, n):
+            if self._wait_for_graph(chunks, seq, cached, n, budget):
                 break
             self.waiting.popleft()
             seq.waited_for_graph = False
@@ -107,19 +108,38 @@ class Scheduler:
             budget -= n
         return chunks
 
-    def _wait_for_graph(self, chunks: list[ScheduledChunk], seq: Sequence, cached: int, n: int) -> bool:
-        """Whether admitting `n` tokens of `seq` would take a step that a CUDA graph holds out of every graph, so
-        that it should wait for the next step instead. Once per admission: the next step admits it whatever it
-        does to the graphs (a prompt too long for any graph beside the others would otherwise never run)."""
+    def _wait_for_graph(self, chunks: list[ScheduledChunk], seq: Sequence, cached: int, n: int, budget: int) -> bool:
+        """Whether `seq` (the head of the queue, `n` new tokens after `cached`) and the prompts behind it that this
+        step would admit should all wait for the next step: only where admitting `seq` takes a step that a CUDA
+        graph holds out of every graph, and the whole group then fits one graph beside this step's rows decoding.
+        So a burst runs as two graph steps instead of one eager step, and a wait never saves nothing (a group no
+        graph holds is admitted at once, eager as before) nor repeats (each prompt of the group waits once, and
+        the next step admits it whatever that does to the graphs, as far as KV, budget and sequence cap allow)."""
         if self.graph_fits is None or not chunks or seq.waited_for_graph:
             return False
         tokens = sum(c.num_new_tokens for c in chunks)
         if not all(c.samples for c in chunks) or not self.graph_fits(len(chunks), tokens):
             return False  # eager already: one more chunk costs no graph
-        samples = cached + n == seq.num_tokens  # (a waiting sequence has nothing computed: see `schedule`)
-        if samples and self.graph_fits(len(chunks) + 1, tokens + n):
+        if cached + n < seq.num_tokens:
+            return False  # a chunk of a longer prompt: eager now or next step alike
+        if self.graph_fits(len(chunks) + 1, tokens + n):
+            return False  # it keeps the step in a graph
+        # The group this step would admit from the head on (whole prompts within the budget and the sequence cap;
+        # their prefix-cache hits left out: an upper bound on their tokens).
+        group, group_tokens = [seq], n
+        budget -= n
+        room = self.max_num_seqs - len(self.running) - 1
+        for other in list(self.waiting)[1 : 1 + max(0, room)]:
+            if other.num_tokens > budget:
+                break
+            group.append(other)
+            group_tokens += other.num_tokens
+            budget -= other.num_tokens
+        # Next step: this step's rows decode a token each, beside the group's prompts.
+        if not self.graph_fits(len(chunks) + len(group), len(chunks) + group_tokens):
             return False
-        seq.waited_for_graph = True
+        for other in group:
+            other.waited_for_graph = True
         self.num_graph_waits += 1
         return True
 
