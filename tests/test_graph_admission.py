@@ -106,11 +106,12 @@ def test_a_group_waits_once() -> None:
     sched.running.append(back)
     second = _step(sched)
     assert second[-2:] == [("back", 400), ("p3", 150)] and sched.num_graph_waits == 1
+    assert not any(s.waited_for_graph for s in sched.running)  # admitted: a later admission may wait again
 
 
 def test_a_chunk_of_a_longer_prompt_does_not_wait() -> None:
     """With a token budget below the graphs' (300), a prompt of 400 beside a decoding row runs its first 299
-    tokens at once: waiting would bring a chunk that does not sample next step too."""
+    tokens at once: next step it would be cut into chunks too (eager), so waiting buys nothing."""
     sched = _scheduler(graphs=True, budget=300)
     _decoding(sched)
     sched.add(_seq("p", 400))

@@ -95,7 +95,7 @@ class Scheduler:
                     break
             if self._admission_cost(prefix, cached + n) > self.bm.num_free_blocks:
                 break
-            if self._wait_for_graph(chunks, seq, cached, n, budget):
+            if self._wait_for_graph(chunks, seq, cached, n):
                 break
             self.waiting.popleft()
             seq.waited_for_graph = False
@@ -108,7 +108,7 @@ class Scheduler:
             budget -= n
         return chunks
 
-    def _wait_for_graph(self, chunks: list[ScheduledChunk], seq: Sequence, cached: int, n: int, budget: int) -> bool:
+    def _wait_for_graph(self, chunks: list[ScheduledChunk], seq: Sequence, cached: int, n: int) -> bool:
         """Whether `seq` (the head of the queue, `n` new tokens after `cached`) and the prompts behind it that this
         step would admit should all wait for the next step: only where admitting `seq` takes a step that a CUDA
         graph holds out of every graph, and the whole group then fits one graph beside this step's rows decoding.
@@ -120,14 +120,15 @@ class Scheduler:
         tokens = sum(c.num_new_tokens for c in chunks)
         if not all(c.samples for c in chunks) or not self.graph_fits(len(chunks), tokens):
             return False  # eager already: one more chunk costs no graph
-        if cached + n < seq.num_tokens:
-            return False  # a chunk of a longer prompt: eager now or next step alike
-        if self.graph_fits(len(chunks) + 1, tokens + n):
+        if cached + n == seq.num_tokens and self.graph_fits(len(chunks) + 1, tokens + n):
             return False  # it keeps the step in a graph
-        # The group this step would admit from the head on (whole prompts within the budget and the sequence cap;
-        # their prefix-cache hits left out: an upper bound on their tokens).
-        group, group_tokens = [seq], n
-        budget -= n
+        # Next step: this step's rows decode a token each, beside the group that would wait: whole prompts from the
+        # head on within that step's budget and the sequence cap (their prefix-cache hits left out: an upper bound
+        # on their tokens). A head that would still be cut into chunks runs eagerly then too: no wait.
+        budget = self.max_num_batched_tokens - len(chunks) - (seq.num_tokens - cached)
+        if budget < 0:
+            return False
+        group, group_tokens = [seq], seq.num_tokens - cached
         room = self.max_num_seqs - len(self.running) - 1
         for other in list(self.waiting)[1 : 1 + max(0, room)]:
             if other.num_tokens > budget:
@@ -135,7 +136,6 @@ class Scheduler:
             group.append(other)
             group_tokens += other.num_tokens
             budget -= other.num_tokens
-        # Next step: this step's rows decode a token each, beside the group's prompts.
         if not self.graph_fits(len(chunks) + len(group), len(chunks) + group_tokens):
             return False
         for other in group:

@@ -98,6 +98,7 @@ class Subserver:
         self.timeline: Timeline | None = None
         self._in_step: list[str] = []  # request ids of the step in flight, for failing just those
         self.warmup_s: float | None = None  # how long the warm-up before serving took (None: none ran)
+        self.graph_admission = ""  # what the warm-up measured for graph-aware admission and decided (engine/warmup.py)
 
     @classmethod
     def from_config(

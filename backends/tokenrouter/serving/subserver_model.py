@@ -58,7 +58,8 @@ class SubserverModel:
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self.sub = Subserver.from_config(config, name, self._events.put, load_tokenizer(config.tokenizer_path))
         if self.sub.warmup_s is not None:
-            pb_utils.Logger.log_info(f"model {name!r} on {mcfg.device}: warm-up {self.sub.warmup_s:.1f} s")
+            pb_utils.Logger.log_info(f"model {name!r} on {mcfg.device}: warm-up {self.sub.warmup_s:.1f} s"
+                                     + (f"; {self.sub.graph_admission}" if self.sub.graph_admission else ""))
         self.sub.timeline = Timeline.from_env(name)  # TOKENROUTER_TIMELINE_DIR: record for perf/timeline.py
         self.sub.defer_events()  # the response thread's work overlaps the GPU's step, not the next step's host work
         # Which router connection each request came from: its events go back there.
