@@ -64,3 +64,40 @@ def test_one_update_per_counter_and_batch() -> None:
     pb.log.clear()
     metrics.observe([Released("g", "small", 1, 0)])
     assert pb.log == []  # nothing to count: no round trip
+
+
+def test_scheduler_counters_become_prometheus_counters() -> None:
+    """Preemptions and graph-aware admission's waits are counted by the scheduler and exported as counters: the
+    metrics thread adds what each grew by since its last look."""
+    import threading
+    import time
+
+    pb = _PbUtils()
+    sched = SimpleNamespace(num_preemptions=0, num_graph_waits=0)
+    sub = SimpleNamespace(block_manager=SimpleNamespace(num_blocks=64, num_free_blocks=64), seqs={},
+                          last_batch_size=0, threshold=1, num_steps=0, drain_queue_waits=lambda: [],
+                          scheduler=sched)
+    metrics = SubserverMetrics(pb, "small", sub)
+    stop = threading.Event()
+    thread = threading.Thread(target=metrics.update_forever, args=(stop, 0.01))
+    thread.start()
+
+    def increments(name: str) -> float:
+        return sum(v for op, (n, _), v in list(pb.log) if op == "increment" and n == name)
+
+    def wait_for(name: str, total: float) -> None:
+        deadline = time.monotonic() + 5
+        while increments(name) != total and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert increments(name) == total, name
+
+    try:
+        sched.num_preemptions, sched.num_graph_waits = 2, 1
+        wait_for("tokenrouter_preemptions_total", 2)
+        wait_for("tokenrouter_graph_waits_total", 1)
+        sched.num_graph_waits = 4
+        wait_for("tokenrouter_graph_waits_total", 4)
+    finally:
+        stop.set()
+        thread.join()
+    assert increments("tokenrouter_preemptions_total") == 2

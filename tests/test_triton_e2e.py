@@ -214,6 +214,8 @@ def test_metrics_after_routed_requests(deployment) -> None:
         assert m[f'tokenrouter_steps_total{{model="{model}"}}'] > 0
         assert m[f'tokenrouter_queue_wait_seconds_count{{model="{model}"}}'] > 0
         assert m[f'tokenrouter_kv_blocks_total{{model="{model}"}}'] > 0
+        assert m[f'tokenrouter_preemptions_total{{model="{model}"}}'] >= 0  # exported (KeyError if not)
+        assert m[f'tokenrouter_graph_waits_total{{model="{model}"}}'] == 0  # no CUDA graphs on the CPU
     assert m['tokenrouter_handoffs_total{from="small",to="large"}'] > 0
     assert m['tokenrouter_time_to_first_token_seconds_count{model="tokenrouter"}'] > 0
     assert m['tokenrouter_inter_token_latency_seconds_count{model="tokenrouter"}'] > 0

@@ -35,6 +35,10 @@ class SubserverMetrics:
         self._handoffs: dict[str, Any] = {}
         self.model = model
         self.steps = mf("tokenrouter_steps_total", "Forward passes", mf.mf.COUNTER).Metric(labels)
+        self.preemptions = mf("tokenrouter_preemptions_total", "Running requests preempted for KV blocks (recomputed "
+                              "later)", mf.mf.COUNTER).Metric(labels)
+        self.graph_waits = mf("tokenrouter_graph_waits_total", "Times admission held new prompts back a step to keep "
+                              "steps in CUDA graphs (graph-aware admission)", mf.mf.COUNTER).Metric(labels)
         self.batch = mf("tokenrouter_batch_size", "Sequences in the last forward pass", mf.mf.GAUGE).Metric(labels)
         self.wait = mf(
             "tokenrouter_queue_wait_seconds", "Time a ready request waited for its step", mf.mf.HISTOGRAM
@@ -66,7 +70,7 @@ class SubserverMetrics:
             metric.increment(n)
 
     def update_forever(self, stop: threading.Event, period: float = 0.25) -> None:
-        steps = 0
+        steps = preemptions = graph_waits = 0
         while not stop.wait(period):
             sub = self.sub
             bm = sub.block_manager
@@ -79,6 +83,13 @@ class SubserverMetrics:
             if sub.num_steps > steps:
                 self.steps.increment(sub.num_steps - steps)
                 steps = sub.num_steps
+            sched = sub.scheduler
+            if sched.num_preemptions > preemptions:
+                self.preemptions.increment(sched.num_preemptions - preemptions)
+                preemptions = sched.num_preemptions
+            if sched.num_graph_waits > graph_waits:
+                self.graph_waits.increment(sched.num_graph_waits - graph_waits)
+                graph_waits = sched.num_graph_waits
             for waited in sub.drain_queue_waits():
                 self.wait.observe(waited)
 
