@@ -1,6 +1,6 @@
-"""Graph-aware admission (Scheduler.graph_fits): a newcomer that would take a step out of every CUDA graph waits
-one step, once; nothing else changes. The graphs are the served default's shapes (decode up to 64 sequences,
-extends up to 512 tokens, 16 sequences past 128 tokens)."""
+"""Graph-aware admission (Scheduler.graph_fits): prompts that would take a step out of every CUDA graph wait one
+step, once, where they then fit one graph together; nothing else changes. The graphs are the served default's
+shapes (decode up to 64 sequences, extends up to 512 tokens, 16 sequences past 128 tokens)."""
 
 from __future__ import annotations
 
