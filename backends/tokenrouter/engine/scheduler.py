@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from itertools import islice
 
 from tokenrouter.engine.block_manager import BlockManager
 from tokenrouter.engine.sequence import SeqStatus, Sequence
@@ -95,7 +96,7 @@ class Scheduler:
                     break
             if self._admission_cost(prefix, cached + n) > self.bm.num_free_blocks:
                 break
-            if self._wait_for_graph(chunks, seq, cached, n):
+            if self._wait_for_graph(chunks, seq, cached, n, budget):
                 break
             self.waiting.popleft()
             seq.waited_for_graph = False
@@ -108,34 +109,36 @@ class Scheduler:
             budget -= n
         return chunks
 
-    def _wait_for_graph(self, chunks: list[ScheduledChunk], seq: Sequence, cached: int, n: int) -> bool:
-        """Whether `seq` (the head of the queue, `n` new tokens after `cached`) and the prompts behind it that this
-        step would admit should all wait for the next step: only where admitting `seq` takes a step that a CUDA
-        graph holds out of every graph, and the whole group then fits one graph beside this step's rows decoding.
+    def _wait_for_graph(self, chunks: list[ScheduledChunk], seq: Sequence, cached: int, n: int, budget: int) -> bool:
+        """Whether `seq` (the head of the queue, `n` new tokens after `cached`; `budget`: this step's tokens left)
+        and the prompts behind it that this step would admit should all wait for the next step: only where
+        admitting `seq` takes a step that a CUDA graph holds out of every graph, and the whole group then fits one
+        graph beside this step's rows decoding.
         So a burst runs as two graph steps instead of one eager step, and a wait never saves nothing (a group no
         graph holds is admitted at once, eager as before) nor repeats (each prompt of the group waits once, and
         the next step admits it whatever that does to the graphs, as far as KV, budget and sequence cap allow)."""
         if self.graph_fits is None or not chunks or seq.waited_for_graph:
             return False
-        tokens = sum(c.num_new_tokens for c in chunks)
-        if not all(c.samples for c in chunks) or not self.graph_fits(len(chunks), tokens):
+        # Every chunk so far samples: one that does not is cut by the budget, which then admits nobody.
+        tokens = self.max_num_batched_tokens - budget
+        if not self.graph_fits(len(chunks), tokens):
             return False  # eager already: one more chunk costs no graph
         if cached + n == seq.num_tokens and self.graph_fits(len(chunks) + 1, tokens + n):
             return False  # it keeps the step in a graph
         # Next step: this step's rows decode a token each, beside the group that would wait: whole prompts from the
         # head on within that step's budget and the sequence cap (their prefix-cache hits left out: an upper bound
         # on their tokens). A head that would still be cut into chunks runs eagerly then too: no wait.
-        budget = self.max_num_batched_tokens - len(chunks) - (seq.num_tokens - cached)
-        if budget < 0:
+        left = self.max_num_batched_tokens - len(chunks) - (seq.num_tokens - cached)
+        if left < 0:
             return False
         group, group_tokens = [seq], seq.num_tokens - cached
         room = self.max_num_seqs - len(self.running) - 1
-        for other in list(self.waiting)[1 : 1 + max(0, room)]:
-            if other.num_tokens > budget:
+        for other in islice(self.waiting, 1, 1 + max(0, room)):
+            if other.num_tokens > left:
                 break
             group.append(other)
             group_tokens += other.num_tokens
-            budget -= other.num_tokens
+            left -= other.num_tokens
         if not self.graph_fits(len(chunks) + len(group), len(chunks) + group_tokens):
             return False
         for other in group:

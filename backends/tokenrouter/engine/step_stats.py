@@ -148,9 +148,7 @@ class StepStats:
         latency = _mapping(d["latency"], "latency")
         for key, value in latency.items():
             b = _batch_size(key)
-            if not isinstance(value, (list, tuple)) or len(value) != 2:
-                raise ValueError(f"latency[{key!r}] must be [seconds_sum, count], got {value!r}")
-            total, count = _seconds(value[0], f"latency[{key!r}] sum"), _count(value[1], f"latency[{key!r}] count")
+            total, count = _sum_count(value, f"latency[{key!r}]")
             if count < 1 or total <= 0.0:
                 raise ValueError(f"latency[{key!r}] needs a positive sum over at least one step, got {value!r}")
             if b in out.latency_count:
@@ -170,15 +168,19 @@ class StepStats:
         if sum(out.moves.values()) > out.rows:
             raise ValueError(f"moves ({sum(out.moves.values())}) exceed rows ({out.rows})")
         for source, value in _mapping(d["transit"], "transit").items():
-            if not isinstance(value, (list, tuple)) or len(value) != 2:
-                raise ValueError(f"transit[{source!r}] must be [seconds_sum, count], got {value!r}")
-            total = _seconds(value[0], f"transit[{source!r}] sum")
-            count = _count(value[1], f"transit[{source!r}] count")
+            total, count = _sum_count(value, f"transit[{source!r}]")
             if count < 1 or total > MAX_TRANSIT_S * count:
                 raise ValueError(f"transit[{source!r}] needs at least one handoff of at most {MAX_TRANSIT_S} s, "
                                  f"got {value!r}")
             out.transit_sum[_name(source)], out.transit_count[source] = total, count
         return out
+
+
+def _sum_count(value: Any, what: str) -> tuple[float, int]:
+    """A snapshot's [seconds_sum, count] pair (latency per batch size, transit per source)."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ValueError(f"{what} must be [seconds_sum, count], got {value!r}")
+    return _seconds(value[0], f"{what} sum"), _count(value[1], f"{what} count")
 
 
 def _mapping(value: Any, what: str) -> Mapping[Any, Any]:

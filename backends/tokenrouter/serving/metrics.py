@@ -70,7 +70,11 @@ class SubserverMetrics:
             metric.increment(n)
 
     def update_forever(self, stop: threading.Event, period: float = 0.25) -> None:
-        steps = preemptions = graph_waits = 0
+        # Counters raised to the subserver's running totals (`counted`: what each was last raised to).
+        totals = [(self.steps, lambda: self.sub.num_steps),
+                  (self.preemptions, lambda: self.sub.scheduler.num_preemptions),
+                  (self.graph_waits, lambda: self.sub.scheduler.num_graph_waits)]
+        counted = [0] * len(totals)
         while not stop.wait(period):
             sub = self.sub
             bm = sub.block_manager
@@ -80,16 +84,11 @@ class SubserverMetrics:
             self.active.set(len(sub.seqs))
             self.batch.set(sub.last_batch_size)
             self.threshold.set(sub.threshold)
-            if sub.num_steps > steps:
-                self.steps.increment(sub.num_steps - steps)
-                steps = sub.num_steps
-            sched = sub.scheduler
-            if sched.num_preemptions > preemptions:
-                self.preemptions.increment(sched.num_preemptions - preemptions)
-                preemptions = sched.num_preemptions
-            if sched.num_graph_waits > graph_waits:
-                self.graph_waits.increment(sched.num_graph_waits - graph_waits)
-                graph_waits = sched.num_graph_waits
+            for k, (counter, total) in enumerate(totals):
+                now = total()
+                if now > counted[k]:
+                    counter.increment(now - counted[k])
+                    counted[k] = now
             for waited in sub.drain_queue_waits():
                 self.wait.observe(waited)
 
