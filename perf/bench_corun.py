@@ -10,7 +10,10 @@ sharing the SMs that a deployment can choose:
   large model's cuBLAS matmuls captured with K SMs left out: torch's SM carve-out), `large_skinny` (the large
   model's matmuls on the skinny kernels wherever the tuned table has them, its step-level row cap lifted: their
   programs hold a tile's worth of shared memory where cuBLAS's hold more), `large_skinny_high` (that, and the
-  small model's stream at high priority), `green<N>` (the large model's steps on a CUDA green context of N SMs:
+  small model's stream at high priority), `large_streamk<P>` (the large model's matmuls as stream-K over P programs
+  per SM with the small model at high priority: many short programs, so that an SM comes free every few
+  microseconds for the small model's kernels to take first, where cuBLAS's and the tuned stream-K's programs hold
+  their SMs through a whole matmul), `green<N>` (the large model's steps on a CUDA green context of N SMs:
   `ModelConfig.num_sms`; the small model keeps the whole GPU);
 - in two processes under CUDA MPS (the served deployment: one process per model): `mps<P>`, the large model's
   process limited to P % of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), the small model's unlimited. Caution:
@@ -29,6 +32,8 @@ last one in one process.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -141,7 +146,8 @@ def run_inprocess(args) -> dict:
     small = Step(small_runner, small_bm, args.small_batch, args.context, 1)
     # The large model's skinny variants and then the carve-outs recapture its graphs, which the earlier variants'
     # step replays: they go last (a carve-out after a skinny variant measures the skinny large model).
-    order = {"large_skinny": 1, "green": 2, "carveout": 3}
+    order = {"large_skinny": 1, "large_streamk": 1, "green": 2, "carveout": 3}
+    small_high = None
     for variant in sorted(args.variants.split(","),
                           key=lambda v: next((k for p, k in order.items() if v.startswith(p)), 0)):
         try:
@@ -173,6 +179,15 @@ def run_inprocess(args) -> dict:
                 out[variant] = side_by_side(other, skinny_large)
                 out[variant]["large_skinny_max_m"] = large_runner.model.skinny_max_m
                 del other
+            elif variant.startswith("large_streamk"):
+                if small_high is None:
+                    runner, bm = build(args.small, priority="high")
+                    small_high = Step(runner, bm, args.small_batch, args.context, 1)
+                    del runner, bm
+                with short_programs(large_runner, int(variant.removeprefix("large_streamk"))):
+                    short = Step(large_runner, large_bm, args.large_batch, args.context, args.large_new)
+                    out[variant] = side_by_side(small_high, short)
+                    out[variant]["large_skinny_max_m"] = large_runner.model.skinny_max_m
             elif variant.startswith("green"):
                 # The large model's steps on a green context of N SMs (ModelConfig.num_sms), graphs recaptured
                 # there; the small model keeps the whole GPU. Its plain stream comes back afterwards.
@@ -206,6 +221,42 @@ def run_inprocess(args) -> dict:
             out[variant] = {"error": f"{type(exc).__name__}: {exc}"}
         report(variant, out[variant])
     return out
+
+
+@contextlib.contextmanager
+def short_programs(runner, per_sm: int):
+    """The runner's model on the skinny matmuls, every tuned config of its shapes turned into stream-K over
+    `per_sm` programs per SM (tiles as tuned; the programs count is a runtime argument, so nothing recompiles
+    between counts), its graphs recaptured; the table and the graphs restored afterwards."""
+    import torch
+
+    from tokenrouter.runner import skinny_gemm as sg
+    from tokenrouter.runner.model import layer_shapes
+
+    table = sg._table(runner.device)
+    saved = dict(table.matmuls)
+    programs = per_sm * torch.cuda.get_device_properties(runner.device).multi_processor_count
+    for n, k in layer_shapes(runner.arch):
+        for bm in sg.BLOCK_M_SIZES:
+            e = table.matmuls.get(sg.table_key(n, k, bm))
+            if e is not None:
+                cfg = dataclasses.replace(e.config, programs=programs, split_k=1)
+                table.matmuls[sg.table_key(n, k, bm)] = sg.TunedEntry(cfg, 0.0, e.baseline_us)  # (0: "it pays")
+    sg.LAYER_CAPS = False
+    try:
+        runner.model.use_skinny_gemm(runner.device)
+        runner.graphs = None
+        runner.setup_step(None)
+        print(f"{runner.cfg.name}: stream-K over {programs} programs, up to {runner.model.skinny_max_m} rows",
+              flush=True)
+        yield
+    finally:
+        table.matmuls.clear()
+        table.matmuls.update(saved)
+        sg.LAYER_CAPS = True
+        runner.model.use_skinny_gemm(runner.device)
+        runner.graphs = None
+        runner.setup_step(None)
 
 
 def _carveout_off() -> None:
