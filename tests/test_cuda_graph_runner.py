@@ -172,7 +172,7 @@ def test_prefill_replays_a_graph_past_128_tokens(tiny_dir: Path) -> None:
     graphed.setup_step(None, capture=ON_GPU)
     replayed = []
     run = graphed.graphs.run
-    graphed.graphs.run = lambda chunks, shape: replayed.append(shape) or run(chunks, shape)
+    graphed.graphs.run = lambda chunks, shape, fed=None: replayed.append(shape) or run(chunks, shape, fed)
     g = torch.Generator().manual_seed(1)
     vocab = graphed.arch.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (70, 53, 47)]

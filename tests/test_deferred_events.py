@@ -15,16 +15,18 @@ PROMPTS = [[5, 6, 7], [100, 200, 300, 400], [17] * 11, [40, 41, 42, 43, 44, 45, 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
 
 
-def _one_request_deferred(tiny_dir: Path, p: float) -> tuple:
-    """(engine, its small subserver, the log of what the subserver launched and sent) with events deferred and
-    one request taken in, not yet stepped."""
+def _one_request_deferred(tiny_dir: Path, p: float, step_ahead: bool = False) -> tuple:
+    """(engine, its small subserver, the log of what the subserver launched ("launch", or "ahead" for a step
+    launched ahead) and sent) with events deferred and one request taken in, not yet stepped."""
     eng = engine_for(tiny_dir, "random/tiny-small_tiny-large.yaml", p=p)
     sub = eng.subservers["small"]
+    sub.step_ahead = step_ahead
     log: list[object] = []
     sent = sub._send
     sub._send = lambda ev: (log.append(ev), sent(ev))
     forward = sub.runner.forward
-    sub.runner.forward = lambda chunks: (log.append("launch"), forward(chunks))[1]
+    sub.runner.forward = lambda chunks, **kw: (log.append("ahead" if kw.get("fed") is not None else "launch"),
+                                               forward(chunks, **kw))[1]
     sub.defer_events()
     eng.add_request(PROMPTS[0], GREEDY)
     eng._pump()
@@ -43,6 +45,21 @@ def test_a_steps_events_leave_after_the_next_launch(tiny_dir: Path) -> None:
     assert isinstance(log[3], Commit) and log[3].token_ids != [] and len(log) == 4
     assert first.request_id == log[3].request_id
     eng.abort(first.request_id)
+    eng._pump()
+
+
+def test_stepping_ahead_a_steps_events_leave_when_the_next_step_is_taken(tiny_dir: Path) -> None:
+    """Stepping ahead, the next step is launched before this one's results are in, so this step's events leave
+    as soon as the next step is taken up (its launch long done), before the step after it is launched."""
+    eng, sub, log = _one_request_deferred(tiny_dir, p=0.0, step_ahead=True)
+    sub.safe_step()  # the prefill, then the next step at once; the first token is committed, and waits
+    assert log == ["launch", "ahead"]
+    sub.safe_step()  # the step launched ahead: the prefill's commit leaves, then the next step is launched
+    assert isinstance(log[2], Commit) and log[3] == "ahead" and len(log) == 4
+    sub.flush_events()
+    assert isinstance(log[4], Commit) and log[4].request_id == log[2].request_id and len(log) == 5
+    assert sub.num_ahead_steps == 2 and sub.num_void_rows == 0
+    eng.abort(log[2].request_id)
     eng._pump()
 
 

@@ -89,6 +89,11 @@ class ModelConfig:
     # its values reach the host in the step's one synchronization. false: after the step, as separate kernels
     # with a synchronization of their own (how a router outside the serving loop runs; an ablation switch).
     route_in_step: bool = True
+    # Step ahead: while every row of a step decodes on here next as far as the host can tell (greedy, no lease that
+    # decides, nothing else waiting), launch the next step before this one's tokens reach the host, fed them on
+    # the device: the host's routing, commits and input building then overlap the GPU instead of leaving it idle
+    # between steps. A row whose token went elsewhere after all is dropped from that step. Needs route_in_step.
+    step_ahead: bool = True
     # Small batches run each layer's four matmuls as Triton skinny GEMMs with the norms, SwiGLU's activation and
     # the residual adds fused in (runner/skinny_gemm.py): seven kernels a layer instead of eleven. Only as far
     # as the tuned table (runner/skinny_gemm_tuned.json) measured them faster on this GPU for this model's

@@ -41,11 +41,74 @@ NON_FINITE_ERROR = ("model {model!r} produced non-finite logits (NaN or inf) for
 
 def to_host(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
     """Copy device tensors to the host with one synchronization for all of them."""
-    out = [t if t is None or t.device.type == "cpu" else t.to("cpu", non_blocking=True) for t in tensors]
-    cuda = [t.device for t in tensors if t is not None and t.device.type == "cuda"]
-    if cuda:
-        torch.cuda.current_stream(cuda[0]).synchronize()
-    return out
+    return HostCopies(*tensors).wait()
+
+
+class HostCopies:
+    """Device tensors on their way to the host, queued on the current stream; `wait` returns them once they are
+    there, without waiting for what the stream was given after them (a step launched ahead)."""
+
+    __slots__ = ("out", "event")
+
+    def __init__(self, *tensors: torch.Tensor | None) -> None:
+        self.out = [t if t is None or t.device.type == "cpu" else t.to("cpu", non_blocking=True) for t in tensors]
+        cuda = [t.device for t in tensors if t is not None and t.device.type == "cuda"]
+        self.event = None
+        if cuda:
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(cuda[0]))
+
+    def wait(self) -> list[torch.Tensor | None]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.out
+
+
+class _Unknown:
+    """The token ids of a row stepped ahead as the runner reads them: `length` tokens, the last of which is still on
+    the device (read here as 0; the runner feeds the device's copy)."""
+
+    __slots__ = ("length",)
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, s: slice) -> list[int]:
+        return [0] * len(range(*s.indices(self.length)))
+
+
+class AheadRow:
+    """A request in a step launched ahead (`Subserver.step_ahead`): position `num_computed_tokens` runs the token
+    the step before sampled for it, before that step's results reach the host. The runner counts its tokens here;
+    the request is credited only if that token was committed here (`fed`) and nothing else changed."""
+
+    __slots__ = ("seq", "token_ids", "num_computed_tokens", "block_table", "num_forwarded_tokens", "fed")
+
+    def __init__(self, seq: Sequence, computed: int) -> None:
+        self.seq = seq
+        self.token_ids = _Unknown(computed + 1)
+        self.num_computed_tokens = computed
+        self.block_table = seq.block_table
+        self.num_forwarded_tokens = 0
+        self.fed = -1  # the token it runs, once the step before has it on the host
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_computed_tokens + 1
+
+
+class Ahead:
+    """A step launched ahead: its rows (in the order of the step before's sampling rows), its output buffers, and
+    when it was launched and when it could start on the device (the step before's results on the host)."""
+
+    __slots__ = ("rows", "out", "launched", "start", "t0")
+
+    def __init__(self, rows: list[AheadRow], out: ForwardOutput, launched: float) -> None:
+        self.rows, self.out, self.launched = rows, out, launched
+        self.start = self.t0 = 0.0
 
 
 class Subserver:
@@ -99,6 +162,13 @@ class Subserver:
         self._in_step: list[str] = []  # request ids of the step in flight, for failing just those
         self.warmup_s: float | None = None  # how long the warm-up before serving took (None: none ran)
         self.graph_admission = ""  # what the warm-up measured for graph-aware admission and decided (engine/warmup.py)
+        # Step ahead (ModelConfig.step_ahead): the next decode step is launched before this one's tokens reach the
+        # host, so that the host's work between steps (routing, commits, the next step's inputs) overlaps the GPU.
+        self.step_ahead = cfg.step_ahead and cfg.route_in_step
+        self._ahead: Ahead | None = None
+        self.num_ahead_steps = 0  # steps launched ahead
+        # Rows of those whose request had gone elsewhere, finished or changed: computed for nothing.
+        self.num_void_rows = 0
 
     @classmethod
     def from_config(
@@ -269,6 +339,8 @@ class Subserver:
     # -- the loop ---------------------------------------------------------------------------------------
 
     def should_step(self, now: float | None = None) -> bool:
+        if self._ahead is not None:
+            return True  # launched already: its results are due
         ready = self.scheduler.num_ready
         if ready == 0:
             self._ready_since = None
@@ -282,21 +354,50 @@ class Subserver:
 
     def step(self) -> int:
         """One forward pass over what is scheduled: schedule -> forward -> sample -> route -> commit.
-        Returns the number of sequences it ran."""
+        Returns the number of sequences it ran.
+
+        Step ahead: where every row of this step decodes on here next as far as the host can tell (all greedy,
+        none under a lease that decides, nothing else waiting), the next step is launched right after this one,
+        fed this step's tokens on the device, before they reach the host; its results are taken at the next call.
+        A row whose token was not committed here after all (routed away, finished, cancelled) is void there: its
+        result is dropped, and the KV it wrote lies past its request's computed tokens, in no cached block,
+        overwritten when that position runs again."""
         timeline = self.timeline  # read once: it may be switched on or off from another thread
         scheduled = time.monotonic() if timeline is not None else 0.0
-        chunks = self.scheduler.schedule()
-        if not chunks:
-            self.flush_events()  # ready requests that cannot be scheduled yet: no launch to wait for
-            return 0
-        t0, start = time.perf_counter(), time.monotonic()
+        ahead, self._ahead = self._ahead, None
+        keep: list[int] | None = None  # of a step launched ahead: its rows still valid
+        if ahead is not None:
+            keep = [i for i, r in enumerate(ahead.rows) if self._still_ahead(r)]
+            self.num_void_rows += len(ahead.rows) - len(keep)
+            if not keep:
+                return 0  # nothing in it is wanted; the stream orders whatever comes next after it
+            chunks = [ScheduledChunk(ahead.rows[i].seq, 1) for i in keep]
+            for i in keep:
+                r = ahead.rows[i]
+                r.seq.num_forwarded_tokens += r.num_forwarded_tokens
+            out, t0, start = ahead.out, ahead.t0, ahead.start
+            scheduled = launched = start
+        else:
+            chunks = self.scheduler.schedule()
+            if not chunks:
+                self.flush_events()  # ready requests that cannot be scheduled yet: no launch to wait for
+                return 0
+            t0, start = time.perf_counter(), time.monotonic()
         first_ready, last_ready, wait_max = self._begin_step(chunks, start)
         sampling = [c.seq for c in chunks if c.samples]
         with self.runner.stream_context():
-            out = self.runner.forward(chunks)
-            launched = time.monotonic() if timeline is not None else 0.0
+            if ahead is None:
+                out = self.runner.forward(chunks)
+                launched = time.monotonic() if timeline is not None else 0.0
             self.flush_events()  # the last step's events leave while this one runs (defer_events)
-            tokens_dev, tokens, values, finite = self._sample(out, sampling)
+            tokens_dev, results = self._sample_async(out, sampling)
+            nxt = self._launch_ahead(chunks, tokens_dev) if keep is None or len(keep) == len(ahead.rows) else None
+            tokens, values, finite = results()
+        if nxt is not None:
+            nxt.t0, nxt.start = time.perf_counter(), time.monotonic()  # this step is done: the next one runs
+        if keep is not None and len(keep) < len(ahead.rows) and sampling:
+            tokens, finite = tokens[keep], finite[keep]
+            values = None if values is None else values[keep]
         forward_end = time.monotonic() if timeline is not None else 0.0
         for c in chunks:
             c.seq.num_computed_tokens += c.num_new_tokens
@@ -305,6 +406,13 @@ class Subserver:
             self._route_and_commit(sampling, out, tokens_dev, tokens, values, finite)
             if self._handed_off:  # (defer_events) a handoff leaves now, with what was emitted before it
                 self.flush_events()
+        if nxt is not None:
+            for r, tok in zip(nxt.rows, tokens.tolist()):
+                r.fed = tok
+            if any(self._still_ahead(r) for r in nxt.rows):
+                self._ahead = nxt
+            else:  # every row went elsewhere or finished: nothing to take from it
+                self.num_void_rows += len(nxt.rows)
         self.num_steps += 1
         self.last_batch_size = len(chunks)
         self.stats.record_step(len(chunks), time.perf_counter() - t0)
@@ -315,6 +423,36 @@ class Subserver:
                 schedule_start=scheduled, launched=launched,
             )
         return len(chunks)
+
+    def _launch_ahead(self, chunks: list[ScheduledChunk], tokens_dev: torch.Tensor) -> Ahead | None:
+        """Launch the next step now, one token for each of this step's rows, fed their sampled tokens on the device;
+        None where a row may not decode on here next as far as the host can tell, or KV blocks are short."""
+        sched = self.scheduler
+        if not self.step_ahead or sched.waiting or len(sched.running) != len(chunks):
+            return None  # something else wants the next step: schedule it after this one, as usual
+        limit = self.runner.max_model_len
+        for c in chunks:
+            seq = c.seq
+            if (not c.samples or (seq.lease is not None and seq.lease.decides) or not seq.params.greedy
+                    or seq.status is not SeqStatus.RUNNING or seq.num_computed_tokens + c.num_new_tokens >= limit - 1):
+                # (a lease that decides hands the request back after its tokens here, most often this one; a
+                # sampled row, void, would have moved its generator)
+                return None
+        for c in chunks:
+            if not self.block_manager.ensure(c.seq, c.seq.num_computed_tokens + c.num_new_tokens + 1):
+                return None  # (blocks taken so far stay with their requests: they need them next anyway)
+        rows = [AheadRow(c.seq, c.seq.num_computed_tokens + c.num_new_tokens) for c in chunks]
+        out = self.runner.forward([ScheduledChunk(r, 1) for r in rows], fed=tokens_dev)
+        self.num_ahead_steps += 1
+        return Ahead(rows, out, time.monotonic())
+
+    def _still_ahead(self, row: AheadRow) -> bool:
+        """Whether the row of a step launched ahead still runs what its request needs: the token it was fed was
+        committed here, as the request's last, and nothing else changed (no handoff, finish, release or append)."""
+        seq = row.seq
+        return (seq.status is SeqStatus.RUNNING and self.seqs.get(seq.request_id) is seq
+                and seq.num_computed_tokens == row.num_computed_tokens and seq.num_tokens == row.num_tokens
+                and seq.token_ids[-1] == row.fed)
 
     def _begin_step(self, chunks: list[ScheduledChunk], now: float) -> tuple[float | None, float | None, float]:
         """Note the step's requests (to fail just those if it breaks) and how long each waited since it became
@@ -332,16 +470,23 @@ class Subserver:
         return first_ready, last_ready, 0.0 if first_ready is None else now - first_ready
 
     def _sample(self, out: ForwardOutput, sampling: list[Sequence]) -> tuple[torch.Tensor, Any, Any, Any]:
-        """The sampled tokens on the device; the tokens, the policy's values and whether each row's logits were
-        finite, on the host (None each when no row samples). The forward pass chose greedy tokens and computed
-        the values on them; rows that sample otherwise are drawn here and their values recomputed.
+        """`_sample_async`, waited for: the sampled tokens on the device, then on the host the tokens, the
+        policy's values and whether each row's logits were finite (None each when no row samples)."""
+        tokens_dev, results = self._sample_async(out, sampling)
+        return tokens_dev, *results()
+
+    def _sample_async(self, out: ForwardOutput, sampling: list[Sequence]) -> tuple[torch.Tensor, Callable[[], Any]]:
+        """The sampled tokens on the device, and a function that returns the tokens, the policy's values and
+        whether each row's logits were finite on the host (None each when no row samples). Their copies are queued
+        now, so a step launched after this call does not delay them. The forward pass chose greedy tokens and
+        computed the values on them; rows that sample otherwise are drawn here and their values recomputed.
 
         A row whose logits are not all finite (a broken weight, a faulty kernel or library) must neither commit
         argmax(NaN) as if it were a token nor reach the sampler, whose device-side assert would end the process
         and every request in it: it samples from zeros here and its request fails alone (`_route_and_commit`)."""
         tokens_dev, values_dev = out.greedy, out.step_values
         if not sampling:
-            return tokens_dev, None, None, None
+            return tokens_dev, lambda: (None, None, None)
         finite_dev = out.finite
         logits = out.logits
         if not all(s.params.greedy for s in sampling):
@@ -350,12 +495,15 @@ class Subserver:
             values_dev = self._step_values(logits, out.hidden, tokens_dev)
         if self._route_in_step:
             # The step's one host synchronization: its tokens, the policy's values and the finiteness together.
-            tokens, values, finite = to_host(tokens_dev, values_dev, finite_dev)
-        else:
+            return tokens_dev, HostCopies(tokens_dev, values_dev, finite_dev).wait
+
+        def separately() -> tuple[Any, Any, Any]:
             # The step ends with its tokens on the host; the policy's work follows, synchronized on its own.
             tokens, finite = to_host(tokens_dev, finite_dev)
             (values,) = to_host(self._step_values(logits, out.hidden, tokens_dev))
-        return tokens_dev, tokens, values, finite
+            return tokens, values, finite
+
+        return tokens_dev, separately
 
     def _route_and_commit(self, sampling: list[Sequence], out: ForwardOutput, tokens_dev: torch.Tensor,
                           tokens: torch.Tensor, values: torch.Tensor | None, finite: torch.Tensor) -> None:

@@ -159,6 +159,10 @@ class StaticInputs:
             block_size=block_size,
         )
 
+    def feed(self, tokens: torch.Tensor) -> None:
+        """The first input ids from a device tensor (a step whose tokens the host does not have yet)."""
+        self._view(self.dev, "ids", len(tokens)).copy_(tokens)
+
     def fill(self, chunks: list[ScheduledChunk], shape: GraphShape, block_size: int) -> None:
         """Write the batch into the host mirrors (padded to `shape`) and start the copies to the device."""
         if self._copied is not None:
@@ -286,10 +290,13 @@ class CudaGraphRunner:
         return pick_shape(self.shapes, num_seqs, num_tokens) is not None
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk], shape: GraphShape) -> GraphOutputs:
+    def run(self, chunks: list[ScheduledChunk], shape: GraphShape, fed: torch.Tensor | None = None) -> GraphOutputs:
         """Replay `shape` for `chunks`; the returned tensors are the graph's own buffers, valid until the next
-        run (callers copy what they keep). Rows are cut to the real sequences."""
+        run (callers copy what they keep). Rows are cut to the real sequences. `fed`: the input tokens, one per
+        chunk of one token, on the device (copied in after the host's placeholders, in stream order)."""
         self.inputs.fill(chunks, shape, self.block_size)
+        if fed is not None:
+            self.inputs.feed(fed[: len(chunks)])
         if shape in self.graphs:
             self.graphs[shape].replay()
             out = self.outputs[shape]

@@ -205,17 +205,24 @@ class ModelRunner:
             self.graphs.capture()
 
     @torch.inference_mode()
-    def forward(self, chunks: list[ScheduledChunk], eager: bool = False) -> ForwardOutput:
+    def forward(self, chunks: list[ScheduledChunk], eager: bool = False,
+                fed: torch.Tensor | None = None) -> ForwardOutput:
         """Run one mixed batch; KV of the new tokens is written to the pool; counters are NOT advanced.
-        `eager`: not through a CUDA graph even where one fits (the warm-up times both ways)."""
+        `eager`: not through a CUDA graph even where one fits (the warm-up times both ways).
+        `fed`: the input tokens on the device, one per chunk (a step launched before the tokens reach the host:
+        every chunk is one token, whose id the host does not have yet)."""
+        if fed is not None and any(c.num_new_tokens != 1 for c in chunks):
+            raise ValueError("fed tokens need chunks of one token each")
         for c in chunks:
             c.seq.num_forwarded_tokens += c.num_new_tokens
         self.num_forwarded_tokens += sum(c.num_new_tokens for c in chunks)
         shape = self.graphs.fits(chunks) if self.graphs is not None and not eager else None
         if shape is not None:
-            out = self.graphs.run(chunks, shape)
+            out = self.graphs.run(chunks, shape, fed)
             return ForwardOutput(out.logits, out.hidden, out.greedy, out.step_values, out.finite)
         batch = self.prepare(chunks)
+        if fed is not None:
+            batch.input_ids[: len(chunks)].copy_(fed[: len(chunks)])
         self.attn_backend.prepare(batch)
         hidden = self.model(batch, self.attn_backend)
         last = hidden[batch.logits_indices]

@@ -1,0 +1,153 @@
+"""Stepping ahead (ModelConfig.step_ahead): a subserver launches its next decode step before this step's tokens
+reach the host, fed them on the device. Outputs are exactly those of the plain loop; a row whose token was not
+committed there after all (routed away, finished, cancelled) computes for nothing and is dropped, and no KV it
+wrote is ever read: the prefix cache and later requests see only what committed tokens computed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from test_routing_vs_naive import make_engine, naive_generate, prompts_for
+from test_stepped_finals import assert_all_free
+from tokenrouter.engine.engine import Engine
+from tokenrouter.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+RANDOM = (["small", "large"], {"name": "random", "p": 0.15, "seed": 11})
+
+
+def _engine(tiny_dir: Path, models: list[str], policy: dict, ahead: bool, **model: object) -> Engine:
+    """make_engine's deployment (`model`: more keys for every model), stepping ahead or not."""
+    if model:
+        cfg = {
+            "models": {m: {"path": str(tiny_dir / m), "kv_cache_tokens": 2048, "block_size": 4, **model}
+                       for m in models},
+            "entry": models[0], "policy": policy, "batching": {"thresholds": 1},
+        }
+        eng = Engine.from_config(cfg)
+    else:
+        eng = make_engine(tiny_dir, models, policy, thresholds=1)
+    for sub in eng.subservers.values():
+        sub.step_ahead = ahead
+    return eng
+
+
+def _generate(eng: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    out = [o.token_ids for o in eng.generate(prompts, params)]
+    assert_all_free(eng)
+    return out
+
+
+def test_routed_output_equals_the_plain_loop_and_the_naive_reference(tiny_dir: Path) -> None:
+    prompts = prompts_for(1024)[2:5]
+    plain = _engine(tiny_dir, *RANDOM, ahead=False)
+    expected = _generate(plain, prompts)
+    assert plain.subservers["small"].num_ahead_steps == 0
+    eng = _engine(tiny_dir, *RANDOM, ahead=True)
+    assert _generate(eng, prompts) == expected
+    small = eng.subservers["small"]
+    # It really stepped ahead, and some of those rows were void (their token went to the large model).
+    assert small.num_ahead_steps > 5 and small.num_void_rows > 0
+    ref, _ = naive_generate(tiny_dir, *RANDOM, prompts[1], GREEDY.max_new_tokens)
+    assert expected[1] == ref
+
+
+def test_forwarded_tokens_count_only_what_committed(tiny_dir: Path) -> None:
+    """One request on the small model alone: every step after the prefill runs ahead, the last one for a token that
+    was never wanted (the request had finished); the request is credited prompt + outputs - 1 tokens, as without."""
+    prompt = prompts_for(1024)[5]
+    for ahead in (False, True):
+        eng = _engine(tiny_dir, ["small", "large"], {"name": "always", "model": "small"}, ahead=ahead)
+        (out,) = eng.generate([prompt], GREEDY)
+        assert out.stats["num_forwarded_tokens"] == len(prompt) + GREEDY.max_new_tokens - 1
+        small = eng.subservers["small"]
+        if ahead:
+            assert small.num_ahead_steps == GREEDY.max_new_tokens and small.num_void_rows == 1
+            # The GPU's work includes the void row; the request's does not.
+            assert small.runner.num_forwarded_tokens == len(prompt) + GREEDY.max_new_tokens
+        assert_all_free(eng)
+
+
+def test_sampled_rows_are_not_stepped_ahead(tiny_dir: Path) -> None:
+    """A void row's draw would move its generator: seeded sampled requests give what they give without."""
+    params = SamplingParams(max_new_tokens=16, temperature=0.8, seed=5, ignore_eos=True)
+    prompts = prompts_for(1024)[:4]
+    outs = []
+    for ahead in (False, True):
+        eng = _engine(tiny_dir, *RANDOM, ahead=ahead)
+        outs.append(_generate(eng, prompts, params))
+        assert eng.subservers["small"].num_ahead_steps == 0
+    assert outs[0] == outs[1]
+
+
+def test_cancel_while_a_step_runs_ahead(tiny_dir: Path) -> None:
+    """A request cancelled while its next step is in flight: that row is void, the others go on exactly as
+    without stepping ahead, and every block is free at the end."""
+    prompts = prompts_for(1024)[:3]
+    plain = _engine(tiny_dir, ["small", "large"], {"name": "always", "model": "small"}, ahead=False)
+    expected = _generate(plain, prompts)
+    eng = _engine(tiny_dir, ["small", "large"], {"name": "always", "model": "small"}, ahead=True)
+    small = eng.subservers["small"]
+    ids = [eng.add_request(p, GREEDY) for p in prompts]
+    for _ in range(4):
+        eng.step()
+    assert small._ahead is not None, "expected a step in flight ahead"
+    assert eng.abort(ids[1]).finished
+    outs = {}
+    for _ in range(200):
+        if not eng.has_unfinished():
+            break
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+    assert outs == {ids[0]: expected[0], ids[2]: expected[2]}
+    assert small.num_void_rows >= 1
+    assert_all_free(eng)
+
+
+def test_prefix_cache_sees_only_committed_kv(tiny_dir: Path) -> None:
+    """Requests routed away leave void rows behind; later prompts that extend their outputs hit the prefix cache
+    (blocks of 4 tokens) and must still generate what a fresh engine without any cache generates."""
+    prompts = prompts_for(1024)[4:8]
+    eng = _engine(tiny_dir, *RANDOM, ahead=True)
+    first = _generate(eng, prompts)
+    assert eng.subservers["small"].num_void_rows > 0
+    follow = [p + out[:21] for p, out in zip(prompts, first)]  # prompt + outputs: cut mid-block
+    got = _generate(eng, follow)
+    fresh = _engine(tiny_dir, *RANDOM, ahead=False)
+    for sub in fresh.subservers.values():
+        sub.block_manager.enable_prefix_caching = False
+    assert got == _generate(fresh, follow)
+
+
+def test_through_the_graph_runner_s_static_inputs(tiny_dir: Path) -> None:
+    """The padded static-input path of CUDA graphs (run uncaptured on the CPU): the fed tokens are copied into its
+    input buffer after the host's placeholders."""
+    prompts = prompts_for(1024)[:3]
+    graphs = {"attention": "triton", "cuda_graph_max_batch": 4, "cuda_graph_max_tokens": 32}
+    expected = _generate(_engine(tiny_dir, *RANDOM, ahead=False, **graphs), prompts)
+    eng = _engine(tiny_dir, *RANDOM, ahead=True, **graphs)
+    for sub in eng.subservers.values():
+        sub.runner.setup_step(sub.runner.step_hook, capture=False)
+    assert eng.subservers["small"].runner.graphs is not None
+    assert _generate(eng, prompts) == expected
+    small = eng.subservers["small"]
+    assert small.num_ahead_steps > 0 and small.runner.graphs.num_replays > 0
+
+
+def test_a_queued_request_stops_stepping_ahead(tiny_dir: Path) -> None:
+    """A request waiting to be scheduled gets the next step: no step is launched ahead while one waits."""
+    eng = _engine(tiny_dir, ["small", "large"], {"name": "always", "model": "small"}, ahead=True)
+    small = eng.subservers["small"]
+    a = eng.add_request(prompts_for(1024)[0], GREEDY)
+    for _ in range(3):
+        eng.step()
+    assert small._ahead is not None
+    b = eng.add_request(prompts_for(1024)[1], GREEDY)
+    eng.step()  # takes the step in flight; the newcomer is queued now, so nothing is launched ahead
+    assert small._ahead is None
+    eng.step()  # a normal step: both requests
+    assert {s.request_id for s in small.scheduler.running} == {a, b}
+    while eng.has_unfinished():
+        eng.step()
+    assert_all_free(eng)
