@@ -116,8 +116,9 @@ def _teacher_forced_logits(engine, prompt: list[int], continuation: list[int]) -
 
 
 def test_routed_generation_same_with_and_without_graphs(tiny_dir: Path) -> None:
-    """R2R on the tiny pair in float32 on the GPU: the router runs inside the small model's graphs and the large
-    model's returns replay extend graphs, yet every token and every routing decision equals the eager engine's."""
+    """R2R on the tiny pair in float32 on the GPU: the router runs inside the small model's graphs, the large
+    model's returns replay extend graphs, and the small model steps ahead, yet every token and every routing
+    decision equals the eager engine's (and the graphed engine's without stepping ahead)."""
     import yaml
 
     from tokenrouter import Engine, SamplingParams
@@ -125,17 +126,22 @@ def test_routed_generation_same_with_and_without_graphs(tiny_dir: Path) -> None:
     repo = Path(__file__).resolve().parents[1]
     cfg = yaml.safe_load((repo / "config" / "r2r" / "tiny-small_tiny-large.yaml").read_text())
     outs = {}
-    for graphs in (True, False):
+    # (graphs, step ahead): stepping ahead, a step's tokens are fed to the next one on the device, into the graphs'
+    # static inputs, while its copies to the host are still on their way.
+    for graphs, ahead in ((True, True), (False, False), (True, False)):
         for name, m in cfg["models"].items():
-            m.update(path=str(tiny_dir / name), device="cuda:0", enforce_eager=not graphs)
+            m.update(path=str(tiny_dir / name), device="cuda:0", enforce_eager=not graphs, step_ahead=ahead)
         engine = Engine.from_config(cfg)
         prompts = _prompts(engine.vocab_size)
-        outs[graphs] = engine.generate(prompts, SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True))
+        outs[graphs, ahead] = engine.generate(prompts, SamplingParams(max_new_tokens=32, temperature=0.0,
+                                                                      ignore_eos=True))
         if graphs:
             assert all(s.runner.graphs.num_replays > 0 for s in engine.subservers.values())
+        assert (engine.subservers["small"].num_ahead_steps > 0) == ahead
         engine.check_integrity()
         engine.shutdown()
-    for a, b in zip(outs[True], outs[False]):
-        assert a.token_ids == b.token_ids
-        assert a.stats == b.stats  # the same tokens from the same models
-    assert sum(o.stats["handoffs"] for o in outs[True]) > 0, "nothing was routed: the test checks nothing"
+    for other in ((False, False), (True, False)):
+        for a, b in zip(outs[True, True], outs[other]):
+            assert a.token_ids == b.token_ids
+            assert a.stats == b.stats  # the same tokens from the same models
+    assert sum(o.stats["handoffs"] for o in outs[True, True]) > 0, "nothing was routed: the test checks nothing"
