@@ -67,8 +67,9 @@ def test_one_update_per_counter_and_batch() -> None:
 
 
 def test_scheduler_counters_become_prometheus_counters() -> None:
-    """Preemptions and graph-aware admission's waits are counted by the scheduler and exported as counters: the
-    metrics thread adds what each grew by since its last look."""
+    """Preemptions, graph-aware admission's waits and the steps launched ahead (and their void rows) are counted by
+    the scheduler or the subserver and exported as counters: the metrics thread adds what each grew by since its
+    last look."""
     import threading
     import time
 
@@ -76,7 +77,7 @@ def test_scheduler_counters_become_prometheus_counters() -> None:
     sched = SimpleNamespace(num_preemptions=0, num_graph_waits=0)
     sub = SimpleNamespace(block_manager=SimpleNamespace(num_blocks=64, num_free_blocks=64), seqs={},
                           last_batch_size=0, threshold=1, num_steps=0, drain_queue_waits=lambda: [],
-                          scheduler=sched)
+                          scheduler=sched, num_ahead_steps=0, num_void_rows=0)
     metrics = SubserverMetrics(pb, "small", sub)
     stop = threading.Event()
     thread = threading.Thread(target=metrics.update_forever, args=(stop, 0.01))
@@ -97,6 +98,9 @@ def test_scheduler_counters_become_prometheus_counters() -> None:
         wait_for("tokenrouter_graph_waits_total", 1)
         sched.num_graph_waits = 4
         wait_for("tokenrouter_graph_waits_total", 4)
+        sub.num_ahead_steps, sub.num_void_rows = 7, 3
+        wait_for("tokenrouter_ahead_steps_total", 7)
+        wait_for("tokenrouter_ahead_void_rows_total", 3)
     finally:
         stop.set()
         thread.join()

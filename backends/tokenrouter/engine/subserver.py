@@ -383,7 +383,7 @@ class Subserver:
                 self.flush_events()  # ready requests that cannot be scheduled yet: no launch to wait for
                 return 0
             t0, start = time.perf_counter(), time.monotonic()
-        first_ready, last_ready, wait_max = self._begin_step(chunks, start)
+        first_ready, last_ready, wait_max = self._begin_step(chunks, start, queued=ahead is None)
         sampling = [c.seq for c in chunks if c.samples]
         with self.runner.stream_context():
             if ahead is None:
@@ -454,15 +454,19 @@ class Subserver:
                 and seq.num_computed_tokens == row.num_computed_tokens and seq.num_tokens == row.num_tokens
                 and seq.token_ids[-1] == row.fed)
 
-    def _begin_step(self, chunks: list[ScheduledChunk], now: float) -> tuple[float | None, float | None, float]:
+    def _begin_step(self, chunks: list[ScheduledChunk], now: float, queued: bool = True
+                    ) -> tuple[float | None, float | None, float]:
         """Note the step's requests (to fail just those if it breaks) and how long each waited since it became
-        ready; returns when the first and the last of them became ready, and the longest wait."""
+        ready; returns when the first and the last of them became ready, and the longest wait. Not `queued` (a
+        step launched ahead, before its rows' tokens were committed): they waited for nothing."""
         self._in_step = [c.seq.request_id for c in chunks]
         self._ready_since = None
         first_ready = last_ready = None
         for c in chunks:
             ready = c.seq.ready_since
-            if ready is not None:
+            if not queued:
+                c.seq.ready_since = None
+            elif ready is not None:
                 self._queue_waits.append(now - ready)
                 first_ready = ready if first_ready is None else min(first_ready, ready)
                 last_ready = ready if last_ready is None else max(last_ready, ready)

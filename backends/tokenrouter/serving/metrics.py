@@ -39,6 +39,10 @@ class SubserverMetrics:
                               "later)", mf.mf.COUNTER).Metric(labels)
         self.graph_waits = mf("tokenrouter_graph_waits_total", "Times admission held new prompts back a step to keep "
                               "steps in CUDA graphs (graph-aware admission)", mf.mf.COUNTER).Metric(labels)
+        self.ahead_steps = mf("tokenrouter_ahead_steps_total", "Forward passes launched ahead, before the step "
+                              "before's tokens reached the host (step_ahead)", mf.mf.COUNTER).Metric(labels)
+        self.void_rows = mf("tokenrouter_ahead_void_rows_total", "Rows of steps launched ahead whose request had "
+                            "gone elsewhere or finished: computed for nothing", mf.mf.COUNTER).Metric(labels)
         self.batch = mf("tokenrouter_batch_size", "Sequences in the last forward pass", mf.mf.GAUGE).Metric(labels)
         self.wait = mf(
             "tokenrouter_queue_wait_seconds", "Time a ready request waited for its step", mf.mf.HISTOGRAM
@@ -73,7 +77,9 @@ class SubserverMetrics:
         # Counters raised to the subserver's running totals (`counted`: what each was last raised to).
         totals = [(self.steps, lambda: self.sub.num_steps),
                   (self.preemptions, lambda: self.sub.scheduler.num_preemptions),
-                  (self.graph_waits, lambda: self.sub.scheduler.num_graph_waits)]
+                  (self.graph_waits, lambda: self.sub.scheduler.num_graph_waits),
+                  (self.ahead_steps, lambda: self.sub.num_ahead_steps),
+                  (self.void_rows, lambda: self.sub.num_void_rows)]
         counted = [0] * len(totals)
         while not stop.wait(period):
             sub = self.sub
