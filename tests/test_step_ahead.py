@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from test_routing_vs_naive import make_engine, naive_generate, prompts_for
+from test_routing_vs_naive import naive_generate, prompts_for
 from test_stepped_finals import assert_all_free
 from tokenrouter.engine.engine import Engine
+from tokenrouter.engine.sequence import SeqStatus
+from tokenrouter.routing.policy import Policy, RouteRequest, StepResult, register
 from tokenrouter.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
@@ -17,19 +19,13 @@ RANDOM = (["small", "large"], {"name": "random", "p": 0.15, "seed": 11})
 
 
 def _engine(tiny_dir: Path, models: list[str], policy: dict, ahead: bool, **model: object) -> Engine:
-    """make_engine's deployment (`model`: more keys for every model), stepping ahead or not."""
-    if model:
-        cfg = {
-            "models": {m: {"path": str(tiny_dir / m), "kv_cache_tokens": 2048, "block_size": 4, **model}
-                       for m in models},
-            "entry": models[0], "policy": policy, "batching": {"thresholds": 1},
-        }
-        eng = Engine.from_config(cfg)
-    else:
-        eng = make_engine(tiny_dir, models, policy, thresholds=1)
-    for sub in eng.subservers.values():
-        sub.step_ahead = ahead
-    return eng
+    """make_engine's deployment, every model with `step_ahead: ahead` (and `model`'s other keys)."""
+    cfg = {
+        "models": {m: {"path": str(tiny_dir / m), "kv_cache_tokens": 2048, "block_size": 4, "step_ahead": ahead,
+                       **model} for m in models},
+        "entry": models[0], "policy": policy, "batching": {"thresholds": 1},
+    }
+    return Engine.from_config(cfg)
 
 
 def _generate(eng: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -151,3 +147,100 @@ def test_a_queued_request_stops_stepping_ahead(tiny_dir: Path) -> None:
     while eng.has_unfinished():
         eng.step()
     assert_all_free(eng)
+
+
+@register
+class _DeviceRoute(Policy):
+    """Routes on a tensor it computes in `route` itself (not through `step_tensors`): not HOST_ROUTE."""
+
+    name = "test-device-route"
+
+    def route(self, batch: list[RouteRequest], result: StepResult) -> list[bool]:
+        if self.model != self.models[0]:
+            return [False] * len(batch)
+        return (result.logits.argmax(-1) % 5 == 0).tolist()  # device work on this step's logits
+
+
+def test_a_policy_computing_in_route_is_not_stepped_ahead(tiny_dir: Path) -> None:
+    """Stepping ahead, the next step may overwrite the step's device tensors before `route` reads them (a CUDA
+    graph's buffers): a policy that computes on them in `route` keeps its models in the plain loop."""
+    models, policy = ["small", "large"], {"name": "test-device-route"}
+    prompts = prompts_for(1024)[:4]
+    eng = _engine(tiny_dir, models, policy, ahead=True)
+    assert not any(sub.step_ahead for sub in eng.subservers.values())
+    res = eng.generate(prompts, GREEDY)
+    assert sum(o.stats["handoffs"] for o in res) > 0, "nothing routed: the test checks nothing"
+    assert eng.subservers["small"].num_ahead_steps == 0
+    assert [o.token_ids for o in res] == _generate(_engine(tiny_dir, models, policy, ahead=False), prompts)
+    assert _engine(tiny_dir, *RANDOM, ahead=True).subservers["small"].step_ahead  # (built-in policies do)
+
+
+def test_append_while_a_step_runs_ahead(tiny_dir: Path) -> None:
+    """Tokens appended to a request whose next step is in flight: that row is void, the appended tokens run as
+    an extend next, and the output equals the plain loop's with the same append at the same point."""
+    prompt = prompts_for(1024)[6]
+    outs = []
+    for ahead in (False, True):
+        eng = _engine(tiny_dir, ["small", "large"], {"name": "always", "model": "small"}, ahead=ahead)
+        rid = eng.add_request(prompt, GREEDY)
+        for _ in range(5):
+            eng.step()
+        if ahead:
+            assert eng.subservers["small"]._ahead is not None
+        eng.append_tokens(rid, [7, 8, 9])
+        out = None
+        while eng.has_unfinished():
+            for o in eng.step():
+                out = o if o.finished else out
+        outs.append(out.token_ids)
+        assert_all_free(eng)
+    assert outs[0] == outs[1]
+
+
+def test_a_request_back_from_elsewhere_is_not_held_up(tiny_dir: Path) -> None:
+    """A request resumed on a model (back from another) while a step runs ahead gets the step after it: the chain
+    of steps ahead stops for it instead of going on without it."""
+    eng = _engine(tiny_dir, ["small", "large"], {"name": "always", "model": "small"}, ahead=True)
+    small = eng.subservers["small"]
+    a, b = (eng.add_request(p, GREEDY) for p in prompts_for(1024)[:2])
+    for _ in range(3):
+        eng.step()
+    seq_b = small.seqs[b]
+    small.scheduler.park(seq_b)  # as if handed off: its row in the step in flight is void
+    eng.step()
+    eng.step()  # a's steps alone now, one running ahead
+    assert small._ahead is not None and [r.seq.request_id for r in small._ahead.rows] == [a]
+    seq_b.token_ids.append(11)  # back, with a token from elsewhere
+    small.scheduler.resume(seq_b)
+    assert seq_b.status is SeqStatus.RUNNING
+    pending = seq_b.num_tokens  # (its token from before the handoff and the new one)
+    small.safe_step()  # takes a's step in flight; nothing launched ahead: b waits
+    assert small._ahead is None
+    small.safe_step()
+    assert seq_b.num_computed_tokens == pending
+    for rid in (a, b):
+        eng.abort(rid)
+    assert_all_free(eng)
+
+
+def test_rows_run_ahead_record_no_queue_wait(tiny_dir: Path) -> None:
+    """Rows of a step launched ahead were never waiting: the queue-wait metric gets nothing negative from them."""
+    eng = _engine(tiny_dir, *RANDOM, ahead=True)
+    small = eng.subservers["small"]
+    _generate(eng, prompts_for(1024)[:3])
+    waits = small.drain_queue_waits()
+    assert small.num_ahead_steps > 0 and waits and min(waits) >= 0.0
+
+
+def test_at_the_context_limit(tiny_dir: Path) -> None:
+    """Requests that run into the context limit end with "length" and the same tokens as without stepping ahead."""
+    prompts = prompts_for(1024)[5:8]
+    params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+    outs = []
+    for ahead in (False, True):
+        eng = _engine(tiny_dir, *RANDOM, ahead=ahead, max_model_len=40)
+        res = eng.generate(prompts, params)
+        assert all(o.finish_reason == "length" for o in res)
+        outs.append([o.token_ids for o in res])
+        assert_all_free(eng)
+    assert outs[0] == outs[1]

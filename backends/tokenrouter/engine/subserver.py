@@ -102,12 +102,12 @@ class AheadRow:
 
 class Ahead:
     """A step launched ahead: its rows (in the order of the step before's sampling rows), its output buffers, and
-    when it was launched and when it could start on the device (the step before's results on the host)."""
+    when it could start on the device (the step before's results on the host)."""
 
-    __slots__ = ("rows", "out", "launched", "start", "t0")
+    __slots__ = ("rows", "out", "start", "t0")
 
-    def __init__(self, rows: list[AheadRow], out: ForwardOutput, launched: float) -> None:
-        self.rows, self.out, self.launched = rows, out, launched
+    def __init__(self, rows: list[AheadRow], out: ForwardOutput) -> None:
+        self.rows, self.out = rows, out
         self.start = self.t0 = 0.0
 
 
@@ -164,7 +164,7 @@ class Subserver:
         self.graph_admission = ""  # what the warm-up measured for graph-aware admission and decided (engine/warmup.py)
         # Step ahead (ModelConfig.step_ahead): the next decode step is launched before this one's tokens reach the
         # host, so that the host's work between steps (routing, commits, the next step's inputs) overlaps the GPU.
-        self.step_ahead = cfg.step_ahead and cfg.route_in_step
+        self.step_ahead = cfg.step_ahead and cfg.route_in_step and policy.HOST_ROUTE
         self._ahead: Ahead | None = None
         self.num_ahead_steps = 0  # steps launched ahead
         # Rows of those whose request had gone elsewhere, finished or changed: computed for nothing.
@@ -393,8 +393,9 @@ class Subserver:
             tokens_dev, results = self._sample_async(out, sampling)
             nxt = self._launch_ahead(chunks, tokens_dev) if keep is None or len(keep) == len(ahead.rows) else None
             tokens, values, finite = results()
+        arrived = time.perf_counter()
         if nxt is not None:
-            nxt.t0, nxt.start = time.perf_counter(), time.monotonic()  # this step is done: the next one runs
+            nxt.t0, nxt.start = arrived, time.monotonic()  # this step is done: the next one runs
         if keep is not None and len(keep) < len(ahead.rows) and sampling:
             tokens, finite = tokens[keep], finite[keep]
             values = None if values is None else values[keep]
@@ -415,7 +416,9 @@ class Subserver:
                 self.num_void_rows += len(nxt.rows)
         self.num_steps += 1
         self.last_batch_size = len(chunks)
-        self.stats.record_step(len(chunks), time.perf_counter() - t0)
+        # A step's time as the tuner models it, from its start to the next step's: a step launched ahead started
+        # when the one before it ended, and its own routing and commits overlap the step after it.
+        self.stats.record_step(len(chunks), (arrived if ahead is not None else time.perf_counter()) - t0)
         if timeline is not None:
             timeline.step(
                 start, forward_end, time.monotonic(), len(chunks), sum(c.num_new_tokens for c in chunks),
@@ -430,6 +433,8 @@ class Subserver:
         sched = self.scheduler
         if not self.step_ahead or sched.waiting or len(sched.running) != len(chunks):
             return None  # something else wants the next step: schedule it after this one, as usual
+        if len(chunks) < self.threshold and self.arrivals_possible():
+            return None  # delayed batching: the next step waits for more requests (should_step)
         limit = self.runner.max_model_len
         for c in chunks:
             seq = c.seq
@@ -444,11 +449,12 @@ class Subserver:
         rows = [AheadRow(c.seq, c.seq.num_computed_tokens + c.num_new_tokens) for c in chunks]
         out = self.runner.forward([ScheduledChunk(r, 1) for r in rows], fed=tokens_dev)
         self.num_ahead_steps += 1
-        return Ahead(rows, out, time.monotonic())
+        return Ahead(rows, out)
 
     def _still_ahead(self, row: AheadRow) -> bool:
-        """Whether the row of a step launched ahead still runs what its request needs: the token it was fed was
-        committed here, as the request's last, and nothing else changed (no handoff, finish, release or append)."""
+        """Whether the row of a step launched ahead still runs what its request needs: the request is running here
+        and its last token, the one after its computed ones, is the token the row was fed (no handoff, finish,
+        release or append in between)."""
         seq = row.seq
         return (seq.status is SeqStatus.RUNNING and self.seqs.get(seq.request_id) is seq
                 and seq.num_computed_tokens == row.num_computed_tokens and seq.num_tokens == row.num_tokens

@@ -143,6 +143,11 @@ class Policy(ABC):
     # Arguments every policy accepts; subclasses add theirs in `ARGS` (name -> default).
     COMMON_ARGS: ClassVar[dict[str, Any]] = {"seed": 0}
     ARGS: ClassVar[dict[str, Any]] = {}
+    # `route` reads only the host: the requests and `host_step_values(result)`, not `result`'s device tensors. Then
+    # a model may launch its next step before `route` runs (ModelConfig.step_ahead), and that step's output may
+    # overwrite those tensors (a CUDA graph's buffers) or hold more rows than the batch. Every built-in policy
+    # does; a policy that computes on the device in `route` leaves it False and its models never step ahead.
+    HOST_ROUTE: ClassVar[bool] = False
 
     def __init__(self, models: list[str], model: str, args: dict[str, Any] | None = None) -> None:
         self.models = list(models)

@@ -167,7 +167,8 @@ class StaticInputs:
         """Write the batch into the host mirrors (padded to `shape`) and start the copies to the device."""
         if self._copied is not None:
             # The previous step's copies read the mirrors asynchronously; they are long done when the caller
-            # synchronized on that step's results (the engine always does), so this rarely waits.
+            # synchronized on that step's results, or, for a step launched ahead, on the results of the step
+            # before it (queued behind those copies' predecessors), so this rarely waits.
             self._copied.synchronize()
         T, B = shape.num_tokens, shape.num_seqs
         h = HostBatch.from_chunks(chunks, block_size)  # every chunk samples: one logits row per sequence

@@ -17,6 +17,7 @@ from tokenrouter.routing.policy import Lease, Policy, RouteDecision, RouteReques
 class AlwaysPolicy(Policy):
     """Route everything to `model` (default: the last, i.e. largest, model)."""
 
+    HOST_ROUTE = True
     name = "always"
     ARGS = {"model": None}
 

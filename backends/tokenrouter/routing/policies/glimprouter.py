@@ -45,6 +45,7 @@ def top_k_entropy(logits: torch.Tensor, k: int) -> torch.Tensor:
 class GlimpRouterPolicy(Policy):
     """Route a whole step to the large model when its first token's top-k entropy is above `threshold`."""
 
+    HOST_ROUTE = True
     name = "glimprouter"
     ARGS = {
         "threshold": 1.0,

@@ -22,6 +22,7 @@ from tokenrouter.routing.policy import Lease, Policy, RouteDecision, RouteReques
 class MixturePolicy(Policy):
     """Per-token random choice of the next model with probabilities `weights`."""
 
+    HOST_ROUTE = True
     name = "mixture"
     ARGS = {"weights": None}
 

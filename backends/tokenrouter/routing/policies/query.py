@@ -31,6 +31,7 @@ STATE_KEY = "query_model"
 class QueryPolicy(Policy):
     """Choose one model per request from its prompt (length or a seeded linear score), then keep it."""
 
+    HOST_ROUTE = True
     name = "query"
     ARGS = {"by": "length", "max_prompt_tokens": 512, "threshold": 0.5}
 

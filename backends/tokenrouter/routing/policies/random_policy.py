@@ -18,6 +18,7 @@ from tokenrouter.routing.policy import Lease, Policy, RouteDecision, RouteReques
 class RandomPolicy(Policy):
     """Route a token from the small to the large model with probability `p`, reproducibly per request."""
 
+    HOST_ROUTE = True
     name = "random"
     ARGS = {"p": 0.1}
 

@@ -22,6 +22,7 @@ from tokenrouter.routing.policy import Lease, Policy, RouteDecision, RouteReques
 class RStitchPolicy(Policy):
     """Small -> large when the small model is uncertain (> tau_high), back when the large one is sure (< tau_low)."""
 
+    HOST_ROUTE = True
     name = "rstitch"
     ARGS = {"tau_high": 0.1, "tau_low": 0.05}
 
