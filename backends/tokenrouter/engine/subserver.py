@@ -361,7 +361,7 @@ class Subserver:
         fed this step's tokens on the device, before they reach the host; its results are taken at the next call.
         A row whose token was not committed here after all (routed away, finished, cancelled) is void there: its
         result is dropped, and the KV it wrote lies past its request's computed tokens, in no cached block,
-        overwritten when that position runs again."""
+        overwritten when that position runs again. The rows kept go on ahead (their tokens gathered on the device)."""
         timeline = self.timeline  # read once: it may be switched on or off from another thread
         scheduled = time.monotonic() if timeline is not None else 0.0
         ahead, self._ahead = self._ahead, None
@@ -391,7 +391,10 @@ class Subserver:
                 launched = time.monotonic() if timeline is not None else 0.0
             self.flush_events()  # the last step's events leave while this one runs (defer_events)
             tokens_dev, results = self._sample_async(out, sampling)
-            nxt = self._launch_ahead(chunks, tokens_dev) if keep is None or len(keep) == len(ahead.rows) else None
+            fed = tokens_dev
+            if keep is not None and len(keep) < len(ahead.rows):  # the kept rows' tokens, gathered on the device
+                fed = tokens_dev.index_select(0, torch.tensor(keep).to(tokens_dev.device, non_blocking=True))
+            nxt = self._launch_ahead(chunks, fed)
             tokens, values, finite = results()
         arrived = time.perf_counter()
         if nxt is not None:
