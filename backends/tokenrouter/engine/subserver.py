@@ -391,10 +391,8 @@ class Subserver:
                 launched = time.monotonic() if timeline is not None else 0.0
             self.flush_events()  # the last step's events leave while this one runs (defer_events)
             tokens_dev, results = self._sample_async(out, sampling)
-            fed = tokens_dev
-            if keep is not None and len(keep) < len(ahead.rows):  # the kept rows' tokens, gathered on the device
-                fed = tokens_dev.index_select(0, torch.tensor(keep).to(tokens_dev.device, non_blocking=True))
-            nxt = self._launch_ahead(chunks, fed)
+            partial = keep is not None and len(keep) < len(ahead.rows)
+            nxt = self._launch_ahead(chunks, tokens_dev, keep if partial else None)
             tokens, values, finite = results()
         arrived = time.perf_counter()
         if nxt is not None:
@@ -430,9 +428,11 @@ class Subserver:
             )
         return len(chunks)
 
-    def _launch_ahead(self, chunks: list[ScheduledChunk], tokens_dev: torch.Tensor) -> Ahead | None:
-        """Launch the next step now, one token for each of this step's rows, fed their sampled tokens on the device;
-        None where a row may not decode on here next as far as the host can tell, or KV blocks are short."""
+    def _launch_ahead(self, chunks: list[ScheduledChunk], tokens_dev: torch.Tensor,
+                      rows_of: list[int] | None = None) -> Ahead | None:
+        """Launch the next step now, one token for each of this step's rows, fed their sampled tokens on the device
+        (`tokens_dev`, or its rows `rows_of` where this step's output has more rows than it keeps); None where a row
+        may not decode on here next as far as the host can tell, or KV blocks are short."""
         sched = self.scheduler
         if not self.step_ahead or sched.waiting or len(sched.running) != len(chunks):
             return None  # something else wants the next step: schedule it after this one, as usual
@@ -449,6 +449,8 @@ class Subserver:
         for c in chunks:
             if not self.block_manager.ensure(c.seq, c.seq.num_computed_tokens + c.num_new_tokens + 1):
                 return None  # (blocks taken so far stay with their requests: they need them next anyway)
+        if rows_of is not None:  # gathered on the device
+            tokens_dev = tokens_dev.index_select(0, torch.tensor(rows_of).to(tokens_dev.device, non_blocking=True))
         rows = [AheadRow(c.seq, c.seq.num_computed_tokens + c.num_new_tokens) for c in chunks]
         out = self.runner.forward([ScheduledChunk(r, 1) for r in rows], fed=tokens_dev)
         self.num_ahead_steps += 1
