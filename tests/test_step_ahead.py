@@ -49,19 +49,37 @@ def test_routed_output_equals_the_plain_loop_and_the_naive_reference(tiny_dir: P
 
 
 def test_forwarded_tokens_count_only_what_committed(tiny_dir: Path) -> None:
-    """One request on the small model alone: every step after the prefill runs ahead, the last one for a token that
-    was never wanted (the request had finished); the request is credited prompt + outputs - 1 tokens, as without."""
+    """One request on the small model alone: every step after the prefill runs ahead but the one after its last
+    token; the request is credited prompt + outputs - 1 tokens, as without, and nothing was computed for nothing.
+    With random routing, void rows are computed but never credited."""
     prompt = prompts_for(1024)[5]
     for ahead in (False, True):
         eng = _engine(tiny_dir, ["small", "large"], {"name": "always", "model": "small"}, ahead=ahead)
         (out,) = eng.generate([prompt], GREEDY)
         assert out.stats["num_forwarded_tokens"] == len(prompt) + GREEDY.max_new_tokens - 1
         small = eng.subservers["small"]
-        if ahead:
-            assert small.num_ahead_steps == GREEDY.max_new_tokens and small.num_void_rows == 1
-            # The GPU's work includes the void row; the request's does not.
-            assert small.runner.num_forwarded_tokens == len(prompt) + GREEDY.max_new_tokens
+        assert small.num_ahead_steps == (GREEDY.max_new_tokens - 1 if ahead else 0) and small.num_void_rows == 0
+        assert small.runner.num_forwarded_tokens == len(prompt) + GREEDY.max_new_tokens - 1
         assert_all_free(eng)
+    eng = _engine(tiny_dir, *RANDOM, ahead=True)
+    res = eng.generate(prompts_for(1024)[:3], GREEDY)
+    small = eng.subservers["small"]
+    credited = sum(o.stats["forwarded_per_model"].get("small", 0) for o in res)
+    assert small.num_void_rows > 0 and small.runner.num_forwarded_tokens == credited + small.num_void_rows
+    assert_all_free(eng)
+
+
+def test_one_token_requests_are_not_stepped_ahead(tiny_dir: Path) -> None:
+    """A request whose next token is its last has no next step (Std. Serving asks for one token per call): no step
+    is launched ahead for it, so none of its rows is computed twice."""
+    eng = _engine(tiny_dir, ["small", "large"], {"name": "always", "model": "small"}, ahead=True)
+    one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    for prompt in prompts_for(1024)[:3]:
+        (out,) = eng.generate([prompt], one)
+        assert len(out.token_ids) == 1
+    small = eng.subservers["small"]
+    assert small.num_ahead_steps == 0 and small.num_void_rows == 0
+    assert_all_free(eng)
 
 
 def test_sampled_rows_are_not_stepped_ahead(tiny_dir: Path) -> None:

@@ -446,15 +446,27 @@ class Subserver:
                 # (a lease that decides hands the request back after its tokens here, most often this one; a
                 # sampled row, void, would have moved its generator)
                 return None
-        for c in chunks:
+        # A request whose token now is its last (max_new_tokens, or the context limit) has no next step: without it
+        # (Std. Serving asks for one token at a time: it would compute every row twice).
+        go = [i for i, c in enumerate(chunks) if not self._last_token(c.seq)]
+        if not go:
+            return None
+        for i in go:
+            c = chunks[i]
             if not self.block_manager.ensure(c.seq, c.seq.num_computed_tokens + c.num_new_tokens + 1):
                 return None  # (blocks taken so far stay with their requests: they need them next anyway)
-        if rows_of is not None:  # gathered on the device
-            tokens_dev = tokens_dev.index_select(0, torch.tensor(rows_of).to(tokens_dev.device, non_blocking=True))
-        rows = [AheadRow(c.seq, c.seq.num_computed_tokens + c.num_new_tokens) for c in chunks]
+        if rows_of is not None or len(go) < len(chunks):  # this step's rows that go on, gathered on the device
+            index = [rows_of[i] for i in go] if rows_of is not None else go
+            tokens_dev = tokens_dev.index_select(0, torch.tensor(index).to(tokens_dev.device, non_blocking=True))
+        rows = [AheadRow(chunks[i].seq, chunks[i].seq.num_computed_tokens + chunks[i].num_new_tokens) for i in go]
         out = self.runner.forward([ScheduledChunk(r, 1) for r in rows], fed=tokens_dev)
         self.num_ahead_steps += 1
         return Ahead(rows, out)
+
+    def _last_token(self, seq: Sequence) -> bool:
+        """Whether the token this step samples for `seq` ends it whatever it is (StopChecker's length rule)."""
+        return (seq.num_output_tokens + 1 >= seq.params.max_new_tokens
+                or seq.num_tokens + 1 >= self.stop.max_model_len)
 
     def _still_ahead(self, row: AheadRow) -> bool:
         """Whether the row of a step launched ahead still runs what its request needs: the request is running here
