@@ -82,6 +82,26 @@ def test_one_token_requests_are_not_stepped_ahead(tiny_dir: Path) -> None:
     assert_all_free(eng)
 
 
+def test_a_row_beside_a_finishing_one_goes_on_ahead(tiny_dir: Path) -> None:
+    """Requests of different lengths in one batch: the step that ends one launches the next for the others alone,
+    each row fed its own request's token; nothing is routed, so no row is void."""
+    prompts = prompts_for(1024)[:3]
+    lens = [5, 24, 11]
+    outs = []
+    for ahead in (False, True):
+        eng = _engine(tiny_dir, ["small", "large"], {"name": "always", "model": "small"}, ahead=ahead)
+        ids = [eng.add_request(p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+               for p, n in zip(prompts, lens)]
+        done = {}
+        while eng.has_unfinished():
+            done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+        outs.append([done[i] for i in ids])
+        small = eng.subservers["small"]
+        assert small.num_void_rows == 0
+        assert_all_free(eng)
+    assert outs[0] == outs[1] and [len(o) for o in outs[1]] == lens
+
+
 def test_sampled_rows_are_not_stepped_ahead(tiny_dir: Path) -> None:
     """A void row's draw would move its generator: seeded sampled requests give what they give without."""
     params = SamplingParams(max_new_tokens=16, temperature=0.8, seed=5, ignore_eos=True)

@@ -101,13 +101,13 @@ class AheadRow:
 
 
 class Ahead:
-    """A step launched ahead: its rows (in the order of the step before's sampling rows), its output buffers, and
-    when it could start on the device (the step before's results on the host)."""
+    """A step launched ahead: its rows, which of the step before's rows each continues (`src`), its output buffers,
+    and when it could start on the device (the step before's results on the host)."""
 
-    __slots__ = ("rows", "out", "start", "t0")
+    __slots__ = ("rows", "src", "out", "start", "t0")
 
-    def __init__(self, rows: list[AheadRow], out: ForwardOutput) -> None:
-        self.rows, self.out = rows, out
+    def __init__(self, rows: list[AheadRow], src: list[int], out: ForwardOutput) -> None:
+        self.rows, self.src, self.out = rows, src, out
         self.start = self.t0 = 0.0
 
 
@@ -409,8 +409,9 @@ class Subserver:
             if self._handed_off:  # (defer_events) a handoff leaves now, with what was emitted before it
                 self.flush_events()
         if nxt is not None:
-            for r, tok in zip(nxt.rows, tokens.tolist()):
-                r.fed = tok
+            toks = tokens.tolist()
+            for r, i in zip(nxt.rows, nxt.src):
+                r.fed = toks[i]
             if any(self._still_ahead(r) for r in nxt.rows):
                 self._ahead = nxt
             else:  # every row went elsewhere or finished: nothing to take from it
@@ -461,7 +462,7 @@ class Subserver:
         rows = [AheadRow(chunks[i].seq, chunks[i].seq.num_computed_tokens + chunks[i].num_new_tokens) for i in go]
         out = self.runner.forward([ScheduledChunk(r, 1) for r in rows], fed=tokens_dev)
         self.num_ahead_steps += 1
-        return Ahead(rows, out)
+        return Ahead(rows, go, out)
 
     def _last_token(self, seq: Sequence) -> bool:
         """Whether the token this step samples for `seq` ends it whatever it is (StopChecker's length rule)."""
