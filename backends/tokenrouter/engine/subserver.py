@@ -365,16 +365,17 @@ class Subserver:
         timeline = self.timeline  # read once: it may be switched on or off from another thread
         scheduled = time.monotonic() if timeline is not None else 0.0
         ahead, self._ahead = self._ahead, None
-        keep: list[int] | None = None  # of a step launched ahead: its rows still valid
+        kept: list[int] | None = None  # of a step launched ahead with void rows: its rows still valid
         if ahead is not None:
             keep = [i for i, r in enumerate(ahead.rows) if self._still_ahead(r)]
             self.num_void_rows += len(ahead.rows) - len(keep)
             if not keep:
                 return 0  # nothing in it is wanted; the stream orders whatever comes next after it
+            if len(keep) < len(ahead.rows):
+                kept = keep
             chunks = [ScheduledChunk(ahead.rows[i].seq, 1) for i in keep]
-            for i in keep:
-                r = ahead.rows[i]
-                r.seq.num_forwarded_tokens += r.num_forwarded_tokens
+            for c, i in zip(chunks, keep):
+                c.seq.num_forwarded_tokens += ahead.rows[i].num_forwarded_tokens
             out, t0, start = ahead.out, ahead.t0, ahead.start
             scheduled = launched = start
         else:
@@ -391,15 +392,14 @@ class Subserver:
                 launched = time.monotonic() if timeline is not None else 0.0
             self.flush_events()  # the last step's events leave while this one runs (defer_events)
             tokens_dev, results = self._sample_async(out, sampling)
-            partial = keep is not None and len(keep) < len(ahead.rows)
-            nxt = self._launch_ahead(chunks, tokens_dev, keep if partial else None)
+            nxt = self._launch_ahead(chunks, tokens_dev, kept)
             tokens, values, finite = results()
         arrived = time.perf_counter()
         if nxt is not None:
             nxt.t0, nxt.start = arrived, time.monotonic()  # this step is done: the next one runs
-        if keep is not None and len(keep) < len(ahead.rows) and sampling:
-            tokens, finite = tokens[keep], finite[keep]
-            values = None if values is None else values[keep]
+        if kept is not None:  # (every row of a step launched ahead samples)
+            tokens, finite = tokens[kept], finite[kept]
+            values = None if values is None else values[kept]
         forward_end = time.monotonic() if timeline is not None else 0.0
         for c in chunks:
             c.seq.num_computed_tokens += c.num_new_tokens
