@@ -156,23 +156,6 @@ def test_extend_matches_torch(shape: tuple[int, int, int, int], num_splits: int)
     assert rel_err(out, reference(q, k, v, batch)) <= RTOL
 
 
-def test_split_decode_leaves_its_counters_zero_for_the_next_layer() -> None:
-    """The last split of each (sequence, KV head) merges the partials and zeroes its count, so the layers of a
-    step (and a CUDA graph's replays) share one counter tensor: each layer's output is right, and the counts
-    are all zero after every layer. Sequences of 1 to 70 keys over 3 splits: some fill one split, some all."""
-    lens = [(1, kv) for kv in (1, 5, 16, 37, 70)]
-    backend = TritonAttention(decode_block_n=16, num_kv_splits=3)
-    q, k, v, batch = make_case(lens, 4, 8, 2, 16, seed=11)
-    b = dataclasses.replace(batch, attn_state=None)
-    backend.prepare(b)
-    for layer in range(3):
-        q_l, k_l, v_l = (t.roll(layer, dims=-1) for t in (q, k, v))  # another layer's values, same NaN slots
-        out = backend.forward(q_l, k_l, v_l, b, q.shape[-1] ** -0.5)
-        assert rel_err(out, reference(q_l, k_l, v_l, batch)) <= RTOL, layer
-        (counts,) = b.attn_state.counters.values()
-        assert counts.shape == (len(lens), 2) and not counts.any(), layer
-
-
 def test_default_tiles_and_split_heuristic() -> None:
     """The GPU defaults (big tiles, heuristic splits) also give the right answer."""
     backend = TritonAttention()
@@ -348,8 +331,8 @@ def test_precompile_covers_every_variant_a_step_can_launch(
     monkeypatch.setattr(backend, "_launch", record)
     assert backend.precompile(q, k_cache, v_cache, batch, 0.25) == len(variants)
     assert backend._compile_only is None and backend.num_kv_splits is None and real_launch
-    assert seen["_decode_split_kernel"] == {(("DIRECT_OUT", True), ("SPLITS_PAD", 1))} | {
-        (("DIRECT_OUT", False), ("SPLITS_PAD", n)) for n in (2, 4, 8, 16, 32, 64)}
+    assert seen["_decode_split_kernel"] == {(("DIRECT_OUT", True),), (("DIRECT_OUT", False),)}
+    assert {dict(c)["SPLITS_PAD"] for c in seen["_decode_reduce_kernel"]} == {2, 4, 8, 16, 32, 64}
     assert seen["_extend_kernel"] == {(("SKIP_DECODE", d), ("SPLIT", s)) for d in (False, True) for s in (False, True)}
     assert {dict(c)["SKIP_DECODE"] for c in seen["_extend_reduce_kernel"]} == {False, True}
     assert {dict(c)["SPLITS_PAD"] for c in seen["_extend_reduce_kernel"]} == {2, 4, 8, 16}
@@ -371,10 +354,11 @@ def waits_first(ptx):  # PDL: the grid-dependency wait before the kernel's first
 
 for kernel, consts in (
         (ta._decode_split_kernel, dict(NUM_HEADS=16, HEAD_DIM=128, D_PAD=128, GROUP=2, GROUP_PAD=16, PAGE=16,
-                                       BLOCK_N=64, DIRECT_OUT=False, SPLITS_PAD=4)),):
+                                       BLOCK_N=64, DIRECT_OUT=False)),
+        (ta._decode_reduce_kernel, dict(NUM_HEADS=16, HEAD_DIM=128, D_PAD=128, BLOCK_N=64, SPLITS_PAD=4))):
     for pdl in (False, True):
         types = {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "block_tables_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
-                 "kv_lens_ptr": "*i32", "count_ptr": "*i32", "sm_scale_log2": "fp32"}
+                 "kv_lens_ptr": "*i32", "sm_scale_log2": "fp32"}
         sig = {n: types.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in kernel.arg_names}
         sig.update({c: "constexpr" for c in consts}, PDL="constexpr")
         ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs={**consts, "PDL": pdl}),

@@ -120,7 +120,6 @@ def _decode_split_kernel(
     o_ptr,  # [T, Hq, D], written directly when DIRECT_OUT
     mid_o_ptr,  # [B, Hq, num_splits, HEAD_DIM] float32, per-split normalised output
     mid_lse_ptr,  # [B, Hq, num_splits] float32, per-split log2-sum-exp2 of the scores
-    count_ptr,  # [B, Hkv] int32 zeros: splits of (sequence, KV head) done (left zero again); unused if DIRECT_OUT
     block_tables_ptr,  # [B, max_blocks] int32
     cu_seqlens_q_ptr,  # [B + 1] int32
     kv_lens_ptr,  # [B] int32
@@ -142,15 +141,11 @@ def _decode_split_kernel(
     GROUP_PAD: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    DIRECT_OUT: tl.constexpr,  # num_splits == 1: write the final output, nothing to merge
-    SPLITS_PAD: tl.constexpr,  # next power of two >= num_splits (the merge loads every split at once)
+    DIRECT_OUT: tl.constexpr,  # num_splits == 1: write the final output, no reduce kernel
     PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     """Grid (B, Hkv, num_splits): one sequence's single query, all GROUP query heads of one KV head, one KV split.
 
-    Each split writes its normalised partial and log-sum-exp; the last of a (sequence, KV head)'s splits to
-    finish (a counter) merges them into the output, so a split decode is one kernel, not a split and a reduce
-    kernel: at a short context the reduce's launch cost as much as a fifth of the attention (issue 12).
     In a mixed batch the sequences with q_len != 1 belong to the extend kernel and are skipped here.
     """
     wait_for_predecessor(PDL)  # first: the early returns below must have waited too
@@ -165,8 +160,7 @@ def _decode_split_kernel(
     start = split * split_len
     end = tl.minimum(start + split_len, kv_len)
     if (start >= end) | (q_len != 1):
-        # Empty split (short sequence; the merge skips it and the count leaves it out, by the same formula) or
-        # not a decode row.
+        # Empty split (short sequence; the reduce kernel skips it using the same formula) or not a decode row.
         return
 
     g = tl.arange(0, GROUP_PAD)  # GROUP_PAD >= 16 rows so tl.dot has a legal M; extra rows are masked
@@ -192,43 +186,52 @@ def _decode_split_kernel(
     out = acc / l_i[:, None]  # [GROUP_PAD, D_PAD]; l_i >= 1 for real rows since the split is non-empty
 
     if DIRECT_OUT:
-        # Nothing to merge: write the final output.
+        # Nothing to merge: write the final output and skip the reduce kernel.
         o_ptrs = o_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=q_mask)
     else:
         row = (seq * NUM_HEADS + head) * num_splits + split  # [GROUP_PAD]
         tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
         tl.store(mid_lse_ptr + row, m_i + tl.log2(l_i), mask=g_ok)
-        # Every thread's stores before the one atomic (the barrier), and acq_rel on it: this split's partial is
-        # visible before its count, and the last split sees every partial (as the skinny matmul's split-K).
-        tl.debug_barrier()
-        counter = count_ptr + seq * tl.num_programs(1) + kv_head
-        done = tl.atomic_add(counter, 1)
-        if done == (kv_len + split_len - 1) // split_len - 1:  # the last of the splits this sequence fills
-            for g_i in tl.static_range(GROUP):
-                _merge_splits(mid_o_ptr, mid_lse_ptr, o_ptr, tok, kv_head * GROUP + g_i, seq, kv_len, split_len,
-                              num_splits, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, D_PAD, SPLITS_PAD)
-            tl.atomic_xchg(counter, 0)  # zero again for the next layer and step (also inside a CUDA graph)
 
 
-@triton.jit
-def _merge_splits(mid_o_ptr, mid_lse_ptr, o_ptr, tok, head, seq, kv_len, split_len, num_splits, stride_ot, stride_oh,
-                  NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """One query head's output from its splits' partials, each weighted by exp2(lse_split - lse_max), in split
-    order (the sum does not depend on which split finished last)."""
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(
+    mid_o_ptr,  # [B, Hq, num_splits, HEAD_DIM] float32
+    mid_lse_ptr,  # [B, Hq, num_splits] float32
+    o_ptr,  # [T, Hq, D]
+    cu_seqlens_q_ptr,  # [B + 1] int32
+    kv_lens_ptr,  # [B] int32
+    num_splits,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # next power of two >= num_splits
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
+):
+    """Grid (B, Hq): merge one head's split partials, weighting each by exp2(lse_split - lse_max)."""
+    wait_for_predecessor(PDL)  # first: the early returns below must have waited too
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    tok = tl.load(cu_seqlens_q_ptr + seq)
+    if tl.load(cu_seqlens_q_ptr + seq + 1) - tok != 1:
+        return  # an extend row of a mixed batch
+    kv_len = tl.load(kv_lens_ptr + seq)
+    split_len = (kv_len + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N  # as in the split kernel
     s = tl.arange(0, SPLITS_PAD)
-    s_ok = (s < num_splits) & (s * split_len < kv_len)  # the splits that were written
+    s_ok = (s < num_splits) & (s * split_len < kv_len)  # splits the split kernel actually wrote
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     row = (seq * NUM_HEADS + head) * num_splits + s  # [SPLITS_PAD]
-    # .cg: straight from L2, where the other splits' programs (on other SMs) wrote their partials.
-    lse = tl.load(mid_lse_ptr + row, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+    lse = tl.load(mid_lse_ptr + row, mask=s_ok, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     # Only an empty sequence (kv_len == 0) has no split; keep its output 0 instead of NaN.
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max)  # [SPLITS_PAD], 0 for unwritten splits
-    part = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0,
-                   cache_modifier=".cg")
+    w = tl.exp2(lse - lse_max)  # [SPLITS_PAD], 0 for skipped splits
+    part = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     num = tl.sum(part * w[:, None], 0)  # [D_PAD]
     den = tl.sum(w, 0)
     out = num / tl.where(den > 0.0, den, 1.0)
@@ -483,7 +486,6 @@ class _TritonState:
     min_tokens: int = 1
     # Split scratch reused by every layer of the step (`_split_scratch`).
     scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    counters: dict[tuple, torch.Tensor] = field(default_factory=dict)  # `_split_counters`
 
 
 def _split_scratch(
@@ -498,15 +500,6 @@ def _split_scratch(
             torch.empty(rows, num_heads, splits, dtype=torch.float32, device=device),
         )
     return state.scratch[key]
-
-
-def _split_counters(state: _TritonState, rows: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
-    """The decode's per-(sequence, KV head) count of splits done [rows, Hkv] (int32 zeros), allocated once per
-    step and shape: the kernel leaves it zero, so every layer reuses it, and a CUDA graph keeps it."""
-    key = ("decode_count", rows, num_kv_heads, device)
-    if key not in state.counters:
-        state.counters[key] = torch.zeros(rows, num_kv_heads, dtype=torch.int32, device=device)
-    return state.counters[key]
 
 
 def _next_pow2(x: int) -> int:
@@ -611,7 +604,7 @@ class TritonAttention(AttentionBackend):
     def precompile(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
                    scale: float) -> int:
         """Every variant a step can launch, compiled before serving: decode with one split (direct output)
-        and with each power-of-two split count (the merge's SPLITS_PAD), extend with and without decode rows
+        and with each power-of-two split count (the reduce's SPLITS_PAD), extend with and without decode rows
         beside it (SKIP_DECODE) and with and without splits. `batch` gives the tensors' types and layouts (the
         eager path's: graphs, whose lengths are int64 and whose short extends take their own tile, compile their
         variants when they are captured, before serving too); nothing is launched."""
@@ -708,20 +701,25 @@ class TritonAttention(AttentionBackend):
         d_pad = max(16, _next_pow2(head_dim))
         cfg = self._decode_config(d_pad)
         splits = self._pick_num_splits(q.device, state.num_decode, num_kv_heads, state.max_decode_kv_len)
-        mid_o = mid_lse = count = out  # with one split the kernel writes `out` directly, never the scratch
+        mid_o = mid_lse = out  # with one split the kernel writes `out` directly, never the scratch
         if splits > 1:
             mid_o, mid_lse = _split_scratch(state, "decode", B, num_heads, splits, head_dim, q.device)
-            count = _split_counters(state, B, num_kv_heads, q.device)
         # Grid over all B sequences: in a mixed batch the extend rows' programs return at once.
         self._launch(_decode_split_kernel, (B, num_kv_heads, splits),
-            q, k_cache, v_cache, out, mid_o, mid_lse, count, batch.block_tables, batch.cu_seqlens_q, batch.kv_lens,
+            q, k_cache, v_cache, out, mid_o, mid_lse, batch.block_tables, batch.cu_seqlens_q, batch.kv_lens,
             scale * _LOG2E, splits,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             out.stride(0), out.stride(1), batch.block_tables.stride(0),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group,
-            GROUP_PAD=max(16, _next_pow2(group)), PAGE=batch.block_size, DIRECT_OUT=splits == 1,
-            SPLITS_PAD=_next_pow2(splits), **cfg,
+            GROUP_PAD=max(16, _next_pow2(group)), PAGE=batch.block_size, DIRECT_OUT=splits == 1, **cfg,
         )  # fmt: skip
+        if splits > 1:
+            self._launch(_decode_reduce_kernel, (B, num_heads),
+                mid_o, mid_lse, out, batch.cu_seqlens_q, batch.kv_lens, splits, out.stride(0), out.stride(1),
+                NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_N=cfg["BLOCK_N"],
+                SPLITS_PAD=_next_pow2(splits),
+                num_warps=4, num_stages=1,
+            )  # fmt: skip
 
     def _extend(
         self,
