@@ -5,10 +5,12 @@ request returning from another model brings (a few new tokens over a long cached
 Every case is captured in a CUDA graph that runs one attention call per layer over that layer's own K/V pool
 (so the KV is read from HBM, not from L2, as in a real step), laid out like the runner's graph for the batch:
 the graph shape's padding sequences and tokens included (`cuda_graph.pick_shape`). Reported per layer: the
-backend's default, each swept extend configuration (row tile, key tile, stages, warps, KV splits), and the
-floor (K/V bytes read / copy bandwidth measured in the same run). What the default should be is read off this.
+backend's default, each swept extend configuration (row tile, key tile, stages, warps, KV splits), each swept
+decode configuration (key tile, stages, warps, forced KV splits), and the floor (K/V bytes read / copy bandwidth
+measured in the same run). What the defaults should be is read off this.
 
     python perf/bench_attention.py --out perf/results/NAME.json [--models ...] [--tiles ...] [--splits ...]
+        [--decode-tiles 64x3x4,32x3x4 --decode-splits 1,4,16]
 """
 
 from __future__ import annotations
@@ -53,6 +55,27 @@ class SweptAttention(TritonAttention):
 
     def _extend_config(self, d_pad: int, elem_size: int, *_: object) -> dict[str, int]:
         return dict(self.extend_cfg)
+
+
+class DecodeSweptAttention(TritonAttention):
+    """The backend with the decode kernel's key tile and launch shape fixed and its split count forced."""
+
+    def __init__(self, decode_cfg: dict[str, int], splits: int) -> None:
+        super().__init__(num_kv_splits=splits)
+        self.decode_cfg = decode_cfg
+
+    def _decode_config(self, d_pad: int) -> dict[str, int]:
+        return dict(self.decode_cfg)
+
+
+def decode_configs(tiles: str, splits: str) -> list[tuple[dict[str, int], int]]:
+    """Decode sweep: key tile x stages x warps, each at every forced split count."""
+    out = []
+    for tile in filter(None, tiles.split(",")):
+        n, stages, warps = (int(x) for x in tile.split("x"))
+        for sp in filter(None, splits.split(",")):
+            out.append(({"BLOCK_N": n, "num_stages": stages, "num_warps": warps}, int(sp)))
+    return out
 
 
 SHAPES = graph_shapes(64, 128, 256)  # the runner's short-suffix graphs (up to 128 tokens; the default goes on to 512)
@@ -134,7 +157,8 @@ def extend_configs(tiles: str, splits: str) -> list[tuple[dict[str, int], int]]:
     return out
 
 
-def bench_model(name: str, bandwidth: float, configs: list[tuple[dict[str, int], int]], iters: int) -> dict:
+def bench_model(name: str, bandwidth: float, configs: list[tuple[dict[str, int], int]], iters: int,
+                dec_configs: list[tuple[dict[str, int], int]] = ()) -> dict:
     arch = ArchConfig.from_dir(ROOT / "perf" / "models" / name)
     dev = torch.device("cuda")
     hq, hkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -154,6 +178,11 @@ def bench_model(name: str, bandwidth: float, configs: list[tuple[dict[str, int],
             fb_d, shape_d = make_batch(batch, 1, context + new - 1, pool_blocks, dev, gen)
             q_d = torch.randn(shape_d.num_tokens, hq, d, dtype=torch.bfloat16, device=dev)
             decode = time_layers(TritonAttention(), q_d, k, v, fb_d, shape_d, iters)
+            dec_swept = []
+            for cfg, splits in dec_configs:
+                t = time_layers(DecodeSweptAttention(cfg, splits), q_d, k, v, fb_d, shape_d, iters)
+                dec_swept.append({**cfg, "splits": splits, "us": t * 1e6})
+            dec_best = min(dec_swept, key=lambda r: r["us"], default=None)
             fb, shape = make_batch(batch, new, context, pool_blocks, dev, gen)
             q = torch.randn(shape.num_tokens, hq, d, dtype=torch.bfloat16, device=dev)
             default = time_layers(TritonAttention(), q, k, v, fb, shape, iters)
@@ -165,19 +194,47 @@ def bench_model(name: str, bandwidth: float, configs: list[tuple[dict[str, int],
             case = {"batch": batch, "new": new, "context": context, "graph_seqs": shape.num_seqs,
                     "graph_tokens": shape.num_tokens,
                     "floor_us": floor * 1e6, "decode_us": decode * 1e6, "default_us": default * 1e6,
-                    "best": best, "swept": swept}
+                    "best": best, "swept": swept, "decode_best": dec_best, "decode_swept": dec_swept}
             out["cases"].append(case)
             print(f"{name} {batch}x{new} on {context}: floor {floor * 1e6:.1f} us, decode {decode * 1e6:.1f}, "
-                  f"extend default {default * 1e6:.1f}" + (f", best {best['us']:.1f} ({best})" if best else ""),
-                  flush=True)
+                  f"extend default {default * 1e6:.1f}" + (f", best {best['us']:.1f} ({best})" if best else "")
+                  + (f", decode best {dec_best['us']:.1f} ({dec_best})" if dec_best else ""), flush=True)
     del k, v
     torch.cuda.empty_cache()
     return out
 
 
+def decode_summary(results: dict) -> list[str]:
+    """Decode: each tile's geometric mean over the cases relative to each case's best (each case at the tile's
+    best split count), and each case's best split count and split length per tile."""
+    lines = []
+    for m in results["models"]:
+        cases = [c for c in m["cases"] if c.get("decode_swept")]
+        if not cases:
+            continue
+        tiles = sorted({(r["BLOCK_N"], r["num_stages"], r["num_warps"]) for r in cases[0]["decode_swept"]})
+
+        def at(c: dict, tile: tuple) -> dict:
+            rows = [r for r in c["decode_swept"] if (r["BLOCK_N"], r["num_stages"], r["num_warps"]) == tile]
+            return min(rows, key=lambda r: r["us"])
+
+        score = {t: math.exp(sum(math.log(at(c, t)["us"] / c["decode_best"]["us"]) for c in cases) / len(cases))
+                 for t in tiles}
+        default = math.exp(sum(math.log(c["decode_us"] / c["decode_best"]["us"]) for c in cases) / len(cases))
+        lines.append(f"{m['model']} decode: default {default:.2f}x the per-case best (geometric mean); tiles "
+                     "(BLOCK_N, stages, warps) at their best splits: "
+                     + ", ".join(f"{t} {sc:.2f}x" for t, sc in sorted(score.items(), key=lambda kv: kv[1])))
+        for c in cases:
+            b = c["decode_best"]
+            lines.append(f"  b{c['batch']} ctx {c['context']}: default {c['decode_us']:.1f} us, best {b['us']:.1f} "
+                         f"({b['BLOCK_N']}x{b['num_stages']}x{b['num_warps']}, {b['splits']} splits), floor "
+                         f"{c['floor_us']:.1f}")  # (decode reads the same context + new keys)
+    return lines
+
+
 def summary(results: dict) -> list[str]:
     """For each swept configuration, its geometric-mean time over the cases relative to each case's best."""
-    lines = []
+    lines = decode_summary(results)
     for m in results["models"]:
         if not m["cases"] or not m["cases"][0]["swept"]:
             continue
@@ -201,6 +258,9 @@ def main() -> None:
     ap.add_argument("--tiles", default=TILES,
                     help="extend tiles to sweep, BLOCK_MxBLOCK_NxSTAGESxWARPS,...; '' times the default alone")
     ap.add_argument("--splits", default=SPLITS, help="KV split counts to sweep")
+    ap.add_argument("--decode-tiles", default="",
+                    help="decode tiles to sweep, BLOCK_NxSTAGESxWARPS,... (each at every --decode-splits count)")
+    ap.add_argument("--decode-splits", default="1,2,4,8,16,32,64", help="decode KV split counts to sweep")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -209,7 +269,8 @@ def main() -> None:
     results = {"command": command_line(), "date": now_iso(), "machine": machine_info(),
                "copy_bandwidth_tb_s": bandwidth / 1e12, "models": []}
     for name in args.models.split(","):
-        results["models"].append(bench_model(name, bandwidth, extend_configs(args.tiles, args.splits), args.iters))
+        results["models"].append(bench_model(name, bandwidth, extend_configs(args.tiles, args.splits), args.iters,
+                                             decode_configs(args.decode_tiles, args.decode_splits)))
         args.out.write_text(json.dumps(results, indent=1))
     for line in summary(results):
         print(line)
