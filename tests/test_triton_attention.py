@@ -157,13 +157,14 @@ def test_extend_matches_torch(shape: tuple[int, int, int, int], num_splits: int)
 
 
 def test_decode_uses_the_splits_its_batch_fills(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The host launches its split count rounded up; the device uses no more than keep the decode rows' programs
-    within one round of the target (`_decode_num_splits`). On the CPU (4 "SMs", 16 programs wanted), 3 sequences
-    x 2 KV heads launch 3 splits (18 programs) and use 2: the third split's partials are never written, and the
-    output still equals torch's."""
+    """The host launches its split count rounded up; the device uses no more than keep the batch's programs within
+    one round of the target (`_decode_num_splits`). With 4 "SMs" (16 programs wanted), 3 sequences x 2 KV heads
+    launch 3 splits (18 programs) and use 2: the third split's partials are never written, and the output still
+    equals torch's."""
     lens = [(1, 600), (1, 700), (1, 520)]
     q, k, v, batch = make_case(lens, 16, 4, 2, 16, seed=12)
     backend = TritonAttention(decode_block_n=16)
+    backend._num_sms[q.device] = 4  # a GPU too
     assert backend._pick_num_splits(q.device, 3, 2, 700) == 3
     written = []
     real_scratch = ta._split_scratch

@@ -246,17 +246,14 @@ def _decode_reduce_kernel(
 @triton.jit
 def _decode_num_splits(cu_seqlens_q_ptr, num_seqs, num_kv_heads, num_splits, target_programs):
     """How many of the launched KV splits every decode sequence uses: as many as keep the batch's programs with
-    work within `target_programs` (the most that run at once), counting the batch's decode rows on the device (a
-    CUDA graph's launch is sized for its padded batch, and padding sequences have no query). A launch of more
-    programs than fit at once leaves a last partial wave (on an H200, Qwen3 at batch 8 over 8k keys: 9 splits,
-    576 programs, 81 us a layer; 8 splits, 70.8 us). The split kernel and the reduce compute it alike."""
-    decode = 0
-    for b0 in range(0, num_seqs, _SEQ_CHUNK):
-        b = b0 + tl.arange(0, _SEQ_CHUNK)
-        ok = b < num_seqs
-        q_len = tl.load(cu_seqlens_q_ptr + b + 1, mask=ok, other=0) - tl.load(cu_seqlens_q_ptr + b, mask=ok, other=0)
-        decode += tl.sum((q_len == 1).to(tl.int32), 0)
-    splits = target_programs // tl.maximum(decode * num_kv_heads, 1)
+    work within `target_programs` (what runs at once). A CUDA graph's launch is sized for its padded batch, so the
+    batch is counted on the device: its tokens (padding sequences have none), which in a mixed batch also counts
+    the extend rows' tokens, erring towards fewer splits. One load beside the kernel's own, not a count of the
+    rows, which cost a microsecond a layer at short contexts. A launch of more programs than run at once leaves a
+    last partial round (on an H200, Qwen3 decoding 8 sequences over 8k keys: 9 splits, 576 programs, 81 us a
+    layer; 8 splits, 70.8 us). The split kernel and the reduce compute it alike."""
+    tokens = tl.load(cu_seqlens_q_ptr + num_seqs) - tl.load(cu_seqlens_q_ptr)
+    splits = target_programs // tl.maximum(tokens * num_kv_heads, 1)
     return tl.maximum(tl.minimum(splits, num_splits), 1)
 
 
