@@ -112,7 +112,7 @@ def _attend_tile(
 
 # Runtime ints that change with the batch are not specialized on (Triton compiles a variant per value class:
 # 1, a multiple of 16, other), so a new batch never compiles a kernel on a request.
-@triton.jit(do_not_specialize=["num_splits", "target_programs", "stride_bt"])
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_split_kernel(
     q_ptr,  # [T, Hq, D]
     k_ptr,  # [num_slots, Hkv, D]
@@ -124,8 +124,7 @@ def _decode_split_kernel(
     cu_seqlens_q_ptr,  # [B + 1] int32
     kv_lens_ptr,  # [B] int32
     sm_scale_log2,
-    num_splits,  # launched; runtime, not constexpr: it changes with the batch and would recompile the kernel
-    target_programs,  # programs with work to aim for (`_decode_num_splits`)
+    num_splits,  # runtime, not constexpr: it changes with the batch and would recompile the kernel each time
     stride_qt,
     stride_qh,
     stride_kt,
@@ -156,9 +155,8 @@ def _decode_split_kernel(
     tok = tl.load(cu_seqlens_q_ptr + seq)  # row of q/out holding this sequence's query
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - tok
     kv_len = tl.load(kv_lens_ptr + seq)
-    used = _decode_num_splits(cu_seqlens_q_ptr, tl.num_programs(0), tl.num_programs(1), num_splits, target_programs)
-    # Per-sequence split length, BLOCK_N-aligned, so each sequence spreads over all used splits whatever its length.
-    split_len = (kv_len + used * BLOCK_N - 1) // (used * BLOCK_N) * BLOCK_N
+    # Per-sequence split length, BLOCK_N-aligned, so each sequence spreads over all splits whatever its length.
+    split_len = (kv_len + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, kv_len)
     if (start >= end) | (q_len != 1):
@@ -197,7 +195,7 @@ def _decode_split_kernel(
         tl.store(mid_lse_ptr + row, m_i + tl.log2(l_i), mask=g_ok)
 
 
-@triton.jit(do_not_specialize=["num_splits", "target_programs"])
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     mid_o_ptr,  # [B, Hq, num_splits, HEAD_DIM] float32
     mid_lse_ptr,  # [B, Hq, num_splits] float32
@@ -205,10 +203,8 @@ def _decode_reduce_kernel(
     cu_seqlens_q_ptr,  # [B + 1] int32
     kv_lens_ptr,  # [B] int32
     num_splits,
-    target_programs,
     stride_ot,
     stride_oh,
-    NUM_KV_HEADS: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -224,10 +220,9 @@ def _decode_reduce_kernel(
     if tl.load(cu_seqlens_q_ptr + seq + 1) - tok != 1:
         return  # an extend row of a mixed batch
     kv_len = tl.load(kv_lens_ptr + seq)
-    used = _decode_num_splits(cu_seqlens_q_ptr, tl.num_programs(0), NUM_KV_HEADS, num_splits, target_programs)
-    split_len = (kv_len + used * BLOCK_N - 1) // (used * BLOCK_N) * BLOCK_N  # as in the split kernel
+    split_len = (kv_len + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N  # as in the split kernel
     s = tl.arange(0, SPLITS_PAD)
-    s_ok = (s < used) & (s * split_len < kv_len)  # splits the split kernel actually wrote
+    s_ok = (s < num_splits) & (s * split_len < kv_len)  # splits the split kernel actually wrote
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     row = (seq * NUM_HEADS + head) * num_splits + s  # [SPLITS_PAD]
@@ -241,20 +236,6 @@ def _decode_reduce_kernel(
     den = tl.sum(w, 0)
     out = num / tl.where(den > 0.0, den, 1.0)
     tl.store(o_ptr + tok * stride_ot + head * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
-
-
-@triton.jit
-def _decode_num_splits(cu_seqlens_q_ptr, num_seqs, num_kv_heads, num_splits, target_programs):
-    """How many of the launched KV splits every decode sequence uses: as many as keep the batch's programs with
-    work within `target_programs` (what runs at once). A CUDA graph's launch is sized for its padded batch, so the
-    batch is counted on the device: its tokens (padding sequences have none), which in a mixed batch also counts
-    the extend rows' tokens, erring towards fewer splits. One load beside the kernel's own, not a count of the
-    rows, which cost a microsecond a layer at short contexts. A launch of more programs than run at once leaves a
-    last partial round (on an H200, Qwen3 decoding 8 sequences over 8k keys: 9 splits, 576 programs, 81 us a
-    layer; 8 splits, 70.8 us). The split kernel and the reduce compute it alike."""
-    tokens = tl.load(cu_seqlens_q_ptr + num_seqs) - tl.load(cu_seqlens_q_ptr)
-    splits = target_programs // tl.maximum(tokens * num_kv_heads, 1)
-    return tl.maximum(tl.minimum(splits, num_splits), 1)
 
 
 @triton.jit
@@ -669,11 +650,14 @@ class TritonAttention(AttentionBackend):
         return self._num_sms[device]
 
     def _pick_num_splits(self, device: torch.device, num_decode: int, num_kv_heads: int, max_kv_len: int) -> int:
-        """Splits to launch: enough (sequence, KV head, split) programs to fill every SM, without splits too short
-        to pay off. Rounded up: the device then uses as many as fit its batch (`_decode_num_splits`), at most these."""
+        """Enough (sequence, KV head, split) programs to fill every SM, without splits too short to pay off, and no
+        more than run at once: rounding up leaves a last partial round of programs (perf/results/
+        decode_splits_h200_2026-12-03: Qwen3 decoding 8 sequences over 8k keys, 9 splits 80-82 us a layer, 8 splits
+        70-72 us). A CUDA graph's padded batch counts its padding (12 sequences in a 16-row graph: 4 splits where 5
+        measured 3-6 % faster); counting the rows on the device cost ~1 us a layer at short contexts."""
         if self.num_kv_splits is not None:
             return max(1, self.num_kv_splits)
-        want = triton.cdiv(_PROGRAMS_PER_SM * self._sm_count(device), num_decode * num_kv_heads)
+        want = _PROGRAMS_PER_SM * self._sm_count(device) // (num_decode * num_kv_heads)
         worth = triton.cdiv(max_kv_len, _MIN_TOKENS_PER_SPLIT)
         return max(1, min(want, worth, _MAX_KV_SPLITS))
 
@@ -721,16 +705,13 @@ class TritonAttention(AttentionBackend):
         d_pad = max(16, _next_pow2(head_dim))
         cfg = self._decode_config(d_pad)
         splits = self._pick_num_splits(q.device, state.num_decode, num_kv_heads, state.max_decode_kv_len)
-        # The device uses fewer where the batch's decode rows are fewer than the launch was sized for (a graph's
-        # padding) or its programs would overflow one round (`_decode_num_splits`); a forced count is used whole.
-        target = _EVERY_SPLIT if self.num_kv_splits is not None else _PROGRAMS_PER_SM * self._sm_count(q.device)
         mid_o = mid_lse = out  # with one split the kernel writes `out` directly, never the scratch
         if splits > 1:
             mid_o, mid_lse = _split_scratch(state, "decode", B, num_heads, splits, head_dim, q.device)
         # Grid over all B sequences: in a mixed batch the extend rows' programs return at once.
         self._launch(_decode_split_kernel, (B, num_kv_heads, splits),
             q, k_cache, v_cache, out, mid_o, mid_lse, batch.block_tables, batch.cu_seqlens_q, batch.kv_lens,
-            scale * _LOG2E, splits, target,
+            scale * _LOG2E, splits,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             out.stride(0), out.stride(1), batch.block_tables.stride(0),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group,
@@ -738,9 +719,9 @@ class TritonAttention(AttentionBackend):
         )  # fmt: skip
         if splits > 1:
             self._launch(_decode_reduce_kernel, (B, num_heads),
-                mid_o, mid_lse, out, batch.cu_seqlens_q, batch.kv_lens, splits, target, out.stride(0),
-                out.stride(1), NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
-                BLOCK_N=cfg["BLOCK_N"], SPLITS_PAD=_next_pow2(splits),
+                mid_o, mid_lse, out, batch.cu_seqlens_q, batch.kv_lens, splits, out.stride(0), out.stride(1),
+                NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_N=cfg["BLOCK_N"],
+                SPLITS_PAD=_next_pow2(splits),
                 num_warps=4, num_stages=1,
             )  # fmt: skip
 
