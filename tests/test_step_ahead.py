@@ -199,6 +199,39 @@ class _DeviceRoute(Policy):
         return (result.logits.argmax(-1) % 5 == 0).tolist()  # device work on this step's logits
 
 
+@register
+class _FailsOnItsThirdCall(Policy):
+    """Raises in `route` on its third call (a policy's bug): the step fails after it launched the next one."""
+
+    name = "test-fails-on-third-call"
+    HOST_ROUTE = True
+
+    def route(self, batch: list[RouteRequest], result: StepResult) -> list[bool]:
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 3:
+            raise RuntimeError("policy failure")
+        return [False] * len(batch)
+
+
+def test_a_step_failing_after_launching_ahead(tiny_dir: Path) -> None:
+    """A step that fails after launching the next one fails its request; the step launched ahead is then taken and
+    found void (counted, never credited), and every KV block is free."""
+    eng = _engine(tiny_dir, ["small", "large"], {"name": "test-fails-on-third-call"}, ahead=True)
+    small = eng.subservers["small"]
+    eng.add_request(prompts_for(1024)[0], GREEDY, request_id="r")
+    finals = []
+    while eng.has_unfinished():
+        finals += [o for o in eng.step() if o.finished]
+    (out,) = finals
+    assert out.finish_reason == "error" and "policy failure" in out.error
+    for _ in range(2):
+        eng.step()  # (takes the step in flight, if any)
+    # (ahead after the prefill, after the second step, and the one launched by the failing third)
+    assert small._ahead is None and small.num_ahead_steps == 3 and small.num_void_rows == 1
+    assert small.runner.num_forwarded_tokens == out.stats["num_forwarded_tokens"] + small.num_void_rows
+    assert_all_free(eng)
+
+
 def test_a_policy_computing_in_route_is_not_stepped_ahead(tiny_dir: Path) -> None:
     """Stepping ahead, the next step may overwrite the step's device tensors before `route` reads them (a CUDA
     graph's buffers): a policy that computes on them in `route` keeps its models in the plain loop."""
@@ -258,6 +291,42 @@ def test_a_request_back_from_elsewhere_is_not_held_up(tiny_dir: Path) -> None:
     assert seq_b.num_computed_tokens == pending
     for rid in (a, b):
         eng.abort(rid)
+    assert_all_free(eng)
+
+
+def test_below_its_batching_threshold_a_model_does_not_step_ahead(tiny_dir: Path) -> None:
+    """Delayed batching: a model with fewer rows than its threshold, while more requests may still come to it,
+    waits for them (`should_step`) instead of launching its next step at once; once nothing else can arrive, it
+    steps ahead again. The tokens are the same either way."""
+    prompt = prompts_for(1024)[0]
+    outs = []
+    for arrivals in (True, False):
+        eng = _engine(tiny_dir, ["small", "large"], {"name": "always", "model": "small"}, ahead=True)
+        small = eng.subservers["small"]
+        small.threshold, small.arrivals_possible = 2, (lambda a=arrivals: a)
+        outs.append(_generate(eng, [prompt]))
+        assert (small.num_ahead_steps == 0) == arrivals, arrivals
+    assert outs[0] == outs[1]
+
+
+def test_the_tuner_records_the_rows_the_gpu_ran(tiny_dir: Path) -> None:
+    """A step launched ahead with void rows ran all of them: the batch-latency sample the threshold tuner gets is
+    that batch, not the rows kept."""
+    eng = _engine(tiny_dir, *RANDOM, ahead=True)
+    small = eng.subservers["small"]
+    recorded = []
+    real = small.stats.record_step
+    small.stats.record_step = lambda batch, seconds: (recorded.append(batch), real(batch, seconds))
+    for prompt in prompts_for(1024)[:3]:
+        eng.add_request(prompt, GREEDY)
+    partly_void = 0
+    while eng.has_unfinished():
+        ahead, before = small._ahead, len(recorded)
+        eng.step()
+        if ahead is not None and len(recorded) > before:
+            assert recorded[before] == len(ahead.rows)
+            partly_void += small.last_batch_size < len(ahead.rows)  # (the rows it kept)
+    assert partly_void > 0
     assert_all_free(eng)
 
 

@@ -392,7 +392,8 @@ class Subserver:
                 launched = time.monotonic() if timeline is not None else 0.0
             self.flush_events()  # the last step's events leave while this one runs (defer_events)
             tokens_dev, results = self._sample_async(out, sampling)
-            nxt = self._launch_ahead(chunks, tokens_dev, kept)
+            # Held from its launch: should this step fail, the next takes it and finds every row void.
+            nxt = self._ahead = self._launch_ahead(chunks, tokens_dev, kept)
             tokens, values, finite = results()
         arrived = time.perf_counter()
         if nxt is not None:
@@ -412,15 +413,16 @@ class Subserver:
             toks = tokens.tolist()
             for r, i in zip(nxt.rows, nxt.src):
                 r.fed = toks[i]
-            if any(self._still_ahead(r) for r in nxt.rows):
-                self._ahead = nxt
-            else:  # every row went elsewhere or finished: nothing to take from it
+            if not any(self._still_ahead(r) for r in nxt.rows):  # every row went elsewhere or finished
+                self._ahead = None  # nothing to take from it
                 self.num_void_rows += len(nxt.rows)
         self.num_steps += 1
         self.last_batch_size = len(chunks)
         # A step's time as the tuner models it, from its start to the next step's: a step launched ahead started
-        # when the one before it ended, and its own routing and commits overlap the step after it.
-        self.stats.record_step(len(chunks), (arrived if ahead is not None else time.perf_counter()) - t0)
+        # when the one before it ended, and its own routing and commits overlap the step after it. Its batch is
+        # what the GPU ran, void rows included.
+        self.stats.record_step(len(ahead.rows) if ahead is not None else len(chunks),
+                               (arrived if ahead is not None else time.perf_counter()) - t0)
         if timeline is not None:
             timeline.step(
                 start, forward_end, time.monotonic(), len(chunks), sum(c.num_new_tokens for c in chunks),
