@@ -21,6 +21,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -158,7 +159,7 @@ def extend_configs(tiles: str, splits: str) -> list[tuple[dict[str, int], int]]:
 
 
 def bench_model(name: str, bandwidth: float, configs: list[tuple[dict[str, int], int]], iters: int,
-                dec_configs: list[tuple[dict[str, int], int]] = ()) -> dict:
+                dec_configs: Sequence[tuple[dict[str, int], int]] = ()) -> dict:
     arch = ArchConfig.from_dir(ROOT / "perf" / "models" / name)
     dev = torch.device("cuda")
     hq, hkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim

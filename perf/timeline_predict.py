@@ -48,7 +48,8 @@ def system_model(events: list[Event], concurrency: int, output_tokens: int,
     stats = {m: StepStats() for m in models}
     rows = Counter()
     for e in steps:
-        stats[e["model"]].record_step(e["batch"], e["end"] - e["start"])
+        # the batch the GPU ran, as the deployment's tuner records it; the rows that routed, without void ones
+        stats[e["model"]].record_step(e["batch"] + e.get("void", 0), e["end"] - e["start"])
         rows[e["model"]] += e["batch"]
     moves = Counter((e["source"], e["target"]) for e in events if e["kind"] == "handoff")
     escalated = sum(n for (src, _), n in moves.items() if src == entry)

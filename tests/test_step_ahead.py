@@ -11,6 +11,7 @@ from test_routing_vs_naive import naive_generate, prompts_for
 from test_stepped_finals import assert_all_free
 from tokenrouter.engine.engine import Engine
 from tokenrouter.engine.sequence import SeqStatus
+from tokenrouter.engine.timeline import Timeline
 from tokenrouter.routing.policy import Policy, RouteRequest, StepResult, register
 from tokenrouter.sampling_params import SamplingParams
 
@@ -296,8 +297,8 @@ def test_a_request_back_from_elsewhere_is_not_held_up(tiny_dir: Path) -> None:
 
 def test_below_its_batching_threshold_a_model_does_not_step_ahead(tiny_dir: Path) -> None:
     """Delayed batching: a model with fewer rows than its threshold, while more requests may still come to it,
-    waits for them (`should_step`) instead of launching its next step at once; once nothing else can arrive, it
-    steps ahead again. The tokens are the same either way."""
+    waits for them (`should_step`) instead of launching its next step at once; where nothing else can arrive, it
+    steps ahead below its threshold. The tokens are the same either way."""
     prompt = prompts_for(1024)[0]
     outs = []
     for arrivals in (True, False):
@@ -311,9 +312,10 @@ def test_below_its_batching_threshold_a_model_does_not_step_ahead(tiny_dir: Path
 
 def test_the_tuner_records_the_rows_the_gpu_ran(tiny_dir: Path) -> None:
     """A step launched ahead with void rows ran all of them: the batch-latency sample the threshold tuner gets is
-    that batch, not the rows kept."""
+    that batch, not the rows kept; the timeline's step event says how many rows were void."""
     eng = _engine(tiny_dir, *RANDOM, ahead=True)
     small = eng.subservers["small"]
+    small.timeline = Timeline("small")
     recorded = []
     real = small.stats.record_step
     small.stats.record_step = lambda batch, seconds: (recorded.append(batch), real(batch, seconds))
@@ -323,10 +325,13 @@ def test_the_tuner_records_the_rows_the_gpu_ran(tiny_dir: Path) -> None:
     while eng.has_unfinished():
         ahead, before = small._ahead, len(recorded)
         eng.step()
-        if ahead is not None and len(recorded) > before:
+        if ahead is not None and len(recorded) == before + 1:  # (one small step: the one taking `ahead`)
             assert recorded[before] == len(ahead.rows)
             partly_void += small.last_batch_size < len(ahead.rows)  # (the rows it kept)
     assert partly_void > 0
+    steps = [e for e in small.timeline.take() if e["kind"] == "step"]
+    assert sum(e["void"] > 0 for e in steps) >= partly_void
+    assert sorted(e["batch"] + e["void"] for e in steps) == sorted(recorded)
     assert_all_free(eng)
 
 

@@ -171,12 +171,14 @@ def test_split_heuristic() -> None:
     backend = TritonAttention()
     dev = torch.device("cuda", 0)
     backend._num_sms[dev] = 132  # an H100/H200
-    assert backend._pick_num_splits(dev, 1, 8, 32768) == 64  # one long sequence: split as far as allowed
-    assert backend._pick_num_splits(dev, 1, 8, 300) == 2  # short context: splits would be too small
-    assert backend._pick_num_splits(dev, 128, 8, 32768) == 1  # a big batch already fills the GPU
-    # No more programs than run at once (4 a SM): 528 // (sequences x 8 KV heads), not rounded up into a partial
-    # last round.
-    assert [backend._pick_num_splits(dev, n, 8, 8192) for n in (4, 8, 16, 32, 64)] == [16, 8, 4, 2, 1]
+    for round_down in (False, True):
+        assert backend._pick_num_splits(dev, 1, 8, 32768, round_down) == 64  # one long sequence: as far as allowed
+        assert backend._pick_num_splits(dev, 1, 8, 300, round_down) == 2  # short context: splits would be too small
+        assert backend._pick_num_splits(dev, 128, 8, 32768, round_down) == 1  # a big batch already fills the GPU
+    # Decode: no more programs than the target (4 a SM), 528 // (sequences x 8 KV heads), not rounded up into a
+    # partial last round; eager extends round up.
+    assert [backend._pick_num_splits(dev, n, 8, 8192, True) for n in (4, 8, 16, 32, 64)] == [16, 8, 4, 2, 1]
+    assert [backend._pick_num_splits(dev, n, 8, 8192) for n in (4, 8, 16, 32, 64)] == [17, 9, 5, 3, 2]
 
 
 @triton.jit

@@ -392,7 +392,8 @@ class Subserver:
                 launched = time.monotonic() if timeline is not None else 0.0
             self.flush_events()  # the last step's events leave while this one runs (defer_events)
             tokens_dev, results = self._sample_async(out, sampling)
-            # Held from its launch: should this step fail, the next takes it and finds every row void.
+            # Held from its launch: should this step fail, the next takes it and finds every row void (`safe_step`
+            # fails this step's requests; a row not yet fed matches no token).
             nxt = self._ahead = self._launch_ahead(chunks, tokens_dev, kept)
             tokens, values, finite = results()
         arrived = time.perf_counter()
@@ -421,13 +422,13 @@ class Subserver:
         # A step's time as the tuner models it, from its start to the next step's: a step launched ahead started
         # when the one before it ended, and its own routing and commits overlap the step after it. Its batch is
         # what the GPU ran, void rows included.
-        self.stats.record_step(len(ahead.rows) if ahead is not None else len(chunks),
-                               (arrived if ahead is not None else time.perf_counter()) - t0)
+        void = len(ahead.rows) - len(chunks) if ahead is not None else 0
+        self.stats.record_step(len(chunks) + void, (arrived if ahead is not None else time.perf_counter()) - t0)
         if timeline is not None:
             timeline.step(
                 start, forward_end, time.monotonic(), len(chunks), sum(c.num_new_tokens for c in chunks),
                 sum(c.num_new_tokens > 1 for c in chunks), self.threshold, first_ready, last_ready, wait_max,
-                schedule_start=scheduled, launched=launched,
+                schedule_start=scheduled, launched=launched, void=void,
             )
         return len(chunks)
 

@@ -46,7 +46,8 @@ _EVERY_SPLIT = 1 << 30
 _MIN_TOKENS_PER_SPLIT = 256
 # Sequences whose ends the extend reduce compares at once to find a token's sequence (one load for most batches).
 _SEQ_CHUNK = tl.constexpr(64)
-# Decode programs to aim for per SM: a few resident programs per SM hide the block-table -> K/V load latency.
+# Decode programs to aim for per SM: a few resident programs per SM hide the block-table -> K/V load latency. Also
+# the most a decode launches (rounded down): past it, measured, a partial last round of programs costs more.
 _PROGRAMS_PER_SM = 4
 
 
@@ -649,15 +650,19 @@ class TritonAttention(AttentionBackend):
                 self._num_sms[device] = 4
         return self._num_sms[device]
 
-    def _pick_num_splits(self, device: torch.device, num_decode: int, num_kv_heads: int, max_kv_len: int) -> int:
-        """Enough (sequence, KV head, split) programs to fill every SM, without splits too short to pay off, and no
-        more than run at once: rounding up leaves a last partial round of programs (perf/results/
-        decode_splits_h200_2026-12-03: Qwen3 decoding 8 sequences over 8k keys, 9 splits 80-82 us a layer, 8 splits
-        70-72 us). A CUDA graph's padded batch counts its padding (12 sequences in a 16-row graph: 4 splits where 5
-        measured 3-6 % faster); counting the rows on the device cost ~1 us a layer at short contexts."""
+    def _pick_num_splits(self, device: torch.device, num_seqs: int, num_kv_heads: int, max_kv_len: int,
+                         round_down: bool = False) -> int:
+        """Splits to launch: enough (sequence, KV head, split) programs to fill every SM, without splits too short
+        to pay off. `round_down` (decode): no more programs than the target, since rounding up adds a partial last
+        round of them (perf/results/decode_splits_h200_2026-12-03: Qwen3 decoding 8 sequences over 8k keys, 9
+        splits 80-83 us a layer, 8 splits 70-73 us). A CUDA graph's padded batch counts its padding (12 sequences
+        in a 16-row graph: 4 splits where 5 measured 3-6 % faster); counting the rows on the device cost up to
+        ~1 us a layer at short contexts. Eager extends (not measured that way) keep rounding up."""
         if self.num_kv_splits is not None:
             return max(1, self.num_kv_splits)
-        want = _PROGRAMS_PER_SM * self._sm_count(device) // (num_decode * num_kv_heads)
+        target = _PROGRAMS_PER_SM * self._sm_count(device)
+        per_split = num_seqs * num_kv_heads
+        want = target // per_split if round_down else triton.cdiv(target, per_split)
         worth = triton.cdiv(max_kv_len, _MIN_TOKENS_PER_SPLIT)
         return max(1, min(want, worth, _MAX_KV_SPLITS))
 
@@ -704,7 +709,8 @@ class TritonAttention(AttentionBackend):
         group = num_heads // num_kv_heads
         d_pad = max(16, _next_pow2(head_dim))
         cfg = self._decode_config(d_pad)
-        splits = self._pick_num_splits(q.device, state.num_decode, num_kv_heads, state.max_decode_kv_len)
+        splits = self._pick_num_splits(q.device, state.num_decode, num_kv_heads, state.max_decode_kv_len,
+                                       round_down=True)
         mid_o = mid_lse = out  # with one split the kernel writes `out` directly, never the scratch
         if splits > 1:
             mid_o, mid_lse = _split_scratch(state, "decode", B, num_heads, splits, head_dim, q.device)
