@@ -156,6 +156,19 @@ def test_extend_matches_torch(shape: tuple[int, int, int, int], num_splits: int)
     assert rel_err(out, reference(q, k, v, batch)) <= RTOL
 
 
+def test_decode_launches_its_splits_rounded_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode path asks for the count rounded down: with 4 "SMs" (16 programs), 3 sequences x 2 KV heads
+    launch 2 splits (12 programs), not 3 (18, a partial last round); the output equals torch's."""
+    q, k, v, batch = make_case([(1, 600), (1, 700), (1, 520)], 16, 4, 2, 16, seed=12)
+    backend = TritonAttention(decode_block_n=16)
+    backend._num_sms[q.device] = 4  # (on a GPU too)
+    launched = []
+    real_scratch = ta._split_scratch
+    monkeypatch.setattr(ta, "_split_scratch", lambda *a: (launched.append(a[4]), real_scratch(*a))[1])
+    assert rel_err(run_triton(backend, q, k, v, batch), reference(q, k, v, batch)) <= RTOL
+    assert launched == [2]
+
+
 def test_default_tiles_and_split_heuristic() -> None:
     """The GPU defaults (big tiles, heuristic splits) also give the right answer."""
     backend = TritonAttention()
