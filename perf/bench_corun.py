@@ -14,7 +14,9 @@ sharing the SMs that a deployment can choose:
   per SM with the small model at high priority: many short programs, so that an SM comes free every few
   microseconds for the small model's kernels to take first, where cuBLAS's and the tuned stream-K's programs hold
   their SMs through a whole matmul), `green<N>` (the large model's steps on a CUDA green context of N SMs:
-  `ModelConfig.num_sms`; the small model keeps the whole GPU);
+  `ModelConfig.num_sms`; the small model keeps the whole GPU), `lt<K>` / `lt<K>_high` (the large model's matmuls
+  captured through cuBLASLt with K SMs carved out, `lt0` none: the carve-out reaches cuBLASLt only, whose
+  heuristics then size their grids for the SMs left; `_high`: the small model's stream at high priority);
 - in two processes under CUDA MPS (the served deployment: one process per model): `mps<P>`, the large model's
   process limited to P % of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), the small model's unlimited. Caution:
   on the H200 with torch 2.11 a limited process's cuBLAS matmuls returned NaN from finite inputs at some
@@ -146,7 +148,7 @@ def run_inprocess(args) -> dict:
     small = Step(small_runner, small_bm, args.small_batch, args.context, 1)
     # The large model's skinny variants and then the carve-outs recapture its graphs, which the earlier variants'
     # step replays: they go last (a carve-out after a skinny variant measures the skinny large model).
-    order = {"large_skinny": 1, "large_streamk": 1, "green": 2, "carveout": 3}
+    order = {"large_skinny": 1, "large_streamk": 1, "green": 2, "carveout": 3, "lt": 4}
     small_high = None
     for variant in sorted(args.variants.split(","),
                           key=lambda v: next((k for p, k in order.items() if v.startswith(p)), 0)):
@@ -215,6 +217,31 @@ def run_inprocess(args) -> dict:
                     _carveout_off()
                 carved = Step(large_runner, large_bm, args.large_batch, args.context, args.large_new)
                 out[variant] = side_by_side(small, carved)
+            elif variant.startswith("lt"):
+                # torch's carve-out reaches cuBLASLt only (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET: its heuristics
+                # size the grids for the SMs left), so the large model's graphs are recaptured with cuBLASLt as
+                # torch's BLAS library and K SMs carved out (`lt0`: cuBLASLt alone); `_high`: the small model's
+                # stream at high priority, to take the SMs left free first.
+                carve, _, high = variant.removeprefix("lt").partition("_")
+                other = small
+                if high:
+                    if small_high is None:
+                        runner, bm = build(args.small, priority="high")
+                        small_high = Step(runner, bm, args.small_batch, args.context, 1)
+                        del runner, bm
+                    other = small_high
+                prev_lib = torch.backends.cuda.preferred_blas_library()
+                torch.backends.cuda.preferred_blas_library("cublaslt")
+                if int(carve):
+                    torch._C._set_sm_carveout_experimental(int(carve))
+                try:
+                    large_runner.graphs = None
+                    large_runner.setup_step(None)
+                finally:
+                    _carveout_off()
+                    torch.backends.cuda.preferred_blas_library(prev_lib)
+                carved = Step(large_runner, large_bm, args.large_batch, args.context, args.large_new)
+                out[variant] = side_by_side(other, carved)
             else:
                 raise SystemExit(f"unknown variant {variant!r}")
         except Exception as exc:  # a variant this torch or GPU does not support: say so, go on

@@ -111,6 +111,12 @@ class ModelConfig:
     # (perf/results/green_h200_2026-12-03), hence off by default. Hopper hands out SMs in groups of 8. A green
     # context's stream has the normal priority.
     num_sms: int = _spec(0, ge=0, accepts="an integer >= 0 (0: all SMs)")
+    # SMs this model's captured cuBLAS matmuls leave to others: its graphs are captured through cuBLASLt with
+    # torch's SM carve-out, whose heuristics then size the matmuls' grids for the SMs left (0: cuBLAS as torch
+    # picks it, all SMs). A soft partition: the model's other kernels still use every SM, and a matmul sized for
+    # fewer SMs runs no partial wave (a green context, `num_sms`, leaves cuBLAS sizing for the whole GPU). Eager
+    # steps (prefills past the captured sizes) keep torch's default.
+    cublas_sm_carveout: int = _spec(0, ge=0, accepts="an integer >= 0 (0: none)")
     # Before the model reports ready, run throwaway batches through it (prefills, extends, mixed and sampled
     # batches, a chunked prompt) so that no request pays for a kernel compile (engine/warmup.py). GPU only.
     warmup: bool = True

@@ -202,7 +202,8 @@ class ModelRunner:
             stream=self.stream,
         )
         if capture:
-            self.graphs.capture()
+            with carved_cublas(self.device, cfg.cublas_sm_carveout):
+                self.graphs.capture()
 
     @torch.inference_mode()
     def forward(self, chunks: list[ScheduledChunk], eager: bool = False,
@@ -232,6 +233,31 @@ class ModelRunner:
         if self.step_hook is not None and len(last):
             values = self.step_hook(logits, last, greedy)
         return ForwardOutput(logits, last, greedy, values, logits.isfinite().all(dim=-1))
+
+
+@contextlib.contextmanager
+def carved_cublas(device: torch.device, carveout: int):
+    """torch's matmuls inside go through cuBLASLt told to leave `carveout` SMs of `device` out
+    (`ModelConfig.cublas_sm_carveout`); both settings are torch's process-wide state, restored on exit. Only
+    cuBLASLt reads the carve-out (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET), hence the library switch."""
+    if not carveout or device.type != "cuda":
+        yield
+        return
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    if carveout >= total:
+        raise RuntimeError(f"cublas_sm_carveout: {carveout}: the GPU has only {total} SMs")
+    prev_lib = torch.backends.cuda.preferred_blas_library()
+    prev_carveout = torch._C._get_sm_carveout_experimental()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch._C._set_sm_carveout_experimental(carveout)
+    try:
+        yield
+    finally:
+        try:
+            torch._C._set_sm_carveout_experimental(prev_carveout)
+        except TypeError:  # a torch whose setter takes only an int: 0 leaves every SM to the matmuls
+            torch._C._set_sm_carveout_experimental(0)
+        torch.backends.cuda.preferred_blas_library(prev_lib)
 
 
 class OnStream:

@@ -1,0 +1,48 @@
+"""`cublas_sm_carveout`: a model's graphs captured through cuBLASLt with SMs carved out of its matmuls. On the GPU:
+the graphs replay and generate what the model generates eagerly, torch's process-wide BLAS settings are back as
+they were after the capture, and a carve-out the GPU cannot give fails the model's start naming the setting.
+Skipped without CUDA; on the GPU machine: `TRITON_INTERPRET=0 python -m pytest tests/test_cublas_carveout.py`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _engine(tiny_dir: Path, carveout: int, **kw):
+    from tokenrouter import Engine
+
+    # float32 (no TF32): cuBLASLt's and cuBLAS's kernels sum in different orders, which bf16 greedy tokens of a
+    # random tiny model may tell apart; float32 keeps the comparison to what the setting changes.
+    cfg = {"models": {"small": {"path": str(tiny_dir / "small"), "dtype": "float32", "device": "cuda:0",
+                                "kv_cache_tokens": 16384, "cublas_sm_carveout": carveout, **kw}}}
+    return Engine.from_config(cfg)
+
+
+def test_carved_graphs_generate_what_eager_steps_do(tiny_dir: Path) -> None:
+    from tokenrouter import SamplingParams
+
+    lib, carve = torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()
+    g = torch.Generator().manual_seed(5)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    eager = _engine(tiny_dir, 0, enforce_eager=True)
+    prompts = [torch.randint(3, eager.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 64, 130)]
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
+    del eager
+    carved = _engine(tiny_dir, 32)
+    assert carved.runner.graphs is not None and carved.runner.graphs.graphs
+    # The settings were the capture's only: the rest of the process runs as before.
+    assert torch.backends.cuda.preferred_blas_library() == lib
+    assert torch._C._get_sm_carveout_experimental() == carve
+    assert [o.token_ids for o in carved.generate(prompts, params)] == expected
+    assert carved.runner.graphs.num_replays > 0
+
+
+def test_a_carveout_of_every_sm_fails_naming_the_setting(tiny_dir: Path) -> None:
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    with pytest.raises(RuntimeError, match=rf"cublas_sm_carveout: {total}: the GPU has only {total} SMs"):
+        _engine(tiny_dir, total)
