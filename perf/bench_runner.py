@@ -174,11 +174,13 @@ def set_pdl(mode: str) -> None:
 
 
 def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_router: bool,
-                skinny: bool = True, profile: bool = False, pdl_mode: str = "on", decode_only: bool = False) -> dict:
+                skinny: bool = True, profile: bool = False, pdl_mode: str = "on", decode_only: bool = False,
+                carveout: int = 0) -> dict:
     path = ROOT / "perf" / "models" / name
     kv_tokens = {"qwen3-0.6b": 600_000, "qwen3-8b": 300_000, "qwen3-32b": 160_000}[name]
     cfg = ModelConfig(name=name, path=str(path), dtype="bfloat16", device="cuda:0", load_format="dummy",
-                      kv_cache_tokens=kv_tokens, max_model_len=16384, attention=attention, skinny_gemm=skinny)
+                      kv_cache_tokens=kv_tokens, max_model_len=16384, attention=attention, skinny_gemm=skinny,
+                      cublas_sm_carveout=carveout)
     t0 = time.perf_counter()
     runner = ModelRunner(cfg, default_kv_tokens=kv_tokens)
     load_s = time.perf_counter() - t0
@@ -187,7 +189,8 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
     capture_s = time.perf_counter() - t0
     num_graphs = len(runner.graphs.graphs) if runner.graphs is not None else 0
     print(f"{name}: loaded in {load_s:.1f} s, {num_graphs} CUDA graphs captured in {capture_s:.1f} s, skinny matmuls "
-          f"{'up to ' + str(runner.model.skinny_max_m) + ' rows' if runner.skinny_gemm else 'off'}, PDL {pdl_mode}",
+          f"{'up to ' + str(runner.model.skinny_max_m) + ' rows' if runner.skinny_gemm else 'off'}, PDL {pdl_mode}, "
+          f"cuBLAS SM carve-out {carveout}",
           flush=True)
     bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
     arch = runner.arch
@@ -196,6 +199,7 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
     iters = 5 if quick else 20
     out: dict = {"model": name, "attention": runner.attn_backend.name, "weight_read_floor_ms": floor * 1e3,
                  "skinny_gemm": runner.skinny_gemm, "skinny_max_m": runner.model.skinny_max_m, "pdl": pdl_mode,
+                 "cublas_sm_carveout": carveout,
                  "pdl_active": pdl.enabled(runner.device),  # "on" is only asked for: pre-Hopper GPUs run without
                  "load_s": load_s, "num_graphs": num_graphs, "capture_s": capture_s,
                  "graph_pool_mib": torch.cuda.memory_reserved() / 2**20,
@@ -349,7 +353,8 @@ def markdown(results: dict) -> str:
              "the KV bytes a decode step reads.", ""]
     for m in results["models"]:
         matmuls = f"skinny matmuls up to {m['skinny_max_m']} rows" if m.get("skinny_gemm") else "cuBLAS matmuls"
-        lines += [f"## {m['model']}, {matmuls}, PDL {m.get('pdl', 'on')} (attention: {m['attention']}, "
+        carve = f", cuBLASLt with {m['cublas_sm_carveout']} SMs carved out" if m.get("cublas_sm_carveout") else ""
+        lines += [f"## {m['model']}, {matmuls}, PDL {m.get('pdl', 'on')}{carve} (attention: {m['attention']}, "
                   f"weight-read floor {m['weight_read_floor_ms']:.2f} ms, {m['num_graphs']} graphs captured in "
                   f"{m['capture_s']:.1f} s)",
                   "",
@@ -413,14 +418,20 @@ def main() -> int:
     ap.add_argument("--pdl", default="on",
                     help="comma list of on, off: programmatic dependent launch settings, each model run once per "
                          "setting (the first one's runs set --layer-caps)")
+    ap.add_argument("--cublas-sm-carveout", default="0",
+                    help="comma list of the models' cublas_sm_carveout settings, each model run once per setting "
+                         "(graphs captured through cuBLASLt with that many SMs carved out; 0: torch's default)")
     ap.add_argument("--decode-only", action="store_true", help="skip the extend and prefill cases")
     ap.add_argument("--profile", action="store_true",
                     help="also the kernel breakdown of each model's b8 1k decode step (torch.profiler)")
     ap.add_argument("--out", default=str(ROOT / "perf" / "results" / "runner.json"))
     args = ap.parse_args()
     pdl_modes = list(dict.fromkeys(args.pdl.split(",")))  # each setting once
+    carveouts = [int(c) for c in dict.fromkeys(args.cublas_sm_carveout.split(","))]
     if set(pdl_modes) - set(PDL_MODES):
         ap.error(f"--pdl takes a comma list of {', '.join(PDL_MODES)}, got {args.pdl!r}")
+    if args.layer_caps and len(carveouts) > 1:
+        ap.error("--layer-caps takes one --cublas-sm-carveout setting (the caps are for one)")
     if args.layer_caps and not args.caps_from and args.skinny_gemm != "both":
         ap.error("--layer-caps needs --skinny-gemm both (or --caps-from a saved run of it)")
     if args.caps_from:
@@ -446,9 +457,10 @@ def main() -> int:
         for pdl_mode in pdl_modes:
             set_pdl(pdl_mode)
             for skinny in modes:
-                results["models"].append(bench_model(name, bw, args.attention, args.quick, with_router, skinny,
-                                                     args.profile, pdl_mode, args.decode_only))
-                Path(args.out).write_text(json.dumps(results, indent=2))
+                for carve in carveouts:
+                    results["models"].append(bench_model(name, bw, args.attention, args.quick, with_router, skinny,
+                                                         args.profile, pdl_mode, args.decode_only, carve))
+                    Path(args.out).write_text(json.dumps(results, indent=2))
     set_pdl(pdl_modes[0])
     if args.colocate:
         pairs = [(p.split(":")[0], float(p.split(":")[1])) for p in args.colocate.split(",")]
