@@ -386,7 +386,7 @@ def markdown(report: dict[str, Any]) -> str:
         "| steps (mean batch) per model | errors |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
-    for c in w["concurrency"]:
+    for c in dict.fromkeys(w["concurrency"]):  # a concurrency given twice has its rows listed once
         for r in (r for r in rows if r["concurrency"] == c):
             steps = ", ".join(f"{m} {r['steps'][m]} ({r['mean_batch'][m]:.1f})" for m in r["steps"])
             lines.append(
@@ -398,7 +398,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", f"Output tok/s side by side (ratio: routed / {baseline}):", ""]
         lines.append("| C | " + " | ".join(variants) + " | ratio |")
         lines.append("|---:|" + "---:|" * (len(variants) + 1))
-        for c in w["concurrency"]:
+        for c in dict.fromkeys(w["concurrency"]):
             by = {r["variant"]: r for r in rows if r["concurrency"] == c}
             cells = [_fmt(by[v]["output_tok_s"], ".1f") if v in by else "n/a" for v in variants]
             ratio = None
