@@ -1,4 +1,5 @@
-"""`cublas_sm_carveout`: a model's graphs captured through cuBLASLt with SMs carved out of its matmuls. On the GPU:
+"""`cublas_sm_carveout`: a model's graphs captured through cuBLASLt with SMs carved out of its matmuls, only those of
+bandwidth-bound size (on the CPU: which graphs). On the GPU:
 the graphs replay and generate what the model generates eagerly, torch's process-wide BLAS settings are back as
 they were after the capture, and a carve-out the GPU cannot give fails the model's start naming the setting.
 Skipped without CUDA; on the GPU machine: `TRITON_INTERPRET=0 python -m pytest tests/test_cublas_carveout.py`."""
@@ -10,7 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_only_graphs_of_bandwidth_bound_size_are_carved() -> None:
+    from tokenrouter.runner.cuda_graph import GraphShape, graph_shapes
+    from tokenrouter.runner.model_runner import CARVEOUT_MAX_TOKENS, carves
+
+    shapes = graph_shapes(64, 512, 64)
+    carved = {s for s in shapes if carves(s)}
+    # Every decode graph and short extend; no prefill-sized graph (their matmuls are bound by compute).
+    assert {s for s in shapes if s.num_tokens <= 128} == carved and CARVEOUT_MAX_TOKENS == 128
+    assert GraphShape(64, 64) in carved and GraphShape(192, 16) not in carved
 
 
 def _engine(tiny_dir: Path, carveout: int, **kw):
@@ -23,6 +35,7 @@ def _engine(tiny_dir: Path, carveout: int, **kw):
     return Engine.from_config(cfg)
 
 
+@gpu
 def test_carved_graphs_generate_what_eager_steps_do(tiny_dir: Path) -> None:
     from tokenrouter import SamplingParams
 
@@ -42,6 +55,7 @@ def test_carved_graphs_generate_what_eager_steps_do(tiny_dir: Path) -> None:
     assert carved.runner.graphs.num_replays > 0
 
 
+@gpu
 def test_a_carveout_of_every_sm_fails_naming_the_setting(tiny_dir: Path) -> None:
     total = torch.cuda.get_device_properties(0).multi_processor_count
     with pytest.raises(RuntimeError, match=rf"cublas_sm_carveout: {total}: the GPU has only {total} SMs"):

@@ -111,11 +111,13 @@ class ModelConfig:
     # (perf/results/green_h200_2026-12-03), hence off by default. Hopper hands out SMs in groups of 8. A green
     # context's stream has the normal priority.
     num_sms: int = _spec(0, ge=0, accepts="an integer >= 0 (0: all SMs)")
-    # SMs this model's captured cuBLAS matmuls leave to others: its graphs are captured through cuBLASLt with
-    # torch's SM carve-out, whose heuristics then size the matmuls' grids for the SMs left (0: cuBLAS as torch
-    # picks it, all SMs). A soft partition: the model's other kernels still use every SM, and a matmul sized for
-    # fewer SMs runs no partial wave (a green context, `num_sms`, leaves cuBLAS sizing for the whole GPU). Eager
-    # steps (prefills past the captured sizes) keep torch's default.
+    # SMs this model's captured cuBLAS matmuls leave to others: its graphs of up to 128 tokens (bound by memory
+    # bandwidth; runner/model_runner.py CARVEOUT_MAX_TOKENS) are captured through cuBLASLt with torch's SM
+    # carve-out, whose heuristics then size the matmuls' grids for the SMs left (0: cuBLAS as torch picks it, all
+    # SMs). A soft partition: the model's other kernels still use every SM, and a matmul sized for fewer SMs runs
+    # no partial wave (a green context, `num_sms`, leaves cuBLAS sizing for the whole GPU). Larger graphs and
+    # eager steps (prefills) keep torch's default. On an H200, 48 for the 32B beside the 0.6B: its steps 4-10 %
+    # faster alone, the 0.6B's beside it 20 % faster (perf/results/sm_carveout_h200_2026-12-04).
     cublas_sm_carveout: int = _spec(0, ge=0, accepts="an integer >= 0 (0: none)")
     # Before the model reports ready, run throwaway batches through it (prefills, extends, mixed and sampled
     # batches, a chunked prompt) so that no request pays for a kernel compile (engine/warmup.py). GPU only.

@@ -19,6 +19,7 @@ eagerly, so CI checks the padding and bucket logic against the unpadded path.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -253,24 +254,26 @@ class CudaGraphRunner:
         return self.batches[shape]
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every shape, largest first, into one memory pool (CUDA only)."""
+    def capture(self, context: Callable[[GraphShape], contextlib.AbstractContextManager] | None = None) -> None:
+        """Capture every shape, largest first, into one memory pool (CUDA only). `context(shape)`: entered around
+        a shape's warm-up and capture (the runner's cuBLAS settings for it)."""
         if self.device.type != "cuda":
             return
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = self.stream if self.stream is not None else torch.cuda.Stream(self.device)
         for shape in sorted(self.shapes, reverse=True):
-            batch = self._batch(shape)
-            self.inputs.clear()
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._step(batch)  # warm-up on the side stream: compiles the Triton kernels, sizes cuBLAS
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            batch = self._batch(shape, fresh=True)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[shape] = self._step(batch)
+            with context(shape) if context is not None else contextlib.nullcontext():
+                batch = self._batch(shape)
+                self.inputs.clear()
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    self._step(batch)  # warm-up on the side stream: compiles the Triton kernels, sizes cuBLAS
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                batch = self._batch(shape, fresh=True)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.outputs[shape] = self._step(batch)
             self.graphs[shape] = graph
             # The graph keeps raw addresses; dropping the batch's attention scratch returns it to the shared pool
             # for the next captures (its content is dead between replays). Only the outputs stay owned.

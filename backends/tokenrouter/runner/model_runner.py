@@ -11,7 +11,7 @@ import torch
 from tokenrouter.config import ModelConfig
 from tokenrouter.runner.arch import ArchConfig
 from tokenrouter.runner.attention import get_backend
-from tokenrouter.runner.cuda_graph import CudaGraphRunner, StepHook, graph_shapes
+from tokenrouter.runner.cuda_graph import CudaGraphRunner, GraphShape, StepHook, graph_shapes
 from tokenrouter.runner.forward_batch import ForwardBatch, HostBatch, ScheduledChunk
 from tokenrouter.runner.green import green_stream
 from tokenrouter.runner.model import CausalLM
@@ -202,8 +202,8 @@ class ModelRunner:
             stream=self.stream,
         )
         if capture:
-            with carved_cublas(self.device, cfg.cublas_sm_carveout):
-                self.graphs.capture()
+            carve = cfg.cublas_sm_carveout
+            self.graphs.capture(lambda shape: carved_cublas(self.device, carve if carves(shape) else 0))
 
     @torch.inference_mode()
     def forward(self, chunks: list[ScheduledChunk], eager: bool = False,
@@ -233,6 +233,18 @@ class ModelRunner:
         if self.step_hook is not None and len(last):
             values = self.step_hook(logits, last, greedy)
         return ForwardOutput(logits, last, greedy, values, logits.isfinite().all(dim=-1))
+
+
+# The carve-out applies to graphs of up to this many tokens: their matmuls are bound by memory bandwidth, which
+# 84 of an H200's 132 SMs still draw (the 32B's decode and short extends ran 4-10 % faster carved), where a
+# prefill's are bound by compute (the 32B's 4 x 100-token prefill graph: 50.0 ms on every SM, 70.0 carved;
+# perf/results/sm_carveout_h200_2026-12-04). 128: the extend graphs' fine steps, one token per 16-row tile.
+CARVEOUT_MAX_TOKENS = 128
+
+
+def carves(shape: GraphShape) -> bool:
+    """Whether `cublas_sm_carveout` applies to the graph of `shape`."""
+    return shape.num_tokens <= CARVEOUT_MAX_TOKENS
 
 
 @contextlib.contextmanager
