@@ -35,6 +35,24 @@ def _engine(tiny_dir: Path, carveout: int, **kw):
     return Engine.from_config(cfg)
 
 
+def test_a_torch_without_cublaslt_fails_naming_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from tokenrouter.runner.model_runner import carved_cublas
+
+    if torch.cuda.is_available():
+        pytest.skip("this torch has CUDA (and cuBLASLt): the CPU build is the one without")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
+    lib = torch.backends.cuda.preferred_blas_library()
+    with pytest.raises(RuntimeError, match=r"cublas_sm_carveout: 48: .*cuBLASLt.*; set cublas_sm_carveout: 0"):
+        with carved_cublas(torch.device("cuda:0"), 48):
+            pass
+    assert torch.backends.cuda.preferred_blas_library() == lib
+    with pytest.raises(RuntimeError, match=r"cublas_sm_carveout: 132: the GPU has only 132 SMs"):
+        with carved_cublas(torch.device("cuda:0"), 132):
+            pass
+
+
 @gpu
 def test_carved_graphs_generate_what_eager_steps_do(tiny_dir: Path) -> None:
     from tokenrouter import SamplingParams

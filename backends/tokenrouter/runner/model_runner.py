@@ -260,7 +260,10 @@ def carved_cublas(device: torch.device, carveout: int):
         raise RuntimeError(f"cublas_sm_carveout: {carveout}: the GPU has only {total} SMs")
     prev_lib = torch.backends.cuda.preferred_blas_library()
     prev_carveout = torch._C._get_sm_carveout_experimental()
-    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+    except RuntimeError as exc:  # a torch built without cuBLASLt
+        raise RuntimeError(f"cublas_sm_carveout: {carveout}: {exc}; set cublas_sm_carveout: 0") from exc
     torch._C._set_sm_carveout_experimental(carveout)
     try:
         yield
