@@ -51,6 +51,10 @@ def test_a_torch_without_cublaslt_fails_naming_the_setting(monkeypatch: pytest.M
     with pytest.raises(RuntimeError, match=r"cublas_sm_carveout: 132: the GPU has only 132 SMs"):
         with carved_cublas(torch.device("cuda:0"), 132):
             pass
+    monkeypatch.delattr(torch._C, "_set_sm_carveout_experimental")
+    with pytest.raises(RuntimeError, match=r"cublas_sm_carveout: 48: this torch .* has no SM carve-out; set"):
+        with carved_cublas(torch.device("cuda:0"), 48):
+            pass
 
 
 @gpu

@@ -258,8 +258,11 @@ def carved_cublas(device: torch.device, carveout: int):
     total = torch.cuda.get_device_properties(device).multi_processor_count
     if carveout >= total:
         raise RuntimeError(f"cublas_sm_carveout: {carveout}: the GPU has only {total} SMs")
+    if not hasattr(torch._C, "_set_sm_carveout_experimental"):  # experimental: torch 2.11 and 2.13 have it
+        raise RuntimeError(f"cublas_sm_carveout: {carveout}: this torch ({torch.__version__}) has no SM carve-out; "
+                           "set cublas_sm_carveout: 0")
     prev_lib = torch.backends.cuda.preferred_blas_library()
-    prev_carveout = torch._C._get_sm_carveout_experimental()
+    prev_carveout = getattr(torch._C, "_get_sm_carveout_experimental", lambda: None)()
     try:
         torch.backends.cuda.preferred_blas_library("cublaslt")
     except RuntimeError as exc:  # a torch built without cuBLASLt
