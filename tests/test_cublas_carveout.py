@@ -35,7 +35,7 @@ def _engine(tiny_dir: Path, carveout: int, **kw):
     return Engine.from_config(cfg)
 
 
-def test_a_torch_without_cublaslt_fails_naming_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_what_this_torch_or_gpu_cannot_do_fails_naming_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
     from tokenrouter.runner.model_runner import carved_cublas
