@@ -126,8 +126,12 @@ def side_by_side(small: Step, large: Step, n_large: int = 30) -> dict:
               if start.elapsed_time(a) >= 0 and b.elapsed_time(end) >= 0]
     large_ms = start.elapsed_time(end) / n_large
     covered = start.elapsed_time(sev[-1]) >= start.elapsed_time(end)  # the small loop outlasted the large one
+    # The window's time per small step: far above the median when the small model's steps started late or stalled
+    # for part of the window (then the large one ran alone for that part, and its "beside" time says little).
+    window_ms = start.elapsed_time(end)
     return result(t_small, statistics.median(inside) if inside else float("nan"), t_large, large_ms,
-                  small_steps=len(inside), covered=covered, large_finite=large.finite())
+                  small_steps=len(inside), small_window_ms_per_step=window_ms / max(1, len(inside)),
+                  covered=covered, large_finite=large.finite())
 
 
 def result(small_alone: float, small_beside: float, large_alone: float, large_beside: float, **extra) -> dict:
@@ -147,7 +151,8 @@ def run_inprocess(args) -> dict:
     large = Step(large_runner, large_bm, args.large_batch, args.context, args.large_new)
     small = Step(small_runner, small_bm, args.small_batch, args.context, 1)
     # The large model's skinny variants and then the carve-outs recapture its graphs, which the earlier variants'
-    # step replays: they go last (a carve-out after a skinny variant measures the skinny large model).
+    # step replays: they go last (a carve-out or an `lt` variant after a skinny variant measures the skinny large
+    # model).
     order = {"large_skinny": 1, "large_streamk": 1, "green": 2, "carveout": 3, "lt": 4}
     small_high = None
     for variant in sorted(args.variants.split(","),
@@ -231,10 +236,10 @@ def run_inprocess(args) -> dict:
                         del runner, bm
                     other = small_high
                 prev_lib = torch.backends.cuda.preferred_blas_library()
-                torch.backends.cuda.preferred_blas_library("cublaslt")
-                if int(carve):
-                    torch._C._set_sm_carveout_experimental(int(carve))
                 try:
+                    torch.backends.cuda.preferred_blas_library("cublaslt")
+                    if int(carve):
+                        torch._C._set_sm_carveout_experimental(int(carve))
                     large_runner.graphs = None
                     large_runner.setup_step(None)
                 finally:
@@ -299,6 +304,10 @@ def report(variant: str, r: dict) -> None:
     if "error" in r:
         print(f"{variant}: {r['error']}", flush=True)
         return
+    if r.get("small_window_ms_per_step", 0) > 1.5 * r["small_beside_ms"]:
+        print(f"{variant}: the small model stepped through only part of the window ({r['small_steps']} steps, "
+              f"{r['small_window_ms_per_step']:.2f} ms each over it): its large 'beside' time is mostly alone",
+              flush=True)
     print(f"{variant}: small {r['small_alone_ms']:.2f} -> {r['small_beside_ms']:.2f} ms ({r['small_slowdown']:.2f}x), "
           f"large {r['large_alone_ms']:.2f} -> {r['large_beside_ms']:.2f} ms ({r['large_slowdown']:.2f}x), "
           f"together {r['work_together']:.2f}, large outputs finite: {r.get('large_finite')}", flush=True)

@@ -353,8 +353,9 @@ def markdown(results: dict) -> str:
              "the KV bytes a decode step reads.", ""]
     for m in results["models"]:
         matmuls = f"skinny matmuls up to {m['skinny_max_m']} rows" if m.get("skinny_gemm") else "cuBLAS matmuls"
-        carve = f", cuBLASLt with {m['cublas_sm_carveout']} SMs carved out" if m.get("cublas_sm_carveout") else ""
-        lines += [f"## {m['model']}, {matmuls}, PDL {m.get('pdl', 'on')}{carve} (attention: {m['attention']}, "
+        carve = (f" (in graphs of up to 128 tokens through cuBLASLt, {m['cublas_sm_carveout']} SMs carved out)"
+                 if m.get("cublas_sm_carveout") else "")
+        lines += [f"## {m['model']}, {matmuls}{carve}, PDL {m.get('pdl', 'on')} (attention: {m['attention']}, "
                   f"weight-read floor {m['weight_read_floor_ms']:.2f} ms, {m['num_graphs']} graphs captured in "
                   f"{m['capture_s']:.1f} s)",
                   "",
@@ -420,7 +421,8 @@ def main() -> int:
                          "setting (the first one's runs set --layer-caps)")
     ap.add_argument("--cublas-sm-carveout", default="0",
                     help="comma list of the models' cublas_sm_carveout settings, each model run once per setting "
-                         "(graphs captured through cuBLASLt with that many SMs carved out; 0: torch's default)")
+                         "(graphs of up to 128 tokens captured through cuBLASLt with that many SMs carved out; 0: "
+                         "torch's default)")
     ap.add_argument("--decode-only", action="store_true", help="skip the extend and prefill cases")
     ap.add_argument("--profile", action="store_true",
                     help="also the kernel breakdown of each model's b8 1k decode step (torch.profiler)")

@@ -56,6 +56,7 @@ MODEL_VALUES = [
     (dict(num_sms=-8), r"models\.small\.num_sms must be an integer >= 0 \(0: all SMs\), got -8"),
     (dict(num_sms=0.5), r"models\.small\.num_sms must be an integer >= 0 \(0: all SMs\), got 0\.5"),
     (dict(cublas_sm_carveout=-16), r"models\.small\.cublas_sm_carveout must be an integer >= 0 \(0: none\), got -16"),
+    (dict(num_sms=64, cublas_sm_carveout=48), r"models\.small: num_sms \(64\) and cublas_sm_carveout \(48\) do not"),
     (dict(num_sms=64, stream_priority="high"), r"models\.small: num_sms \(64\) and stream_priority 'high' do not"),
 ]
 

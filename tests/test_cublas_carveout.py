@@ -1,8 +1,9 @@
 """`cublas_sm_carveout`: a model's graphs captured through cuBLASLt with SMs carved out of its matmuls, only those of
-bandwidth-bound size (on the CPU: which graphs). On the GPU:
+bandwidth-bound size. On the CPU: which graphs, the runner's wiring, and what a torch cannot do. On the GPU:
 the graphs replay and generate what the model generates eagerly, torch's process-wide BLAS settings are back as
 they were after the capture, and a carve-out the GPU cannot give fails the model's start naming the setting.
-Skipped without CUDA; on the GPU machine: `TRITON_INTERPRET=0 python -m pytest tests/test_cublas_carveout.py`."""
+The GPU tests are skipped without CUDA; on the GPU machine: `TRITON_INTERPRET=0 python -m pytest
+tests/test_cublas_carveout.py`."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def test_only_graphs_of_bandwidth_bound_size_are_carved() -> None:
 
     shapes = graph_shapes(64, 512, 64)
     carved = {s for s in shapes if carves(s)}
-    # Every decode graph and short extend; no prefill-sized graph (their matmuls are bound by compute).
+    # Every graph of up to 128 tokens (decode and short extends); no prefill-sized one (bound by compute).
     assert {s for s in shapes if s.num_tokens <= 128} == carved and CARVEOUT_MAX_TOKENS == 128
     assert GraphShape(64, 64) in carved and GraphShape(192, 16) not in carved
 
@@ -33,6 +34,42 @@ def _engine(tiny_dir: Path, carveout: int, **kw):
     cfg = {"models": {"small": {"path": str(tiny_dir / "small"), "dtype": "float32", "device": "cuda:0",
                                 "kv_cache_tokens": 16384, "cublas_sm_carveout": carveout, **kw}}}
     return Engine.from_config(cfg)
+
+
+def test_the_runner_captures_graphs_of_up_to_128_tokens_carved(tiny_dir: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wiring: each graph's capture enters the carve-out the runner asks for it (on the CPU, where nothing is
+    captured, through a capture that only enters each shape's context, and a recording carve-out)."""
+    import contextlib
+
+    from tokenrouter.config import ModelConfig
+    from tokenrouter.runner import model_runner as mr
+    from tokenrouter.runner.cuda_graph import CudaGraphRunner
+
+    asked: list[int] = []
+
+    @contextlib.contextmanager
+    def recording(device: torch.device, carveout: int):
+        asked.append(carveout)
+        yield
+
+    per_shape = {}
+
+    def capture(self: CudaGraphRunner, context=None) -> None:
+        for shape in sorted(self.shapes, reverse=True):
+            with context(shape):
+                per_shape[shape] = asked[-1]
+
+    monkeypatch.setattr(mr, "carved_cublas", recording)
+    monkeypatch.setattr(CudaGraphRunner, "capture", capture)
+    monkeypatch.setattr(mr.ModelRunner, "cuda_graphs_possible", property(lambda self: True))
+    cfg = ModelConfig(name="small", path=str(tiny_dir / "small"), dtype="float32", device="cpu",
+                      kv_cache_tokens=1024, attention="triton", cuda_graph_max_batch=8, cuda_graph_max_tokens=256,
+                      cublas_sm_carveout=48)
+    mr.ModelRunner(cfg, default_kv_tokens=1024).setup_step(None)
+    assert asked[0] == 48  # checked once before the first capture
+    assert per_shape and {s.num_tokens for s in per_shape} >= {1, 8, 128, 192, 256}
+    assert all(c == (48 if s.num_tokens <= 128 else 0) for s, c in per_shape.items()), per_shape
 
 
 def test_what_this_torch_or_gpu_cannot_do_fails_naming_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -68,7 +105,7 @@ def test_carved_graphs_generate_what_eager_steps_do(tiny_dir: Path) -> None:
     prompts = [torch.randint(3, eager.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 64, 130)]
     expected = [o.token_ids for o in eager.generate(prompts, params)]
     del eager
-    carved = _engine(tiny_dir, 32)
+    carved = _engine(tiny_dir, 48)
     assert carved.runner.graphs is not None and carved.runner.graphs.graphs
     # The settings were the capture's only: the rest of the process runs as before.
     assert torch.backends.cuda.preferred_blas_library() == lib

@@ -116,8 +116,9 @@ class ModelConfig:
     # carve-out, whose heuristics then size the matmuls' grids for the SMs left (0: cuBLAS as torch picks it, all
     # SMs). A soft partition: the model's other kernels still use every SM, and a matmul sized for fewer SMs runs
     # no partial wave (a green context, `num_sms`, leaves cuBLAS sizing for the whole GPU). Larger graphs and
-    # eager steps (prefills) keep torch's default. On an H200, 48 for the 32B beside the 0.6B: its steps 4-10 %
-    # faster alone, the 0.6B's beside it 20 % faster (perf/results/sm_carveout_h200_2026-12-04).
+    # eager steps (prefills) keep torch's default. On an H200, 48 for the 32B beside the 0.6B: its steps 2-10 %
+    # faster alone, the 0.6B's served beside it 23 % faster (perf/results/sm_carveout_h200_2026-12-04). Not with
+    # num_sms (the carve-out counts the whole GPU's SMs).
     cublas_sm_carveout: int = _spec(0, ge=0, accepts="an integer >= 0 (0: none)")
     # Before the model reports ready, run throwaway batches through it (prefills, extends, mixed and sampled
     # batches, a chunked prompt) so that no request pays for a kernel compile (engine/warmup.py). GPU only.
@@ -149,6 +150,9 @@ class ModelConfig:
             raise ConfigError(
                 f"{where}.kv_cache_tokens must hold at least one block ({self.block_size}), got {self.kv_cache_tokens}"
             )
+        if self.num_sms and self.cublas_sm_carveout:
+            raise ConfigError(f"{where}: num_sms ({self.num_sms}) and cublas_sm_carveout ({self.cublas_sm_carveout}) "
+                              "do not combine (the carve-out counts the whole GPU's SMs); set one of them")
         if self.num_sms and self.stream_priority != "normal":
             raise ConfigError(f"{where}: num_sms ({self.num_sms}) and stream_priority {self.stream_priority!r} do not "
                               "combine (a green context's stream has the normal priority); set one of them")

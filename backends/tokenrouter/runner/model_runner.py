@@ -203,6 +203,8 @@ class ModelRunner:
         )
         if capture:
             carve = cfg.cublas_sm_carveout
+            with carved_cublas(self.device, carve):
+                pass  # a carve-out this torch or GPU cannot give fails here, before the first capture
             self.graphs.capture(lambda shape: carved_cublas(self.device, carve if carves(shape) else 0))
 
     @torch.inference_mode()
@@ -236,7 +238,7 @@ class ModelRunner:
 
 
 # The carve-out applies to graphs of up to this many tokens: their matmuls are bound by memory bandwidth, which
-# 84 of an H200's 132 SMs still draw (the 32B's decode and short extends ran 4-10 % faster carved), where a
+# 84 of an H200's 132 SMs still draw (the 32B's decode and short extends ran 2-10 % faster carved), where a
 # prefill's are bound by compute (the 32B's 4 x 100-token prefill graph: 50.0 ms on every SM, 70.0 carved;
 # perf/results/sm_carveout_h200_2026-12-04). 128: the extend graphs' fine steps, one token per 16-row tile.
 CARVEOUT_MAX_TOKENS = 128
@@ -267,8 +269,8 @@ def carved_cublas(device: torch.device, carveout: int):
         torch.backends.cuda.preferred_blas_library("cublaslt")
     except RuntimeError as exc:  # a torch built without cuBLASLt
         raise RuntimeError(f"cublas_sm_carveout: {carveout}: {exc}; set cublas_sm_carveout: 0") from exc
-    torch._C._set_sm_carveout_experimental(carveout)
     try:
+        torch._C._set_sm_carveout_experimental(carveout)
         yield
     finally:
         try:
