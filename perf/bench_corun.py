@@ -238,10 +238,9 @@ def run_inprocess(args) -> dict:
                 carved = Step(large_runner, large_bm, args.large_batch, args.context, args.large_new)
                 out[variant] = side_by_side(small, carved)
             elif variant.startswith("lt"):
-                # torch's carve-out reaches cuBLASLt only (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET: its heuristics
-                # size the grids for the SMs left), so the large model's graphs are recaptured with cuBLASLt as
-                # torch's BLAS library and K SMs carved out (`lt0`: cuBLASLt alone); `_high`: the small model's
-                # stream at high priority, to take the SMs left free first.
+                # The large model's graphs recaptured with its `cublas_sm_carveout` at K (the deployment's path:
+                # cuBLASLt with K SMs carved out; `lt0`: cuBLASLt alone, set here); `_high`: the small model's stream
+                # at high priority, to take the SMs left free first.
                 carve, _, high = variant.removeprefix("lt").partition("_")
                 other = small
                 if high:
@@ -250,15 +249,15 @@ def run_inprocess(args) -> dict:
                         small_high = Step(runner, bm, args.small_batch, args.context, 1)
                         del runner, bm
                     other = small_high
-                prev_lib = torch.backends.cuda.preferred_blas_library()
+                prev_lib, prev_cfg = torch.backends.cuda.preferred_blas_library(), large_runner.cfg
                 try:
-                    torch.backends.cuda.preferred_blas_library("cublaslt")
-                    if int(carve):
-                        torch._C._set_sm_carveout_experimental(int(carve))
+                    if not int(carve):
+                        torch.backends.cuda.preferred_blas_library("cublaslt")
+                    large_runner.cfg = dataclasses.replace(prev_cfg, cublas_sm_carveout=int(carve))
                     large_runner.graphs = None
                     large_runner.setup_step(None)
                 finally:
-                    _carveout_off()
+                    large_runner.cfg = prev_cfg
                     torch.backends.cuda.preferred_blas_library(prev_lib)
                 carved = Step(large_runner, large_bm, args.large_batch, args.context, args.large_new)
                 out[variant] = side_by_side(other, carved)

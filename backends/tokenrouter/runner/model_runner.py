@@ -273,10 +273,7 @@ def carved_cublas(device: torch.device, carveout: int):
         torch._C._set_sm_carveout_experimental(carveout)
         yield
     finally:
-        try:
-            torch._C._set_sm_carveout_experimental(prev_carveout)
-        except TypeError:  # a torch whose setter takes only an int: 0 leaves every SM to the matmuls
-            torch._C._set_sm_carveout_experimental(0)
+        torch._C._set_sm_carveout_experimental(prev_carveout)  # None (no carve-out) is taken by 2.11 and 2.13
         torch.backends.cuda.preferred_blas_library(prev_lib)
 
 
