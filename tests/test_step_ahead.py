@@ -318,7 +318,7 @@ def test_the_tuner_records_the_rows_the_gpu_ran(tiny_dir: Path) -> None:
     small.timeline = Timeline("small")
     recorded = []
     real = small.stats.record_step
-    small.stats.record_step = lambda batch, seconds: (recorded.append(batch), real(batch, seconds))
+    small.stats.record_step = lambda batch, seconds, end=None: (recorded.append(batch), real(batch, seconds, end))
     for prompt in prompts_for(1024)[:3]:
         eng.add_request(prompt, GREEDY)
     partly_void = 0

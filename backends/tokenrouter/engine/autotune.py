@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenrouter.engine.sharing import shared_gpu
 from tokenrouter.engine.step_stats import StepStats
 from tokenrouter.tuning.choose import TOTAL_STATE_BUDGET, Method, choose_thresholds, simulated_throughput
 from tokenrouter.tuning.markov import DEFAULT_MAX_STATES
@@ -59,11 +60,14 @@ def solve_thresholds(
     *,
     state_budget: float = TOTAL_STATE_BUDGET,
     max_states: int = DEFAULT_MAX_STATES,
+    max_wait: float | None = None,
 ) -> TunedThresholds | None:
     """Best thresholds for `concurrency` requests, or None while some model has no measurements yet.
 
     `stats` may come from other processes (:meth:`StepStats.from_snapshot`). `state_budget` and `max_states` bound
     the exact chain (see tuning/choose.py); past them the simulator ranks the candidates, so this always answers.
+    `max_wait`: the deployment's bounded wait in seconds (`batching.max_wait_ms`), which the simulator applies: a
+    threshold that waits longer than it for its batch does not get it.
     """
     system = system_model(models, stats, concurrency)
     if system is None:
@@ -72,20 +76,23 @@ def solve_thresholds(
     # chain cannot model it); the chosen vector's expected tokens/s counts it, simulated (served on an H200:
     # 0.7-1.9 ms a handoff, 4-5 % of the C=1 and C=8 throughput, perf/results/green_h200_2026-12-03).
     choice = choose_thresholds(dataclasses.replace(system, transit=None), state_budget=state_budget,
-                               max_states=max_states)
+                               max_states=max_states, max_wait=max_wait)
     expected = choice.throughput
     if system.has_transit:
-        expected = simulated_throughput(system, choice.thresholds)
+        expected = simulated_throughput(system, choice.thresholds, max_wait=max_wait)
     best = dict(zip(models, choice.thresholds))
     n = system.concurrency
-    log.info("auto thresholds for N=%d: %s (%.1f tok/s expected, %s)", n, best, expected, choice.method)
+    log.info("auto thresholds for N=%d: %s (%.1f tok/s expected, %s; slowdown beside another model: %s)", n, best,
+             expected, choice.method, system.slowdown)
     return TunedThresholds(best, expected, choice.method, n)
 
 
 def system_model(models: list[str], stats: Mapping[str, StepStats], concurrency: int) -> SystemModel | None:
     """The tuning model's inputs from measurements: each model's routing row and tokens per step, its step
-    latency by batch size, and the mean transit of a handoff between two models where one was measured, for
-    `concurrency` requests (capped by :data:`MAX_SOLVED_N`); None while some model has no measurements yet."""
+    latency by batch size, the mean transit of a handoff between two models where one was measured, and how much
+    models sharing a GPU slow each other where their recent steps tell (engine/sharing.py: then a slowed model's
+    latency is its time alone), for `concurrency` requests (capped by :data:`MAX_SOLVED_N`); None while some model
+    has no measurements yet."""
     n = min(concurrency, MAX_SOLVED_N.get(len(models), 4))
     if n < 1 or not models:
         return None
@@ -109,15 +116,23 @@ def system_model(models: list[str], stats: Mapping[str, StepStats], concurrency:
     fastest = min(row[0] for row in latency)
     if all(t < TRANSIT_NEGLIGIBLE * fastest for row in transit for t in row):
         transit = None
-    return SystemModel(concurrency=n, route_probs=rows, step_latency=latency, tokens=tokens, transit=transit)
+    slowdown = None
+    shared = shared_gpu(models, stats, n)
+    if shared is not None:
+        slowdown, alone = shared
+        latency = [row if table is None else sanitize_latency(table) for row, table in zip(latency, alone)]
+    return SystemModel(concurrency=n, route_probs=rows, step_latency=latency, tokens=tokens, transit=transit,
+                       slowdown=slowdown)
 
 
 def solve_in_subprocess(
-    models: list[str], stats: Mapping[str, StepStats], concurrency: int, timeout: float = 60.0
+    models: list[str], stats: Mapping[str, StepStats], concurrency: int, timeout: float = 60.0,
+    max_wait: float | None = None,
 ) -> TunedThresholds | None:
     """`solve_thresholds` in a child Python process. The solve is seconds of pure-Python work: run inside a
     serving process it would hold that process's GIL and stall the threads that forward handoffs."""
-    payload = {"models": models, "concurrency": concurrency, "stats": {m: s.snapshot() for m, s in stats.items()}}
+    payload = {"models": models, "concurrency": concurrency, "max_wait": max_wait,
+               "stats": {m: s.snapshot() for m, s in stats.items()}}
     python = Path(sys.prefix) / "bin" / "python"
     exe = str(python) if python.exists() else sys.executable
     proc = subprocess.run([exe, "-m", "tokenrouter.engine.autotune"], input=json.dumps(payload),
@@ -131,10 +146,13 @@ def solve_in_subprocess(
 
 
 def _main() -> None:
-    """stdin: {"models", "concurrency", "stats": {model: StepStats.snapshot()}}; stdout: the solve as JSON."""
+    """stdin: {"models", "concurrency", "max_wait", "stats": {model: StepStats.snapshot()}}; stdout: the solve as
+    JSON."""
     payload = json.loads(sys.stdin.read())
     stats = {m: StepStats.from_snapshot(s) for m, s in payload["stats"].items()}
-    tuned = solve_thresholds(payload["models"], stats, int(payload["concurrency"]))
+    wait = payload.get("max_wait")
+    tuned = solve_thresholds(payload["models"], stats, int(payload["concurrency"]),
+                             max_wait=None if wait is None else float(wait))
     print(json.dumps(None if tuned is None else dataclasses.asdict(tuned)))
 
 

@@ -12,12 +12,17 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Mapping
 from typing import Any
 
-SNAPSHOT_VERSION = 2
-_SNAPSHOT_KEYS = {"version", "latency", "rows", "moves", "committed_on_move", "transit"}
+SNAPSHOT_VERSION = 3
+_SNAPSHOT_KEYS = {"version", "latency", "rows", "moves", "committed_on_move", "transit", "recent"}
+RECENT_STEPS = 2048
+"""Steps kept with their end time (the last ones): the tuner reads from their overlap with other models' steps how
+much models sharing a GPU slow each other (engine/sharing.py)."""
+MAX_STEP_S = 60.0
+"""A longer step is a suspended process or a clock glitch; as a recent step it is not kept."""
 MAX_TRANSIT_S = 10.0
 """A longer handoff transit is not one: a stamp from another clock (or a suspended process); it is not counted."""
 
@@ -32,14 +37,25 @@ class StepStats:
         self.committed_on_move: dict[str, int] = defaultdict(int)  # ... of which committed their token
         self.transit_sum: dict[str, float] = defaultdict(float)  # source model -> seconds of its handoffs' way here
         self.transit_count: dict[str, int] = defaultdict(int)
+        # (end on time.monotonic(), seconds, batch size) of the last steps that gave their end.
+        self.recent: deque[tuple[float, float, int]] = deque(maxlen=RECENT_STEPS)
 
-    def record_step(self, batch_size: int, seconds: float) -> None:
+    def record_step(self, batch_size: int, seconds: float, end: float | None = None) -> None:
+        """A step of `batch_size` requests took `seconds`; `end`: when it ended on `time.monotonic()` (the clock every
+        process of the machine shares), which keeps it among the recent steps."""
         # One zero, negative or NaN reading (a clock glitch) would poison the mean of its batch size forever.
         if batch_size < 1 or not (math.isfinite(seconds) and seconds > 0.0):
             return
         with self._lock:
             self.latency_sum[batch_size] += seconds
             self.latency_count[batch_size] += 1
+            if end is not None and math.isfinite(end) and seconds <= MAX_STEP_S:
+                self.recent.append((float(end), float(seconds), batch_size))
+
+    def recent_steps(self) -> list[tuple[float, float, int]]:
+        """The recent steps as (end, seconds, batch size), oldest first."""
+        with self._lock:
+            return list(self.recent)
 
     def record_route(self, target: str | None, committed: bool) -> None:
         """One sampled row: `target` None means it stayed here."""
@@ -129,6 +145,7 @@ class StepStats:
                 "moves": {m: int(c) for m, c in self.moves.items()},
                 "committed_on_move": {m: int(c) for m, c in self.committed_on_move.items()},
                 "transit": {m: [float(self.transit_sum[m]), int(c)] for m, c in self.transit_count.items() if c},
+                "recent": [[end, seconds, b] for end, seconds, b in self.recent],
             }
 
     @classmethod
@@ -173,6 +190,17 @@ class StepStats:
                 raise ValueError(f"transit[{source!r}] needs at least one handoff of at most {MAX_TRANSIT_S} s, "
                                  f"got {value!r}")
             out.transit_sum[_name(source)], out.transit_count[source] = total, count
+        recent = d["recent"]
+        if not isinstance(recent, (list, tuple)) or len(recent) > RECENT_STEPS:
+            raise ValueError(f"recent must be a list of at most {RECENT_STEPS} steps")
+        for k, step in enumerate(recent):
+            if not isinstance(step, (list, tuple)) or len(step) != 3:
+                raise ValueError(f"recent[{k}] must be [end, seconds, batch size], got {step!r}")
+            end, seconds = _seconds(step[0], f"recent[{k}] end"), _seconds(step[1], f"recent[{k}] seconds")
+            b = _count(step[2], f"recent[{k}] batch size")
+            if b < 1 or not 0.0 < seconds <= MAX_STEP_S:
+                raise ValueError(f"recent[{k}] needs a batch size >= 1 and 0 < seconds <= {MAX_STEP_S}, got {step!r}")
+            out.recent.append((end, seconds, b))
         return out
 
 

@@ -128,7 +128,8 @@ class SocketCoordinator(Coordinator):
         off the loop)."""
         if set(self.step_stats) != set(self.model_names):
             return None
-        return solve_in_subprocess(self.model_names, dict(self.step_stats), max(1, len(self.requests)))
+        return solve_in_subprocess(self.model_names, dict(self.step_stats), max(1, len(self.requests)),
+                                   max_wait=self.config.batching.max_wait_ms / 1000.0)
 
     def apply_tuned(self, tuned: dict[str, int]) -> None:
         self._tuned = tuned

@@ -57,15 +57,17 @@ def choose_thresholds(
     max_states: int = DEFAULT_MAX_STATES,
     sim_steps: int = SIM_STEPS,
     seed: int = 0,
+    max_wait: float | None = None,
 ) -> Choice:
     """The feasible threshold vector with the highest predicted throughput (exact chain, else simulation).
 
     ``state_budget`` is shared by all ``C(N - 1 + M, M)`` candidates; ``max_states`` caps any single chain (a chain
-    above it sends the whole ranking to the simulator, so all candidates are compared by one method).
+    above it sends the whole ranking to the simulator, so all candidates are compared by one method). ``max_wait``:
+    the bounded wait the simulator applies (the exact chain has none).
     """
     candidates = list(feasible_thresholds(model.num_models, model.concurrency))
-    if model.has_transit:  # only the simulator models the time requests spend between models
-        return rank_by_simulation(model, candidates, sim_steps=sim_steps, seed=seed)
+    if model.has_transit or model.shares_gpu:  # only the simulator models transit and a shared GPU
+        return rank_by_simulation(model, candidates, sim_steps=sim_steps, seed=seed, max_wait=max_wait)
     tick = default_tick(model, state_budget=max(1.0, state_budget / len(candidates)))
     ticks_per_step = resolution(model, tick)
     if ticks_per_step >= MIN_TICKS_PER_MIN_LATENCY:
@@ -76,7 +78,7 @@ def choose_thresholds(
             return _rank_by_chain(model, candidates, tick, rounding, max_states)
         except (ValueError, RuntimeError):
             pass  # a chain overflowed max_states or did not converge: the simulator always answers
-    return rank_by_simulation(model, candidates, sim_steps=sim_steps, seed=seed)
+    return rank_by_simulation(model, candidates, sim_steps=sim_steps, seed=seed, max_wait=max_wait)
 
 
 def _rank_by_chain(
@@ -93,7 +95,8 @@ def _rank_by_chain(
 
 
 def rank_by_simulation(
-    model: SystemModel, candidates: list[tuple[int, ...]], *, sim_steps: int = SIM_STEPS, seed: int = 0
+    model: SystemModel, candidates: list[tuple[int, ...]], *, sim_steps: int = SIM_STEPS, seed: int = 0,
+    max_wait: float | None = None,
 ) -> Choice:
     """Screen every candidate with a short simulation, then re-simulate the best few for longer and pick among them.
 
@@ -104,15 +107,17 @@ def rank_by_simulation(
         raise ValueError("no candidate thresholds")
     if sim_steps < 1:
         raise ValueError(f"sim_steps must be >= 1, got {sim_steps}")
-    screen = {thr: simulate(model, thr, num_steps=sim_steps, seed=seed).throughput for thr in candidates}
+    screen = {thr: simulate(model, thr, num_steps=sim_steps, seed=seed, max_wait=max_wait).throughput
+              for thr in candidates}
     finalists = sorted(candidates, key=lambda thr: -screen[thr])[:SIM_REFINE]
-    final = {thr: simulated_throughput(model, thr, sim_steps=sim_steps, seed=seed + 1) for thr in finalists}
+    final = {thr: simulated_throughput(model, thr, sim_steps=sim_steps, seed=seed + 1, max_wait=max_wait)
+             for thr in finalists}
     best = max(finalists, key=lambda thr: final[thr])  # max keeps the first of equals: the screening's favourite
     return Choice(best, final[best], "simulator")
 
 
 def simulated_throughput(model: SystemModel, thresholds: tuple[int, ...], *, sim_steps: int = SIM_STEPS,
-                         seed: int = 0) -> float:
+                         seed: int = 0, max_wait: float | None = None) -> float:
     """Long-run tokens/s of `thresholds` from one simulation REFINE_FACTOR x a screening run long: the estimate
     for a chosen vector (and for any model the exact chain cannot take)."""
-    return simulate(model, thresholds, num_steps=REFINE_FACTOR * sim_steps, seed=seed).throughput
+    return simulate(model, thresholds, num_steps=REFINE_FACTOR * sim_steps, seed=seed, max_wait=max_wait).throughput

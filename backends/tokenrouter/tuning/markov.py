@@ -376,6 +376,8 @@ def build_chain(
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     if model.has_transit:
         raise ValueError("the Markov chain does not model transit between models: rank with the simulator")
+    if model.shares_gpu:
+        raise ValueError("the Markov chain does not model a shared GPU: rank with the simulator")
     thr = model.check_thresholds(thresholds)
     tick = default_tick(model) if tick is None else float(tick)
     if not (math.isfinite(tick) and tick > 0.0):

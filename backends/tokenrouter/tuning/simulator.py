@@ -12,6 +12,10 @@ than :data:`SIMULTANEOUS` seconds count as simultaneous) the simulator applies t
    queue that has waited at least ``max_wait`` seconds -- starts a step on ``min(q_i, max_batch_i)`` requests from the
    head of its queue, which finishes ``step_latency[i][b - 1]`` seconds later.
 
+With ``model.slowdown`` (models sharing one GPU) steps are processor-shared: a step runs at its time alone while no
+other model steps, ``slowdown[i]`` times slower while one does, and the steps in flight are re-timed whenever a model
+starts or ends one.
+
 ``max_wait`` is implemented with timer events at (arrival of the queue head + ``max_wait``). A deadlock -- nobody busy
 and nothing scheduled, i.e. all ``N`` requests parked in queues below their thresholds -- ends the run and is
 reported in :class:`SimResult` (it cannot happen with feasible thresholds or with ``max_wait``).
@@ -115,6 +119,24 @@ def simulate(
     timer_due: list[float | None] = [None] * m  # the pending max_wait timer of each model, to avoid duplicates
     heap: list[tuple[float, int, int, int]] = []  # (time, tie-breaker, kind, model)
     counter = itertools.count()
+    # Processor sharing (model.slowdown): a step holds `work` seconds of its time alone, done at `rate` (1 alone,
+    # 1 / slowdown beside another model) since `since`; when the set of models stepping changes, every step in flight
+    # is re-timed and its earlier completion event goes stale (`done_key` names the one that counts).
+    share = model.slowdown if model.shares_gpu else None
+    work, rate, since = [0.0] * m, [1.0] * m, [0.0] * m
+    done_key: list[int | None] = [None] * m
+
+    def reschedule(now: float) -> None:
+        assert share is not None
+        running = [i for i in range(m) if batch[i]]
+        for i in running:
+            work[i] = max(0.0, work[i] - (now - since[i]) * rate[i])
+            new_rate = 1.0 / share[i] if len(running) > 1 else 1.0
+            if new_rate != rate[i] or done_key[i] is None:
+                rate[i], key = new_rate, next(counter)
+                done_key[i] = key
+                heapq.heappush(heap, (now + work[i] / new_rate, key, _COMPLETE, i))
+            since[i] = now
 
     # Window statistics; reset() restarts them when the warm-up ends.
     window_start = 0.0
@@ -147,7 +169,10 @@ def simulate(
                 launched[i] += b
                 batch[i] = b
                 started[i] = now
-                heapq.heappush(heap, (now + lat[i][b - 1], next(counter), _COMPLETE, i))
+                if share is None:
+                    heapq.heappush(heap, (now + lat[i][b - 1], next(counter), _COMPLETE, i))
+                else:  # (timed by reschedule, once every launch of this time is known)
+                    work[i], rate[i], since[i] = lat[i][b - 1], 0.0, now
             elif max_wait is not None:
                 due = qi[0] + max_wait
                 if timer_due[i] != due:
@@ -160,6 +185,8 @@ def simulate(
     total_steps = 0
     now = 0.0
     launch_phase(now)
+    if share is not None:
+        reschedule(now)
     deadlocked = False
     while True:
         if not heap:
@@ -176,9 +203,10 @@ def simulate(
         now = t
         finished: list[int] = []
         while heap and heap[0][0] <= now + SIMULTANEOUS:
-            _, _, kind, i = heapq.heappop(heap)
+            _, key, kind, i = heapq.heappop(heap)
             if kind == _COMPLETE:
-                finished.append(i)
+                if share is None or key == done_key[i]:  # (else re-timed since: stale)
+                    finished.append(i)
             elif kind == _ARRIVE:  # a request that was between models joins model i's queue
                 queues[i].append(now)
             elif timer_due[i] is not None and timer_due[i] <= now + SIMULTANEOUS:
@@ -198,6 +226,7 @@ def simulate(
             steps[i] += 1
             batch_sum[i] += b
             batch[i] = 0
+            done_key[i] = None
         total_steps += len(finished)
         if not warm_done and warm_steps is not None and total_steps >= warm_steps:
             reset(now)  # after this time's completions, before its launches (those belong to the window)
@@ -205,6 +234,8 @@ def simulate(
         if num_steps is not None and total_steps >= num_steps:
             break
         launch_phase(now)
+        if share is not None:
+            reschedule(now)
 
     end = now
     for i in range(m):

@@ -46,6 +46,9 @@ class SystemModel:
         max_batch: optional per-model cap on the batch size (``None``: no cap beyond ``N``).
         transit: optional ``M x M`` seconds a request moving from ``i`` to ``j`` spends between the models (the
             diagonal is ignored: a request that stays is queued at once). ``None`` means none.
+        slowdown: optional, one factor >= 1 per model: the models share one GPU, and a step of model ``i`` runs
+            ``slowdown[i]`` times slower while another model steps beside it (``step_latency`` is then its time
+            alone). Only the simulator models it (processor sharing); ``None``: independent models.
     """
 
     concurrency: int
@@ -54,6 +57,7 @@ class SystemModel:
     tokens: list[list[float]] | None = None
     max_batch: list[int] | None = None
     transit: list[list[float]] | None = None
+    slowdown: list[float] | None = None
 
     def __post_init__(self) -> None:
         n = self.concurrency
@@ -105,6 +109,18 @@ class SystemModel:
                             for i, row in enumerate(self.transit)]
             if any(not math.isfinite(t) or t < 0.0 for row in self.transit for t in row):
                 raise ValueError(f"transit must be non-negative and finite: {self.transit}")
+
+        if self.slowdown is not None:
+            if len(self.slowdown) != m:
+                raise ValueError(f"slowdown needs one factor per model ({m}), got {len(self.slowdown)}")
+            self.slowdown = [float(f) for f in self.slowdown]
+            if any(not (math.isfinite(f) and f >= 1.0) for f in self.slowdown):
+                raise ValueError(f"slowdown factors must be finite and >= 1: {self.slowdown}")
+
+    @property
+    def shares_gpu(self) -> bool:
+        """Some model's steps slow down beside another's (which only the simulator models)."""
+        return self.slowdown is not None and any(f > 1.0 for f in self.slowdown)
 
     @property
     def has_transit(self) -> bool:
