@@ -10,8 +10,9 @@ process shares) are set against the union of the other models' steps: the share 
 another model stepped too. Steps with f <= ALONE and f >= BESIDE of the same batch size give, where both were seen
 at least MIN_STEPS times, the ratio of their mean times; a model's slowdown is those ratios' mean, weighted by the
 rarer side's count. Under processor sharing a step of time alone A lasting T satisfies A = T * ((1 - f) + f / s),
-which turns every recent step into an estimate of its time alone: the latency table the simulator then runs at
-those rates (tuning/simulator.py). Models on different GPUs overlap without slowing: their ratio is ~1 and counts as
+which turns every recent step into an estimate of its time alone; the model's measured latency table, divided by how
+much longer its recent steps took than that, is the table the simulator then runs at those rates
+(tuning/simulator.py). Models on different GPUs overlap without slowing: their ratio is ~1 and counts as
 no slowdown.
 """
 
@@ -83,12 +84,22 @@ def slowdown_of(steps: list[tuple[int, float, float]]) -> float:
     return factor if factor >= MIN_SLOWDOWN else 1.0
 
 
-def alone_latency(steps: list[tuple[int, float, float]], slowdown: float, max_batch: int) -> list[float] | None:
-    """Step time alone by batch size 1..max_batch, each recent step's time taken back to its time alone."""
-    alone = StepStats()  # (its table's interpolation and extrapolation)
+def alone_latency(steps: list[tuple[int, float, float]], slowdown: float, measured: list[float]) -> list[float]:
+    """The measured latency table (`measured`, batch sizes 1..len) taken back to each step's time alone: divided,
+    size by size, by how much longer the recent steps of that size took than alone (their summed times over their
+    summed times alone; all recent steps together for a size too rarely seen). The measured table keeps every
+    size's own measurement: the recent steps cover only the sizes of the last seconds, and extrapolating from those
+    once made a 0.6B step at 8 rows look 4x its time at 1."""
+    took: dict[int, float] = defaultdict(float)
+    alone: dict[int, float] = defaultdict(float)
+    seen: dict[int, int] = defaultdict(int)
     for b, s, f in steps:
-        alone.record_step(b, s * ((1.0 - f) + f / slowdown))
-    return alone.latency_table(max_batch)
+        took[b] += s
+        alone[b] += s * ((1.0 - f) + f / slowdown)
+        seen[b] += 1
+    overall = sum(took.values()) / sum(alone.values()) if alone else 1.0
+    stretch = {b: took[b] / alone[b] for b in seen if seen[b] >= MIN_STEPS}
+    return [t / stretch.get(b, overall) for b, t in enumerate(measured, start=1)]
 
 
 def shared_gpu(models: Sequence[str], stats: Mapping[str, StepStats], max_batch: int
@@ -99,5 +110,8 @@ def shared_gpu(models: Sequence[str], stats: Mapping[str, StepStats], max_batch:
     factors = [slowdown_of(shares[m]) for m in models]
     if all(f == 1.0 for f in factors):
         return None
-    tables = [alone_latency(shares[m], f, max_batch) if f > 1.0 else None for m, f in zip(models, factors)]
+    tables: list[list[float] | None] = []
+    for m, f in zip(models, factors):
+        measured = stats[m].latency_table(max_batch)
+        tables.append(alone_latency(shares[m], f, measured) if f > 1.0 and measured is not None else None)
     return factors, tables
