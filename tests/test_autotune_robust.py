@@ -228,7 +228,7 @@ def test_snapshot_round_trips_through_json() -> None:
     wire = {m: json.loads(json.dumps(s.snapshot())) for m, s in stats.items()}
     back = {m: StepStats.from_snapshot(d) for m, d in wire.items()}
     for m in models:
-        assert back[m].snapshot() == stats[m].snapshot()
+        assert back[m].snapshot() == wire[m]  # (a live record's snapshot ends now; a rebuilt one where it was taken)
         assert back[m].latency_table(N) == stats[m].latency_table(N)
         assert back[m].route_row(models, m) == stats[m].route_row(models, m)
     empty = StepStats.from_snapshot(json.loads(json.dumps(StepStats().snapshot())))
@@ -264,6 +264,16 @@ def good_snapshot() -> dict[str, Any]:
     return json.loads(json.dumps(two_model_stats()["small"].snapshot()))
 
 
+def recent(**changes: Any) -> dict[str, Any]:
+    """A snapshot's record of recent steps, valid but for `changes`."""
+    return {"since": 0.0, "as_of": 2.0, "steps": [[1.0, 0.002, 2], [1.5, 0.003, 3]], **changes}
+
+
+def test_a_valid_record_of_recent_steps_is_kept() -> None:
+    back = StepStats.from_snapshot({**good_snapshot(), "recent": recent()})
+    assert back.recent_record() == ([(1.0, 0.002, 2), (1.5, 0.003, 3)], 0.0, 2.0)
+
+
 def broken(**changes: Any) -> dict[str, Any]:
     d = good_snapshot()
     for key, value in changes.items():
@@ -282,12 +292,15 @@ def broken(**changes: Any) -> dict[str, Any]:
         pytest.param({**good_snapshot(), "extra": 1}, id="extra-key"),
         pytest.param(broken(version=4), id="future-version"),
         pytest.param(broken(version=1), id="old-version"),
-        pytest.param(broken(recent={"a": 1}), id="recent-not-a-list"),
-        pytest.param(broken(recent=[[1.0, 0.002]]), id="recent-short-step"),
-        pytest.param(broken(recent=[[1.0, 0.0, 2]]), id="recent-zero-seconds"),
-        pytest.param(broken(recent=[[1.0, 0.002, 0]]), id="recent-batch-zero"),
-        pytest.param(broken(recent=[[math.inf, 0.002, 2]]), id="recent-infinite-end"),
-        pytest.param(broken(recent=[[1.0, 0.002, 2]] * 2049), id="recent-too-many"),
+        pytest.param(broken(recent=[[1.0, 0.002, 2]]), id="recent-not-a-mapping"),
+        pytest.param(broken(recent={"since": 0.0, "steps": []}), id="recent-missing-as-of"),
+        pytest.param(broken(recent=recent(as_of=-1.0)), id="recent-negative-as-of"),
+        pytest.param(broken(recent=recent(steps={"a": 1})), id="recent-steps-not-a-list"),
+        pytest.param(broken(recent=recent(steps=[[1.0, 0.002]])), id="recent-short-step"),
+        pytest.param(broken(recent=recent(steps=[[1.0, 0.0, 2]])), id="recent-zero-seconds"),
+        pytest.param(broken(recent=recent(steps=[[1.0, 0.002, 0]])), id="recent-batch-zero"),
+        pytest.param(broken(recent=recent(steps=[[math.inf, 0.002, 2]])), id="recent-infinite-end"),
+        pytest.param(broken(recent=recent(steps=[[1.0, 0.002, 2]] * 2049)), id="recent-too-many"),
         pytest.param(broken(transit={"large": [0.001]}), id="short-transit"),
         pytest.param(broken(transit={"large": [-0.001, 1]}), id="negative-transit"),
         pytest.param(broken(transit={"large": [0.001, 0]}), id="transit-without-handoffs"),

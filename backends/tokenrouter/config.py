@@ -263,6 +263,13 @@ class EngineConfig:
         return name, args
 
     @property
+    def one_device(self) -> bool:
+        """Two or more models, all served here on one device (one GPU, or the CPU): their steps slow each other, and
+        the threshold tuner models that (engine/sharing.py)."""
+        ms = list(self.models.values())
+        return len(ms) > 1 and all(m.url is None for m in ms) and len({m.gpu for m in ms}) == 1
+
+    @property
     def entry_model(self) -> ModelConfig:
         return self.models[self.entry]
 

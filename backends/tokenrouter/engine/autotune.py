@@ -61,17 +61,22 @@ def solve_thresholds(
     state_budget: float = TOTAL_STATE_BUDGET,
     max_states: int = DEFAULT_MAX_STATES,
     max_wait: float | None = None,
+    one_device: bool = False,
 ) -> TunedThresholds | None:
     """Best thresholds for `concurrency` requests, or None while some model has no measurements yet.
 
     `stats` may come from other processes (:meth:`StepStats.from_snapshot`). `state_budget` and `max_states` bound
     the exact chain (see tuning/choose.py); past them the simulator ranks the candidates, so this always answers.
-    `max_wait`: the deployment's bounded wait in seconds (`batching.max_wait_ms`), which the simulator applies: a
-    threshold that waits longer than it for its batch does not get it.
+    `one_device`: the models all run on one device (`EngineConfig.one_device`): how much they slow each other is read
+    from their steps and simulated (engine/sharing.py). `max_wait`: the deployment's bounded wait in seconds
+    (`batching.max_wait_ms`); the ranking of such a shared device applies it (a threshold that waits longer than it
+    for its batch does not get it). Other systems are ranked as before, without it (not measured).
     """
-    system = system_model(models, stats, concurrency)
+    system = system_model(models, stats, concurrency, one_device=one_device)
     if system is None:
         return None
+    if not system.shares_gpu:
+        max_wait = None
     # The candidates are ranked without the handoffs' transit (it delays every vector's moves alike, and the exact
     # chain cannot model it); the chosen vector's expected tokens/s counts it, simulated (served on an H200:
     # 0.7-1.9 ms a handoff, 4-5 % of the C=1 and C=8 throughput, perf/results/green_h200_2026-12-03).
@@ -87,10 +92,11 @@ def solve_thresholds(
     return TunedThresholds(best, expected, choice.method, n)
 
 
-def system_model(models: list[str], stats: Mapping[str, StepStats], concurrency: int) -> SystemModel | None:
+def system_model(models: list[str], stats: Mapping[str, StepStats], concurrency: int, one_device: bool = False
+                 ) -> SystemModel | None:
     """The tuning model's inputs from measurements: each model's routing row and tokens per step, its step
     latency by batch size, the mean transit of a handoff between two models where one was measured, and how much
-    models sharing a GPU slow each other where their recent steps tell (engine/sharing.py: then a slowed model's
+    models on `one_device` slow each other where their recent steps tell (engine/sharing.py: then a slowed model's
     latency is its time alone), for `concurrency` requests (capped by :data:`MAX_SOLVED_N`); None while some model
     has no measurements yet."""
     n = min(concurrency, MAX_SOLVED_N.get(len(models), 4))
@@ -117,7 +123,7 @@ def system_model(models: list[str], stats: Mapping[str, StepStats], concurrency:
     if all(t < TRANSIT_NEGLIGIBLE * fastest for row in transit for t in row):
         transit = None
     slowdown = None
-    shared = shared_gpu(models, stats, n)
+    shared = shared_gpu(models, stats, n) if one_device else None
     if shared is not None:
         slowdown, alone = shared
         latency = [row if table is None else sanitize_latency(table) for row, table in zip(latency, alone)]
@@ -127,11 +133,11 @@ def system_model(models: list[str], stats: Mapping[str, StepStats], concurrency:
 
 def solve_in_subprocess(
     models: list[str], stats: Mapping[str, StepStats], concurrency: int, timeout: float = 60.0,
-    max_wait: float | None = None,
+    max_wait: float | None = None, one_device: bool = False,
 ) -> TunedThresholds | None:
     """`solve_thresholds` in a child Python process. The solve is seconds of pure-Python work: run inside a
     serving process it would hold that process's GIL and stall the threads that forward handoffs."""
-    payload = {"models": models, "concurrency": concurrency, "max_wait": max_wait,
+    payload = {"models": models, "concurrency": concurrency, "max_wait": max_wait, "one_device": one_device,
                "stats": {m: s.snapshot() for m, s in stats.items()}}
     python = Path(sys.prefix) / "bin" / "python"
     exe = str(python) if python.exists() else sys.executable
@@ -146,13 +152,13 @@ def solve_in_subprocess(
 
 
 def _main() -> None:
-    """stdin: {"models", "concurrency", "max_wait", "stats": {model: StepStats.snapshot()}}; stdout: the solve as
-    JSON."""
+    """stdin: {"models", "concurrency", "max_wait", "one_device", "stats": {model: StepStats.snapshot()}}; stdout: the
+    solve as JSON."""
     payload = json.loads(sys.stdin.read())
     stats = {m: StepStats.from_snapshot(s) for m, s in payload["stats"].items()}
     wait = payload.get("max_wait")
     tuned = solve_thresholds(payload["models"], stats, int(payload["concurrency"]),
-                             max_wait=None if wait is None else float(wait))
+                             max_wait=None if wait is None else float(wait), one_device=bool(payload.get("one_device")))
     print(json.dumps(None if tuned is None else dataclasses.asdict(tuned)))
 
 

@@ -145,7 +145,8 @@ class Engine(Coordinator):
         n = concurrency if concurrency is not None else max(1, len(self.requests))
         stats = {m: s.stats for m, s in self.subservers.items()}
         solve = solve_in_subprocess if self.running_in_background else solve_thresholds
-        tuned = solve(self.model_names, stats, n, max_wait=self.config.batching.max_wait_ms / 1000.0)
+        tuned = solve(self.model_names, stats, n, max_wait=self.config.batching.max_wait_ms / 1000.0,
+                      one_device=self.config.one_device)
         best = tuned.thresholds if tuned is not None else None
         if best is not None:
             self._tuned = best

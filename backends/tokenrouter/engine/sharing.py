@@ -12,8 +12,9 @@ at least MIN_STEPS times, the ratio of their mean times; a model's slowdown is t
 rarer side's count. Under processor sharing a step of time alone A lasting T satisfies A = T * ((1 - f) + f / s),
 which turns every recent step into an estimate of its time alone; the model's measured latency table, divided by how
 much longer its recent steps took than that, is the table the simulator then runs at those rates
-(tuning/simulator.py). Models on different GPUs overlap without slowing: their ratio is ~1 and counts as
-no slowdown.
+(tuning/simulator.py). Only for a deployment whose models all run on one device, locally (EngineConfig.one_device):
+a model on another GPU or machine overlaps in time without slowing anyone, and another machine's clock is not
+this one's.
 """
 
 from __future__ import annotations
@@ -55,13 +56,19 @@ def _covered(union: list[Interval], starts: list[float], start: float, end: floa
 
 
 def overlap_shares(models: Sequence[str], stats: Mapping[str, StepStats]) -> dict[str, list[tuple[int, float, float]]]:
-    """Per model, its recent steps as (batch size, seconds, share of those seconds another model stepped too)."""
-    steps = {m: stats[m].recent_steps() for m in models}
+    """Per model, its recent steps as (batch size, seconds, share of those seconds another model stepped too): only
+    the steps inside the time every model's record covers (StepStats.recent_record). Outside it a model's steps would
+    look alone where another's record has merely run out: a 0.6B keeps ~2.5 s of steps, a 32B ~40 s, and each
+    snapshot reaches the router at its own moment."""
+    records = {m: stats[m].recent_record() for m in models}
+    lo = max(since for _, since, _ in records.values())
+    hi = min(as_of for _, _, as_of in records.values())
     out: dict[str, list[tuple[int, float, float]]] = {}
     for m in models:
-        union = _union([(end - s, end) for o in models if o != m for end, s, _ in steps[o]])
+        union = _union([(end - s, end) for o in models if o != m for end, s, _ in records[o][0]])
         starts = [a for a, _ in union]
-        out[m] = [(b, s, min(1.0, _covered(union, starts, end - s, end) / s)) for end, s, b in steps[m]]
+        out[m] = [(b, s, min(1.0, _covered(union, starts, end - s, end) / s))
+                  for end, s, b in records[m][0] if end - s >= lo and end <= hi]
     return out
 
 
@@ -105,7 +112,8 @@ def alone_latency(steps: list[tuple[int, float, float]], slowdown: float, measur
 def shared_gpu(models: Sequence[str], stats: Mapping[str, StepStats], max_batch: int
                ) -> tuple[list[float], list[list[float] | None]] | None:
     """(slowdown per model, latency table alone per model: None for an unslowed model, whose measured table stands),
-    or None where no model measurably slows beside another."""
+    or None where no model measurably slows beside another. For models that all share one device (the caller
+    knows): each is set against all the others together, as the simulator slows it beside any of them."""
     shares = overlap_shares(models, stats)
     factors = [slowdown_of(shares[m]) for m in models]
     if all(f == 1.0 for f in factors):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
+import time
 from collections import defaultdict, deque
 from collections.abc import Mapping
 from typing import Any
@@ -28,7 +29,8 @@ MAX_TRANSIT_S = 10.0
 
 
 class StepStats:
-    def __init__(self) -> None:
+    def __init__(self, since: float | None = None) -> None:
+        """`since`: when this record begins on `time.monotonic()` (now by default)."""
         self._lock = threading.Lock()
         self.latency_sum: dict[int, float] = defaultdict(float)  # batch size -> seconds
         self.latency_count: dict[int, int] = defaultdict(int)
@@ -39,6 +41,8 @@ class StepStats:
         self.transit_count: dict[str, int] = defaultdict(int)
         # (end on time.monotonic(), seconds, batch size) of the last steps that gave their end.
         self.recent: deque[tuple[float, float, int]] = deque(maxlen=RECENT_STEPS)
+        self.since = time.monotonic() if since is None else since
+        self.as_of: float | None = None  # a rebuilt snapshot's moment; None: this process's record, up to now
 
     def record_step(self, batch_size: int, seconds: float, end: float | None = None) -> None:
         """A step of `batch_size` requests took `seconds`; `end`: when it ended on `time.monotonic()` (the clock every
@@ -56,6 +60,15 @@ class StepStats:
         """The recent steps as (end, seconds, batch size), oldest first."""
         with self._lock:
             return list(self.recent)
+
+    def recent_record(self) -> tuple[list[tuple[float, float, int]], float, float]:
+        """(the recent steps, from when, up to when): every step of this model between the two is among them. A full
+        buffer begins where its oldest step began; a snapshot ends when it was taken."""
+        with self._lock:
+            steps, since, as_of = list(self.recent), self.since, self.as_of
+        if len(steps) == RECENT_STEPS:
+            since = max(since, steps[0][0] - steps[0][1])
+        return steps, since, time.monotonic() if as_of is None else as_of
 
     def record_route(self, target: str | None, committed: bool) -> None:
         """One sampled row: `target` None means it stayed here."""
@@ -145,7 +158,11 @@ class StepStats:
                 "moves": {m: int(c) for m, c in self.moves.items()},
                 "committed_on_move": {m: int(c) for m, c in self.committed_on_move.items()},
                 "transit": {m: [float(self.transit_sum[m]), int(c)] for m, c in self.transit_count.items() if c},
-                "recent": [[end, seconds, b] for end, seconds, b in self.recent],
+                "recent": {
+                    "since": float(self.since),
+                    "as_of": time.monotonic() if self.as_of is None else self.as_of,
+                    "steps": [[end, seconds, b] for end, seconds, b in self.recent],
+                },
             }
 
     @classmethod
@@ -190,10 +207,14 @@ class StepStats:
                 raise ValueError(f"transit[{source!r}] needs at least one handoff of at most {MAX_TRANSIT_S} s, "
                                  f"got {value!r}")
             out.transit_sum[_name(source)], out.transit_count[source] = total, count
-        recent = d["recent"]
-        if not isinstance(recent, (list, tuple)) or len(recent) > RECENT_STEPS:
-            raise ValueError(f"recent must be a list of at most {RECENT_STEPS} steps")
-        for k, step in enumerate(recent):
+        recent = _mapping(d["recent"], "recent")
+        if set(recent) != {"since", "as_of", "steps"}:
+            raise ValueError(f"recent keys must be ['as_of', 'since', 'steps'], got {sorted(map(str, recent))}")
+        out.since, out.as_of = _seconds(recent["since"], "recent since"), _seconds(recent["as_of"], "recent as_of")
+        steps = recent["steps"]
+        if not isinstance(steps, (list, tuple)) or len(steps) > RECENT_STEPS:
+            raise ValueError(f"recent steps must be a list of at most {RECENT_STEPS}")
+        for k, step in enumerate(steps):
             if not isinstance(step, (list, tuple)) or len(step) != 3:
                 raise ValueError(f"recent[{k}] must be [end, seconds, batch size], got {step!r}")
             end, seconds = _seconds(step[0], f"recent[{k}] end"), _seconds(step[1], f"recent[{k}] seconds")

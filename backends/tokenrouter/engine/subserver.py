@@ -396,7 +396,7 @@ class Subserver:
             # fails this step's requests; a row not yet fed matches no token).
             nxt = self._ahead = self._launch_ahead(chunks, tokens_dev, kept)
             tokens, values, finite = results()
-        arrived, arrived_at = time.perf_counter(), time.monotonic()  # (the latter: on the clock all processes share)
+        arrived, arrived_at = time.perf_counter(), time.monotonic()  # (the latter on the clock all processes share)
         if nxt is not None:
             nxt.t0, nxt.start = arrived, time.monotonic()  # this step is done: the next one runs
         if kept is not None:  # (every row of a step launched ahead samples)
@@ -423,8 +423,9 @@ class Subserver:
         # when the one before it ended, and its own routing and commits overlap the step after it. Its batch is
         # what the GPU ran, void rows included.
         void = len(ahead.rows) - len(chunks) if ahead is not None else 0
+        # (a step not launched ahead ends here: its end at the same moment as its time)
         self.stats.record_step(len(chunks) + void, (arrived if ahead is not None else time.perf_counter()) - t0,
-                               arrived_at)
+                               arrived_at if ahead is not None else time.monotonic())
         if timeline is not None:
             timeline.step(
                 start, forward_end, time.monotonic(), len(chunks), sum(c.num_new_tokens for c in chunks),

@@ -129,7 +129,8 @@ class SocketCoordinator(Coordinator):
         if set(self.step_stats) != set(self.model_names):
             return None
         return solve_in_subprocess(self.model_names, dict(self.step_stats), max(1, len(self.requests)),
-                                   max_wait=self.config.batching.max_wait_ms / 1000.0)
+                                   max_wait=self.config.batching.max_wait_ms / 1000.0,
+                                   one_device=self.config.one_device)
 
     def apply_tuned(self, tuned: dict[str, int]) -> None:
         self._tuned = tuned

@@ -2,7 +2,7 @@
 this folder's calls, not a product tool).
 
 Each model's steps ending before a moment T (seconds after the first step) are fed to a fresh StepStats with their
-end times, as the subservers record them; the routing rows are the random policy's (p = 0.1 to the 32B, the 0.6B's
+end times, as the subservers record them, as a record of the time up to T; the routing rows are the random policy's (p = 0.1 to the 32B, the 0.6B's
 token dropped; the 32B hands back after one token). Then engine/autotune.system_model and tuning.choose_thresholds
 answer for N = 8 with the deployment's 50 ms bounded wait. Run from the repository root:
 
@@ -33,16 +33,17 @@ def main(path: str, moments: list[float], concurrency: int = 8, max_wait: float 
             steps[MODELS[e["tid"]]].append((e["ts"] / 1e6, e["dur"] / 1e6, e["args"]["batch"]))
     t0 = min(s[0][0] for s in steps.values())
     for moment in moments:
-        stats = {m: StepStats() for m in MODELS.values()}
+        stats = {m: StepStats(since=t0) for m in MODELS.values()}  # (records from the first step up to the moment)
         for m, seen in steps.items():
             for start, seconds, batch in sorted(seen):
                 if start + seconds - t0 <= moment:
                     stats[m].record_step(batch, seconds, start + seconds)
+            stats[m].as_of = t0 + moment
         for _ in range(9):
             stats["small"].record_route(None, True)
         stats["small"].record_route("large", False)
         stats["large"].record_route("small", True)
-        model = system_model(list(stats), stats, concurrency)
+        model = system_model(list(stats), stats, concurrency, one_device=True)
         if model is None:
             print(f"T={moment:5.1f} s: not measured yet")
             continue
