@@ -6,6 +6,7 @@ runs it before it serves."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from test_routing_vs_naive import CASES, MAX_NEW, assert_all_free, make_engine, prompts_for
@@ -32,6 +33,7 @@ def test_warm_up_leaves_nothing_behind_and_output_unchanged(tiny_dir: Path) -> N
         ) or orig(chunks)
         budget = sub.scheduler.max_num_batched_tokens
         sub.scheduler.max_num_batched_tokens = 128  # the test's KV pool (2,048 tokens) holds no longer prompt
+        t_start = time.monotonic()
         assert warm_up(sub) >= 0.0
         sub.runner.forward, sub.scheduler.max_num_batched_tokens = orig, budget
         # What it ran: a batch of several prefills, single-token rows beside multi-token ones (extends next to
@@ -42,7 +44,9 @@ def test_warm_up_leaves_nothing_behind_and_output_unchanged(tiny_dir: Path) -> N
         assert not sub.seqs and not sub.scheduler.has_work() and not sub.scheduler.parked
         assert sub.block_manager.num_free_blocks == sub.block_manager.num_blocks, name
         assert sub.num_steps == 0 and sub.runner.num_forwarded_tokens == 0
-        assert sub.stats.snapshot() == StepStats().snapshot()
+        got_stats, fresh = sub.stats.snapshot(), StepStats().snapshot()
+        assert got_stats["recent"]["steps"] == [] and got_stats["recent"]["since"] >= t_start  # (a record from then on)
+        assert {**got_stats, "recent": None} == {**fresh, "recent": None}
         forwarded[name] = len(calls)
     assert all(forwarded.values())
 

@@ -2,9 +2,10 @@
 this folder's calls, not a product tool).
 
 Each model's steps ending before a moment T (seconds after the first step) are fed to a fresh StepStats with their
-end times, as the subservers record them, as a record of the time up to T; the routing rows are the random policy's (p = 0.1 to the 32B, the 0.6B's
-token dropped; the 32B hands back after one token). Then engine/autotune.system_model and tuning.choose_thresholds
-answer for N = 8 with the deployment's 50 ms bounded wait. Run from the repository root:
+end times, as the subservers record them, as a record of the time up to T; the routing rows are the random
+policy's (p = 0.1 to the 32B, the 0.6B's token dropped; the 32B hands back after one token). Then
+engine/autotune.system_model (both models on one device) and tuning.choose_thresholds answer for N = 8 with the
+deployment's 50 ms bounded wait. Run from the repository root:
 
     PYTHONPATH=backends python3 perf/results/sharing_h200_2026-12-04/replay_tuner.py TRACE.json[.gz] 2 4 6 ...
 """
