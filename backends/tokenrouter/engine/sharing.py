@@ -5,7 +5,7 @@ On one H200 a Qwen3-0.6B step takes ~1.2 ms alone and ~2.3 ms while Qwen3-32B st
 point as fixed cannot see that holding the 32B back for a fuller batch lets the 0.6B run alone meanwhile, and it kept
 the 32B at threshold 1 where a threshold of 6 served 14 % more at C=8 (perf/results/sharing_h200_2026-12-04).
 
-Each model's recent steps (StepStats.recent_steps: end and duration on the machine's monotonic clock, which every
+Each model's recent steps (StepStats.recent_record: end and duration on the machine's monotonic clock, which every
 process shares) are set against the union of the other models' steps: the share `f` of a step's time during which
 another model stepped too. Steps with f <= ALONE and f >= BESIDE of the same batch size give, where both were seen
 at least MIN_STEPS times, the ratio of their mean times; a model's slowdown is those ratios' mean, weighted by the

@@ -56,19 +56,18 @@ class StepStats:
             if end is not None and math.isfinite(end) and seconds <= MAX_STEP_S:
                 self.recent.append((float(end), float(seconds), batch_size))
 
-    def recent_steps(self) -> list[tuple[float, float, int]]:
-        """The recent steps as (end, seconds, batch size), oldest first."""
-        with self._lock:
-            return list(self.recent)
-
     def recent_record(self) -> tuple[list[tuple[float, float, int]], float, float]:
-        """(the recent steps, from when, up to when): every step of this model between the two is among them. A full
-        buffer begins where its oldest step began; a snapshot ends when it was taken."""
+        """(the recent steps as (end, seconds, batch size), oldest first; from when, up to when): every step of this
+        model between the two is among them. A full buffer begins where its oldest step began."""
         with self._lock:
-            steps, since, as_of = list(self.recent), self.since, self.as_of
+            steps, since, until = list(self.recent), self.since, self._until()
         if len(steps) == RECENT_STEPS:
             since = max(since, steps[0][0] - steps[0][1])
-        return steps, since, time.monotonic() if as_of is None else as_of
+        return steps, since, until
+
+    def _until(self) -> float:
+        """Where this record ends: now for this process's own, where it was taken for a snapshot's."""
+        return time.monotonic() if self.as_of is None else self.as_of
 
     def record_route(self, target: str | None, committed: bool) -> None:
         """One sampled row: `target` None means it stayed here."""
@@ -160,7 +159,7 @@ class StepStats:
                 "transit": {m: [float(self.transit_sum[m]), int(c)] for m, c in self.transit_count.items() if c},
                 "recent": {
                     "since": float(self.since),
-                    "as_of": time.monotonic() if self.as_of is None else self.as_of,
+                    "as_of": self._until(),
                     "steps": [[end, seconds, b] for end, seconds, b in self.recent],
                 },
             }
