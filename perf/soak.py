@@ -116,7 +116,14 @@ class _Worker:
 
     def run_one(self, rid: str, prompt: str, max_tokens: int, cancel_after: int | None) -> None:
         inputs = stream_inputs(prompt, max_tokens, "return_num_output_tokens")
-        self.client.async_stream_infer("tokenrouter", inputs, request_id=rid, enable_empty_final_response=True)
+        try:
+            self.client.async_stream_infer("tokenrouter", inputs, request_id=rid, enable_empty_final_response=True)
+        except Exception as e:  # the stream broke (the server went away): this request failed, the next gets a new one
+            with self.lock:
+                self.result.errors.append(f"{rid}: not sent: {e}")
+                self.result.completed += 1
+            self._reopen()
+            return
         finals, seen, tokens, error = 0, 0, 0, None
         deadline = time.monotonic() + self.timeout
         while True:
@@ -140,8 +147,7 @@ class _Worker:
                     pass
                 break
             if cancel_after is not None and seen >= cancel_after:
-                self.client.stop_stream(cancel_requests=True)
-                self._open()
+                self._reopen()
                 with self.lock:
                     self.result.cancelled += 1
                 return
@@ -159,8 +165,19 @@ class _Worker:
                 self.result.extra_finals += finals > 1
                 self.result.output_tokens += tokens
 
+    def _reopen(self) -> None:
+        """Stop the stream, cancelling what is in flight on it, and open a new one."""
+        try:
+            self.client.stop_stream(cancel_requests=True)
+        except Exception:  # a broken stream cannot be stopped cleanly; it is replaced all the same
+            pass
+        self._open()
+
     def close(self) -> None:
-        self.client.stop_stream()
+        try:
+            self.client.stop_stream()
+        except Exception:  # a broken stream: nothing left to stop
+            pass
         self.client.close()
 
 
@@ -256,16 +273,23 @@ def run_soak(
         print(file=sys.stderr)
     result.elapsed_s = time.monotonic() - start
     if metrics_url:
-        result.held_after = wait_idle(metrics_url)
-        # Cancelled requests are counted by the server once every model released them.
-        deadline = time.monotonic() + 30
-        while True:
-            after = _finished(scrape(metrics_url))
-            result.finished_delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
-            if sum(result.finished_delta.values()) >= requests or time.monotonic() > deadline:
-                break
-            time.sleep(0.3)
+        try:
+            _account(result, metrics_url, before)
+        except OSError as e:  # the server went away: say so with the rest, rather than lose the result
+            result.errors.append(f"the metrics endpoint {metrics_url} did not answer after the load: {e}")
     return result
+
+
+def _account(result: SoakResult, metrics_url: str, before: dict[str, float]) -> None:
+    result.held_after = wait_idle(metrics_url)
+    # Cancelled requests are counted by the server once every model released them.
+    deadline = time.monotonic() + 30
+    while True:
+        after = _finished(scrape(metrics_url))
+        result.finished_delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
+        if sum(result.finished_delta.values()) >= result.requests or time.monotonic() > deadline:
+            return
+        time.sleep(0.3)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from triton_harness import running_server
+from triton_harness import running_server, server_state
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "perf"))
@@ -46,9 +46,9 @@ def test_served_soak_with_cancellations(tiny_dir: Path, tmp_path: Path) -> None:
     with running_server(config, tmp_path) as server:
         result = run_soak(server.grpc_url, requests=1000, concurrency=8, cancel_fraction=0.2, max_tokens=24,
                           metrics_url=server.metrics_url, seed=1)
+        assert server.proc.poll() is None, server_state(server)
         assert result.problems() == [], result
         assert result.cancelled >= 100 and result.completed >= 700
-        assert server.proc.poll() is None, "tritonserver exited during the soak"
 
 
 @pytest.mark.slow

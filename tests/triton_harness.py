@@ -32,8 +32,28 @@ def running_server(config_path: Path, workdir: Path, execution_env: Path | None 
     try:
         server.wait_ready(timeout=240)
         yield server
+    except BaseException:
+        # The log lives in pytest's temporary folder: without its end in the report, a crash seen only in CI
+        # cannot be diagnosed.
+        _report_log(server)
+        raise
     finally:
         server.stop()
+
+
+def _report_log(server: TritonServer) -> None:
+    print(server_state(server, lines=80), file=sys.stderr)
+
+
+def server_state(server: TritonServer, lines: int = 25) -> str:
+    """Whether tritonserver runs (or its exit status: -11 is a segfault) and the end of its log, start-up
+    tables left out: for a test's failure message."""
+    code = server.proc.poll() if server.proc else None
+    state = "running" if code is None else f"exited with status {code}"
+    log = server.log_file
+    text = log.read_text(errors="replace") if log and log.exists() else ""
+    kept = [line for line in text.splitlines() if not line.startswith(("+", "|"))]
+    return f"tritonserver {state}; the end of {log}:\n" + "\n".join(kept[-lines:])
 
 
 def generate_stream(server: TritonServer, body: dict, timeout: float = 60) -> tuple[int, list[dict]]:

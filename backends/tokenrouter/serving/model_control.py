@@ -44,3 +44,15 @@ def cannot_reload(error: Exception) -> bool:
     """Whether a reload failed because this server does not allow one (no explicit model control): retrying
     cannot help."""
     return "not allowed" in str(error) or "explicit" in str(error).lower()
+
+
+def reload_failure(error: Exception) -> str:
+    """A failed reload's cause in one line, the same line for the same cause: a reviver retrying every few
+    seconds logs each cause once (at shutdown, Triton stops serving HTTP before it unloads the router, so
+    every attempt is refused until the router goes)."""
+    if isinstance(getattr(error, "reason", None), ConnectionRefusedError):
+        return (
+            f"this server's HTTP endpoint ({os.environ.get(CONTROL_URL_ENV)}) refuses connections: it is "
+            "shutting down, or does not serve HTTP"
+        )
+    return f"{type(error).__name__}: {error}"

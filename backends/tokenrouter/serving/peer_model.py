@@ -22,7 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from tokenrouter.serving.model_control import REVIVE_BACKOFF_MAX_S, REVIVE_BACKOFF_S, cannot_reload, reload_model
+from tokenrouter.serving.model_control import (
+    REVIVE_BACKOFF_MAX_S,
+    REVIVE_BACKOFF_S,
+    cannot_reload,
+    reload_failure,
+    reload_model,
+)
 from tokenrouter.transport import codec, ipc
 from tokenrouter.transport.grpc_link import BATCH_PREFIX, CONNECTION_CLOSED
 
@@ -145,6 +151,7 @@ class PeerModel:
 
     def _revive(self) -> None:
         delay = REVIVE_BACKOFF_S
+        failure = None  # the last reload failure logged
         try:
             if self._alive():
                 return
@@ -159,7 +166,9 @@ class PeerModel:
                         log.error("peer %s: the model stays down: this server cannot reload it (%s); restart "
                                   "tritonserver, or run it with --model-control-mode=explicit", self.model, e)
                         return
-                    log.exception("peer %s: reload failed; retrying", self.model)
+                    if (why := reload_failure(e)) != failure:
+                        log.warning("peer %s: reload failed (%s); retrying", self.model, why)
+                        failure = why
                 self._stop.wait(delay)
                 delay = min(2 * delay, REVIVE_BACKOFF_MAX_S)
         finally:

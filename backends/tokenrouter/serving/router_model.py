@@ -34,7 +34,13 @@ from tokenrouter.engine.timeline import Timeline
 from tokenrouter.routing.policy import make_policy
 from tokenrouter.runner.arch import declared_context_limit, shared_vocab_size
 from tokenrouter.serving.metrics import RouterMetrics
-from tokenrouter.serving.model_control import REVIVE_BACKOFF_MAX_S, REVIVE_BACKOFF_S, cannot_reload, reload_model
+from tokenrouter.serving.model_control import (
+    REVIVE_BACKOFF_MAX_S,
+    REVIVE_BACKOFF_S,
+    cannot_reload,
+    reload_failure,
+    reload_model,
+)
 from tokenrouter.serving.responder import Responder
 from tokenrouter.serving.tensors import TIMEOUT_ERROR, GenerateRequest, parse_request
 from tokenrouter.tokenizer import load_tokenizer
@@ -321,6 +327,7 @@ class RouterModel:
         link = self.coordinator.transport.links[model]
         remote = self.config.models[model].url is not None  # its server is not ours to reload: reconnect
         delay = REVIVE_BACKOFF_S
+        failure = None  # the last reload failure logged
         while not self.coordinator.transport.closing:
             try:
                 if not remote:
@@ -340,7 +347,9 @@ class RouterModel:
                     log.error("%s", reason)
                     self.loop.call_soon_threadsafe(self.coordinator.down.__setitem__, model, reason)
                     return
-                log.exception("model %r: reload failed; retrying", model)
+                if (why := reload_failure(e)) != failure:
+                    log.warning("model %r: reload failed (%s); retrying", model, why)
+                    failure = why
             time.sleep(delay)
             delay = min(2 * delay, REVIVE_BACKOFF_MAX_S)
         else:

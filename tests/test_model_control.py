@@ -1,0 +1,35 @@
+"""Reloading a dead model through this server's HTTP model-control API: what a failed attempt says. The
+reviver retries every few seconds for as long as the model is down, so one cause must read the same on every
+attempt (it is logged once), and a refused connection must say what it most likely means."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from tokenrouter.serving.model_control import reload_failure, reload_model
+from tokenrouter.serving.server import CONTROL_URL_ENV
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:  # bound, then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_refused_reload_says_the_server_is_not_serving_http(monkeypatch: pytest.MonkeyPatch) -> None:
+    url = f"http://127.0.0.1:{_closed_port()}"
+    monkeypatch.setenv(CONTROL_URL_ENV, url)
+    causes = []
+    for _ in range(2):
+        with pytest.raises(OSError) as e:
+            reload_model("large", pb_utils=None)
+        causes.append(reload_failure(e.value))
+    assert causes[0] == causes[1]
+    assert url in causes[0] and "shutting down" in causes[0]
+
+
+def test_other_failures_keep_their_type_and_message() -> None:
+    error = RuntimeError("load of 'large' refused: boom")
+    assert reload_failure(error) == "RuntimeError: load of 'large' refused: boom"
