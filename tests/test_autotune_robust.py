@@ -15,7 +15,13 @@ from typing import Any
 
 import pytest
 
-from tokenrouter.engine.autotune import MAX_SOLVED_N, TunedThresholds, solve_thresholds, system_model
+from tokenrouter.engine.autotune import (
+    MAX_SOLVED_N,
+    TunedThresholds,
+    solve_in_subprocess,
+    solve_thresholds,
+    system_model,
+)
 from tokenrouter.engine.step_stats import StepStats
 from tokenrouter.tuning import SystemModel, choose_thresholds, rank_by_simulation, sanitize_latency, simulate, solve
 from tokenrouter.tuning.markov import STATE_BUDGET, build_chain, default_tick, estimated_states
@@ -327,3 +333,15 @@ def broken(**changes: Any) -> dict[str, Any]:
 def test_malformed_snapshot_is_rejected(snapshot: Any) -> None:
     with pytest.raises(ValueError):
         StepStats.from_snapshot(snapshot)
+
+
+def test_the_served_router_solves_from_reports_and_the_child_checks_them() -> None:
+    """The served router hands the subservers' reports to the solve's child process as they came (it does not
+    check them on its event loop): the child solves what the StepStats would have, and a bad report fails the
+    solve with the model named, so the router logs it and keeps its thresholds."""
+    pair = ["small", "large"]
+    stats = two_model_stats()
+    reports = {m: json.loads(json.dumps(s.snapshot())) for m, s in stats.items()}
+    assert solve_in_subprocess(pair, reports, 4) == solve_in_subprocess(pair, stats, 4) is not None
+    with pytest.raises(RuntimeError, match="bad step statistics from large: .*version"):
+        solve_in_subprocess(pair, {**reports, "large": broken(version=4)}, 4)

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tokenrouter.engine.sharing import shared_gpu
 from tokenrouter.engine.step_stats import StepStats
@@ -132,13 +133,18 @@ def system_model(models: list[str], stats: Mapping[str, StepStats], concurrency:
 
 
 def solve_in_subprocess(
-    models: list[str], stats: Mapping[str, StepStats], concurrency: int, timeout: float = 60.0,
+    models: list[str], stats: Mapping[str, StepStats | Mapping[str, Any]], concurrency: int, timeout: float = 60.0,
     max_wait: float | None = None, one_device: bool = False,
 ) -> TunedThresholds | None:
     """`solve_thresholds` in a child Python process. The solve is seconds of pure-Python work: run inside a
-    serving process it would hold that process's GIL and stall the threads that forward handoffs."""
+    serving process it would hold that process's GIL and stall the threads that forward handoffs.
+
+    `stats` per model: its StepStats, or a snapshot of them as another process reported it. A snapshot is
+    checked in the child only (the served router's loop would spend ~1.5 ms per report on it); one that is
+    not valid fails the solve with a RuntimeError that names the model."""
+    snapshots = {m: s.snapshot() if isinstance(s, StepStats) else s for m, s in stats.items()}
     payload = {"models": models, "concurrency": concurrency, "max_wait": max_wait, "one_device": one_device,
-               "stats": {m: s.snapshot() for m, s in stats.items()}}
+               "stats": snapshots}
     python = Path(sys.prefix) / "bin" / "python"
     exe = str(python) if python.exists() else sys.executable
     proc = subprocess.run([exe, "-m", "tokenrouter.engine.autotune"], input=json.dumps(payload),
@@ -155,7 +161,12 @@ def _main() -> None:
     """stdin: {"models", "concurrency", "max_wait", "one_device", "stats": {model: StepStats.snapshot()}}; stdout: the
     solve as JSON."""
     payload = json.loads(sys.stdin.read())
-    stats = {m: StepStats.from_snapshot(s) for m, s in payload["stats"].items()}
+    stats = {}
+    for model, snapshot in payload["stats"].items():
+        try:
+            stats[model] = StepStats.from_snapshot(snapshot)
+        except ValueError as e:
+            sys.exit(f"bad step statistics from {model}: {e}")
     wait = payload.get("max_wait")
     tuned = solve_thresholds(payload["models"], stats, int(payload["concurrency"]),
                              max_wait=None if wait is None else float(wait), one_device=bool(payload.get("one_device")))

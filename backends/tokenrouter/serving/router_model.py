@@ -29,7 +29,6 @@ from tokenrouter.config import EngineConfig, load_config
 from tokenrouter.engine.autotune import TunedThresholds, solve_in_subprocess
 from tokenrouter.engine.coordinator import Coordinator
 from tokenrouter.engine.outputs import RequestOutput
-from tokenrouter.engine.step_stats import StepStats
 from tokenrouter.engine.timeline import Timeline
 from tokenrouter.routing.policy import make_policy
 from tokenrouter.runner.arch import declared_context_limit, shared_vocab_size
@@ -73,7 +72,9 @@ class SocketCoordinator(Coordinator):
         # Models whose process went away, with why; requests are refused until they are back.
         self.down: dict[str, str] = {}
         self.on_model_down: Callable[[str], None] = lambda model: None
-        self.step_stats: dict[str, StepStats] = {}
+        # Each model's latest step statistics as it reported them (StepStats.snapshot()): checked only by the
+        # solve's child process, off this loop.
+        self.step_reports: dict[str, dict[str, Any]] = {}
         urls = {n: m.url for n, m in config.models.items() if m.url is not None}
         self.transport = SocketTransport(self.model_names, urls, loop, self._on_event, self._handle_events,
                                          self._model_gone)
@@ -92,10 +93,7 @@ class SocketCoordinator(Coordinator):
         # may carry a threshold from before a request that finishes in this batch: one bounded wait at most.)
         for ev in sorted(events, key=lambda e: not isinstance(e, Handoff)):
             if isinstance(ev, StepStatsReport):
-                try:
-                    self.step_stats[ev.model] = StepStats.from_snapshot(ev.stats)
-                except ValueError as e:
-                    log.error("bad step statistics from %s: %s", ev.model, e)
+                self.step_reports[ev.model] = ev.stats
             else:
                 if timeline is not None and isinstance(ev, Handoff):  # before the send: the target may be quicker
                     timeline.relay(ev.arrive.request_id, ev.model, ev.target, time.monotonic())
@@ -132,9 +130,9 @@ class SocketCoordinator(Coordinator):
     def retune(self) -> TunedThresholds | None:
         """`thresholds: auto`: solve B* from the reported statistics, in a child process (blocking: call it
         off the loop)."""
-        if set(self.step_stats) != set(self.model_names):
+        if set(self.step_reports) != set(self.model_names):
             return None
-        return solve_in_subprocess(self.model_names, dict(self.step_stats), max(1, len(self.requests)),
+        return solve_in_subprocess(self.model_names, dict(self.step_reports), max(1, len(self.requests)),
                                    max_wait=self.config.batching.max_wait_ms / 1000.0,
                                    one_device=self.config.one_device)
 
