@@ -215,6 +215,36 @@ def test_serve_writes_the_key_to_a_private_file(served: Served) -> None:
     assert served.key not in out  # neither serve nor tritonserver prints it
 
 
+def test_a_second_serve_on_the_same_repository_is_refused(served: Served) -> None:
+    """Another `tokenrouter serve` on a running server's model repository would rewrite it and replace the
+    admin key under it (the first would then reload a dead model from the other deployment): it must stop
+    with a clear error and touch nothing."""
+    before = sorted(p.name for p in served.probe.repo.iterdir())
+    config = served.probe.repo.parent / "deployment.yaml"
+    ports = [str(p) for p in free_ports(3)]
+    cmd = [sys.executable, "-m", "tokenrouter.cli", "serve", "--config", str(config),
+           "--model-repository", str(served.probe.repo),
+           "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    holder = "is in use by a running server (tokenrouter serve, pid"
+    assert f"the model repository {served.probe.repo} {holder}" in out.stderr
+    assert served.key_file.read_text().strip() == served.key
+    assert sorted(p.name for p in served.probe.repo.iterdir()) == before
+    assert served.http("GET", "/v2/health/ready")[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("ports", "message"),
+    [(["70000", "18101", "18102"], "ports must be in 1-65535"), (["18100", "18100", "18102"], "must differ")],
+)
+def test_serve_refuses_impossible_ports(tmp_path: Path, ports: list[str], message: str) -> None:
+    cmd = [sys.executable, "-m", "tokenrouter.cli", "serve", "--model-repository", str(tmp_path / "repo"),
+           "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize(
     "method, path",
     [

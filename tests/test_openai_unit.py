@@ -841,3 +841,61 @@ def test_api_key_from_flag_or_env(monkeypatch) -> None:
     assert http_server.run_from_args(parser.parse_args(["--tokenizer", "t"])) == 2
     assert http_server.run_from_args(parser.parse_args(["--tokenizer", "t", "--api-key", "from-flag"])) == 2
     assert seen == [None, "from-env", "from-flag"]
+
+
+def test_a_busy_port_is_a_clear_error_and_the_backend_is_closed() -> None:
+    """`tokenrouter openai --port P` with P taken: run_from_args says `cannot start` (it catches OSError); the
+    server's failed bind must not trip over its own half-built state, and the backend it was given is closed."""
+    from tokenrouter.serving.openai import build_server
+
+    class Backend:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    backend = Backend()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(OSError, match="in use"):
+            build_server("unused:1", "127.0.0.1", taken.getsockname()[1], "", backend=backend,
+                         tokenizer=WordTokenizer())
+    assert backend.closed
+
+
+def test_the_frontend_stops_on_sigint_even_when_started_with_it_ignored(tiny_dir) -> None:
+    """A shell starts a background job (`tokenrouter openai ... &`) with SIGINT ignored; a container stops
+    with SIGTERM. Both must end the front end (it needs no Triton server to start or stop)."""
+    import signal
+    import subprocess
+    import sys
+    import urllib.error
+    import urllib.request
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "tokenrouter.serving.openai", "--tokenizer", str(tiny_dir / "tokenizer"),
+               "--port", str(port), "--triton-url", "127.0.0.1:1"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                assert proc.poll() is None, proc.stderr.read().decode()
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).close()
+                    break
+                except urllib.error.HTTPError:
+                    break  # answering (the Triton server behind it is absent)
+                except OSError:
+                    assert time.monotonic() < deadline, "the front end did not start"
+                    time.sleep(0.2)
+            proc.send_signal(sig)
+            assert proc.wait(timeout=20) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import fcntl
 import os
 import re
 import secrets
@@ -22,10 +23,11 @@ import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import IO
 
 import yaml
 
-from tokenrouter.config import ConfigError, load_config
+from tokenrouter.config import ConfigError, EngineConfig, load_config
 from tokenrouter.serving import mps, stub_env, triton_install
 from tokenrouter.serving.repository import write_repository
 from tokenrouter.transport.grpc_link import keepalive_flags
@@ -318,8 +320,43 @@ def _ports_in_use(ports: list[int]) -> list[int]:
     return busy
 
 
+def _port_problem(ports: list[int]) -> str | None:
+    if any(not 0 < p < 65536 for p in ports):
+        return f"ports must be in 1-65535, got {ports}"
+    if len(set(ports)) != len(ports):
+        return f"the HTTP, gRPC and metrics ports must differ, got {ports}"
+    return None
+
+
+def lock_repository(repo: Path) -> IO[str]:
+    """Hold `<repo>.lock` while the returned file stays open (the lock goes with this process, however it ends).
+    A second server on the same repository would rewrite it, and replace its admin key, under the first one:
+    the first would then reload a dead model from the other deployment. RuntimeError if another process
+    holds the lock."""
+    path = Path(f"{Path(repo).resolve()}.lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+")  # noqa: SIM115 (held for the server's lifetime)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise RuntimeError(f"the model repository {repo} is in use by a running server ({holder}); give this one its "
+                           "own with --model-repository") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"tokenrouter serve, pid {os.getpid()}")
+    f.flush()
+    return f
+
+
 def serve_main(args: argparse.Namespace) -> int:
     config_path = Path(args.config).resolve()
+    problem = _port_problem([args.http_port, args.grpc_port, args.metrics_port])
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     busy = _ports_in_use([args.http_port, args.grpc_port, args.metrics_port])
     if busy:
         print(f"error: port(s) {busy} already in use; pick others with --http-port/--grpc-port/--metrics-port",
@@ -345,6 +382,20 @@ def serve_main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        repo_lock = lock_repository(Path(args.model_repository))
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _serve(args, config_path, config, env, apis, admin_key, key_source)
+    finally:
+        repo_lock.close()
+
+
+def _serve(args: argparse.Namespace, config_path: Path, config: EngineConfig, env: Path | None,
+           apis: Sequence[str], admin_key: str | None, key_source: str | None) -> int:
+    """serve_main once everything is checked and the repository is ours: write it, serve until a signal."""
     repo = write_repository(config_path, args.model_repository, execution_env=env, peer=args.peer)
     server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port, verbose=args.log_verbose,
                           admin_key=admin_key, restricted_apis=apis)
@@ -383,6 +434,9 @@ def serve_main(args: argparse.Namespace) -> int:
 
     def on_signal(signum: int, frame: object) -> None:
         nonlocal stop
+        if stop and server.proc is not None and server.proc.poll() is None:  # a second one: no more waiting
+            print("second signal: killing tritonserver", file=sys.stderr, flush=True)
+            server.proc.kill()
         stop = True
 
     signal.signal(signal.SIGINT, on_signal)

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import select
+import signal
 import socket
 import threading
 import time
@@ -93,7 +94,7 @@ class OpenAIFrontendServer(ThreadingHTTPServer):
         model_name: str = DEFAULT_MODEL_NAME,
         api_key: str | None = None,
     ) -> None:
-        super().__init__(address, _Handler)
+        # Before binding: a bind that fails calls server_close, which closes the backend.
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -102,6 +103,7 @@ class OpenAIFrontendServer(ThreadingHTTPServer):
         # HF fast tokenizers can fail with "Already borrowed" when one instance is used from several
         # threads at once; tokenizing is cheap next to generation, so serialise it.
         self.tokenizer_lock = threading.Lock()
+        super().__init__(address, _Handler)
 
     @property
     def requires_key(self) -> bool:
@@ -386,6 +388,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         logger.warning(
             "no API key: anyone who can reach %s:%s can generate (set --api-key or $%s)", host, port, API_KEY_ENV
         )
+    # SIGINT and SIGTERM stop it: a shell starts a background job with SIGINT ignored, and a container stops
+    # with SIGTERM.
+    if threading.current_thread() is threading.main_thread():  # (only there can handlers be set)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
