@@ -9,7 +9,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from tokenrouter.serving.server import ADMIN_HEADER, ADMIN_KEY_ENV, CONTROL_URL_ENV
+from tokenrouter.serving.server import ADMIN_HEADER, ADMIN_KEY_ENV, CONTROL_URL_ENV, model_states
 
 RELOAD_TIMEOUT_S = 1800.0  # a large model's weights take minutes to load
 # Between reload attempts: the first wait, doubling up to the last.
@@ -56,3 +56,25 @@ def reload_failure(error: Exception) -> str:
             "shutting down, or does not serve HTTP"
         )
     return f"{type(error).__name__}: {error}"
+
+
+class UnloadedOnPurpose(RuntimeError):
+    """Triton unloads, or has unloaded, the model on request (a stopping server unloads every model): reloading
+    it would undo that. It serves again once loaded."""
+
+
+def check_not_unloaded(model: str) -> None:
+    """Raise UnloadedOnPurpose when Triton says `model` is unloading or was unloaded. A model whose process
+    died is still READY to Triton 2.51, so that is the one a reviver reloads. When the state cannot be read,
+    a reload through the same API cannot work either (a stopping server answered one all the same): that
+    raises too. Without a control URL (pb_utils reloads) there is nothing to check."""
+    url = os.environ.get(CONTROL_URL_ENV)
+    if url is None:
+        return
+    try:
+        state = model_states(url, os.environ.get(ADMIN_KEY_ENV), timeout=5).get(model)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise RuntimeError(f"cannot read this server's model states: {reload_failure(e)}") from None
+    if state is not None and (state[0] == "UNLOADING" or state == ("UNAVAILABLE", "unloaded")):
+        raise UnloadedOnPurpose(f"Triton unloaded {model!r} on request (a server that stops does so too): "
+                                "it is not reloaded, and serves again once loaded")

@@ -26,6 +26,7 @@ from tokenrouter.serving.model_control import (
     REVIVE_BACKOFF_MAX_S,
     REVIVE_BACKOFF_S,
     cannot_reload,
+    check_not_unloaded,
     reload_failure,
     reload_model,
 )
@@ -157,6 +158,7 @@ class PeerModel:
                 return
             while not self._stop.is_set():
                 try:
+                    check_not_unloaded(self.model)
                     log.warning("peer %s: the model's process exited; reloading it", self.model)
                     reload_model(self.model, self.pb)
                     log.warning("peer %s: model reloaded", self.model)

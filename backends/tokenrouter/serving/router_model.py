@@ -36,7 +36,9 @@ from tokenrouter.serving.metrics import RouterMetrics
 from tokenrouter.serving.model_control import (
     REVIVE_BACKOFF_MAX_S,
     REVIVE_BACKOFF_S,
+    UnloadedOnPurpose,
     cannot_reload,
+    check_not_unloaded,
     reload_failure,
     reload_model,
 )
@@ -329,6 +331,7 @@ class RouterModel:
         while not self.coordinator.transport.closing:
             try:
                 if not remote:
+                    check_not_unloaded(model)
                     log.warning("model %r: reloading it", model)
                     reload_model(model, self.pb)
                 link.connect(timeout=REVIVE_CONNECT_S)
@@ -345,6 +348,9 @@ class RouterModel:
                     log.error("%s", reason)
                     self.loop.call_soon_threadsafe(self.coordinator.down.__setitem__, model, reason)
                     return
+                if isinstance(e, UnloadedOnPurpose):  # what a refused request is told, until it is loaded
+                    self.loop.call_soon_threadsafe(self.coordinator.down.__setitem__, model,
+                                                   f"model {model!r} is unavailable: {e}")
                 if (why := reload_failure(e)) != failure:
                     log.warning("model %r: reload failed (%s); retrying", model, why)
                     failure = why

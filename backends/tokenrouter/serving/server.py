@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import ctypes
 import fcntl
+import json
 import os
 import re
 import secrets
@@ -23,13 +24,13 @@ import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import yaml
 
 from tokenrouter.config import ConfigError, EngineConfig, load_config
 from tokenrouter.serving import mps, stub_env, triton_install
-from tokenrouter.serving.repository import write_repository
+from tokenrouter.serving.repository import ROUTER, write_repository
 from tokenrouter.transport.grpc_link import keepalive_flags
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -49,6 +50,12 @@ ADMIN_APIS = ("model-repository", "shared-memory", "trace", "logging")
 ADMIN_HEADER = "admin-key"
 # Set in tritonserver's environment (its stubs inherit it): where the router reaches model control.
 CONTROL_URL_ENV = "TOKENROUTER_MODEL_CONTROL_URL"
+# When a server stops: how long the models get to unload, then the router (a client's open gRPC stream keeps
+# Triton from unloading the router until the stream closes), then tritonserver to exit once the models are gone.
+DRAIN_S = 20.0
+DRAIN_ROUTER_S = 5.0
+DRAINED_EXIT_S = 5.0
+STUB = "triton_python_backend_stub"
 GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # Triton prefixes the key of a gRPC restriction
 ADMIN_KEY_ENV = "TOKENROUTER_ADMIN_KEY"
 _KEY_CHARS = re.compile(r"[\x21-\x7e]+")  # visible ASCII: a valid HTTP header and gRPC metadata value
@@ -239,20 +246,60 @@ class TritonServer:
         raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s{where}")
 
     def stop(self) -> None:
+        """Unload the models (`drain`), then stop tritonserver. Once they are unloaded nothing is lost by
+        not waiting for its open HTTP connections: it is killed after DRAINED_EXIT_S."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
+            drained = self.drain()
             self.proc.send_signal(signal.SIGINT)
             try:
-                self.proc.wait(timeout=40)
+                self.proc.wait(timeout=DRAINED_EXIT_S if drained else 40)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        # Stubs that outlived the server (it crashed, or one ignored the shutdown) must not linger.
+        # Stubs that outlived the server (it crashed, or one ignored the shutdown) must not linger, nor the
+        # shared memory that only their server would have removed.
+        regions = _stub_regions(self.proc.pid)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        for name in regions:
+            with contextlib.suppress(OSError):
+                os.unlink(f"/dev/shm/{name}")
+
+    def drain(self, timeout: float = DRAIN_S) -> bool:
+        """Unload the models through the model-control API, then the router; True once the models (all but
+        the router) are unloaded.
+
+        Signalled, Triton 2.51 first waits, up to its exit timeout (30 s), for every open HTTP connection to
+        close (an idle keep-alive client is enough) and then has no time left to unload anything: it exits at
+        once, its model processes killed, their shared memory left in /dev/shm, at times with a segfault.
+        Unloaded here, the models end cleanly whatever the clients do: the router fails the requests they
+        held, with an error that says the server may be shutting down, and refuses new ones. The router
+        itself is unloaded too, but a client's open gRPC stream keeps it until the stream closes: it gets
+        DRAIN_ROUTER_S, and by then it holds no request."""
+        url = f"http://{self.host}:{self.http_port}"
+
+        def unload(group: list[str], wait: float) -> bool:
+            for name in group:
+                control_request(url, f"/v2/repository/models/{name}/unload", self.admin_key, timeout=5)
+            deadline = time.monotonic() + wait
+            while any(model_states(url, self.admin_key, 5)[n][0] in ("READY", "UNLOADING") for n in group):
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.1)
+            return True
+
+        try:
+            names = list(model_states(url, self.admin_key, timeout=5))
+            if not unload([n for n in names if n != ROUTER], timeout):
+                return False
+            unload([n for n in names if n == ROUTER], DRAIN_ROUTER_S)
+        except (OSError, ValueError, KeyError, TypeError):  # not serving HTTP, or no model control
+            return False
+        return True
 
     def __enter__(self) -> TritonServer:
         self.start()
@@ -318,6 +365,40 @@ def _ports_in_use(ports: list[int]) -> list[int]:
             except OSError:
                 busy.append(port)
     return busy
+
+
+def control_request(url: str, path: str, key: str | None, timeout: float = 10.0) -> Any:
+    """POST `path` of the Triton HTTP endpoint at `url` (model control: `/v2/repository/...`) with the admin
+    key when there is one; the answer as JSON (None when empty). Raises OSError (urllib's errors) and
+    ValueError."""
+    headers = {"Content-Type": "application/json", **({ADMIN_HEADER: key} if key else {})}
+    request = urllib.request.Request(f"{url}{path}", data=b"{}", headers=headers, method="POST")
+    with urllib.request.urlopen(request, timeout=timeout) as r:
+        body = r.read()
+    return json.loads(body) if body.strip() else None
+
+
+def model_states(url: str, key: str | None, timeout: float = 10.0) -> dict[str, tuple[str, str]]:
+    """Each model of the repository: (state, reason) as Triton tells them, e.g. ("READY", ""), ("UNLOADING", ""),
+    ("UNAVAILABLE", "unloaded")."""
+    index = control_request(url, "/v2/repository/index", key, timeout)
+    return {m["name"]: (m.get("state", ""), m.get("reason", "")) for m in index}
+
+
+def _stub_regions(group: int) -> list[str]:
+    """The shared-memory regions (/dev/shm names) of the Python-backend stubs in process group `group`: a stub's
+    second argument names its region."""
+    regions = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) != group:
+                continue
+            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if len(argv) > 2 and argv[0].endswith(STUB.encode()) and b"/" not in argv[2]:
+            regions.append(argv[2].decode(errors="replace"))
+    return regions
 
 
 def _port_problem(ports: list[int]) -> str | None:
