@@ -32,7 +32,7 @@ def running_server(config_path: Path, workdir: Path, execution_env: Path | None 
     try:
         server.wait_ready(timeout=240)
         yield server
-    except BaseException:
+    except Exception:
         # The log lives in pytest's temporary folder: without its end in the report, a crash seen only in CI
         # cannot be diagnosed.
         _report_log(server)

@@ -43,6 +43,8 @@ def reload_model(model: str, pb_utils: Any) -> None:
 def cannot_reload(error: Exception) -> bool:
     """Whether a reload failed because this server does not allow one (no explicit model control): retrying
     cannot help."""
+    if isinstance(error, UnloadedOnPurpose):  # (its message names the model, which may say anything)
+        return False
     return "not allowed" in str(error) or "explicit" in str(error).lower()
 
 
@@ -64,8 +66,9 @@ class UnloadedOnPurpose(RuntimeError):
 
 
 def check_not_unloaded(model: str) -> None:
-    """Raise UnloadedOnPurpose when Triton says `model` is unloading or was unloaded. A model whose process
-    died is still READY to Triton 2.51, so that is the one a reviver reloads. When the state cannot be read,
+    """Raise UnloadedOnPurpose when Triton says `model` is unloading, loading or was unloaded on request (an
+    admin, or a stopping server): not the reviver's to undo or to repeat. A model whose process died is still
+    READY to Triton 2.51, so that is the one a reviver reloads. When the state cannot be read,
     a reload through the same API cannot work either (a stopping server answered one all the same): that
     raises too. Without a control URL (pb_utils reloads) there is nothing to check."""
     url = os.environ.get(CONTROL_URL_ENV)
@@ -75,6 +78,6 @@ def check_not_unloaded(model: str) -> None:
         state = model_states(url, os.environ.get(ADMIN_KEY_ENV), timeout=5).get(model)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise RuntimeError(f"cannot read this server's model states: {reload_failure(e)}") from None
-    if state is not None and (state[0] == "UNLOADING" or state == ("UNAVAILABLE", "unloaded")):
+    if state is not None and (state[0] in ("UNLOADING", "LOADING") or state == ("UNAVAILABLE", "unloaded")):
         raise UnloadedOnPurpose(f"Triton unloaded {model!r} on request (a server that stops does so too): "
                                 "it is not reloaded, and serves again once loaded")

@@ -153,13 +153,18 @@ class PeerModel:
     def _revive(self) -> None:
         delay = REVIVE_BACKOFF_S
         failure = None  # the last reload failure logged
+        reloading = False  # our reload began (its unload leaves the model "unloaded" should its load fail)
         try:
             if self._alive():
                 return
             while not self._stop.is_set():
                 try:
-                    check_not_unloaded(self.model)
+                    if not reloading:
+                        check_not_unloaded(self.model)
+                        if self._alive():  # loaded again by whoever unloaded it
+                            return
                     log.warning("peer %s: the model's process exited; reloading it", self.model)
+                    reloading = True
                     reload_model(self.model, self.pb)
                     log.warning("peer %s: model reloaded", self.model)
                     return

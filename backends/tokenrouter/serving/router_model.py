@@ -328,16 +328,22 @@ class RouterModel:
         remote = self.config.models[model].url is not None  # its server is not ours to reload: reconnect
         delay = REVIVE_BACKOFF_S
         failure = None  # the last reload failure logged
+        reloading = False  # our reload began (its unload leaves the model "unloaded" should its load fail)
+        unloaded = False  # Triton had unloaded it on request: once it is READY again, it only needs connecting
         while not self.coordinator.transport.closing:
             try:
                 if not remote:
-                    check_not_unloaded(model)
-                    log.warning("model %r: reloading it", model)
-                    reload_model(model, self.pb)
+                    if not reloading:
+                        check_not_unloaded(model)
+                    if not unloaded:
+                        log.warning("model %r: reloading it", model)
+                        reloading = True
+                        reload_model(model, self.pb)
                 link.connect(timeout=REVIVE_CONNECT_S)
                 break
             except ConnectionError as e:
-                log.warning("model %r reloaded, but its socket does not answer (%s); retrying", model, e)
+                log.warning("model %r: its socket does not answer (%s); retrying", model, e)
+                unloaded = False  # loaded by someone else but not answering: reload it ourselves
             except Exception as e:  # pb_utils.TritonModelException and anything else the reload raises
                 if cannot_reload(e):
                     reason = (
@@ -349,6 +355,7 @@ class RouterModel:
                     self.loop.call_soon_threadsafe(self.coordinator.down.__setitem__, model, reason)
                     return
                 if isinstance(e, UnloadedOnPurpose):  # what a refused request is told, until it is loaded
+                    unloaded = True
                     self.loop.call_soon_threadsafe(self.coordinator.down.__setitem__, model,
                                                    f"model {model!r} is unavailable: {e}")
                 if (why := reload_failure(e)) != failure:

@@ -50,8 +50,8 @@ ADMIN_APIS = ("model-repository", "shared-memory", "trace", "logging")
 ADMIN_HEADER = "admin-key"
 # Set in tritonserver's environment (its stubs inherit it): where the router reaches model control.
 CONTROL_URL_ENV = "TOKENROUTER_MODEL_CONTROL_URL"
-# When a server stops: how long the models get to unload, then the router (a client's open gRPC stream keeps
-# Triton from unloading the router until the stream closes), then tritonserver to exit once the models are gone.
+# When a server stops: how long the models get to unload, of that the router (a client's open gRPC stream keeps
+# Triton from unloading the router until the stream closes), then tritonserver to exit once all are unloaded.
 DRAIN_S = 20.0
 DRAIN_ROUTER_S = 5.0
 DRAINED_EXIT_S = 5.0
@@ -270,36 +270,36 @@ class TritonServer:
                 os.unlink(f"/dev/shm/{name}")
 
     def drain(self, timeout: float = DRAIN_S) -> bool:
-        """Unload the models through the model-control API, then the router; True once the models (all but
-        the router) are unloaded.
+        """Unload the models through the model-control API, then the router; True once all are unloaded.
 
         Signalled, Triton 2.51 first waits, up to its exit timeout (30 s), for every open HTTP connection to
         close (an idle keep-alive client is enough) and then has no time left to unload anything: it exits at
         once, its model processes killed, their shared memory left in /dev/shm, at times with a segfault.
         Unloaded here, the models end cleanly whatever the clients do: the router fails the requests they
-        held, with an error that says the server may be shutting down, and refuses new ones. The router
-        itself is unloaded too, but a client's open gRPC stream keeps it until the stream closes: it gets
-        DRAIN_ROUTER_S, and by then it holds no request."""
+        held, with an error that says the server may be shutting down, and refuses new ones. The router goes
+        last; a client's open gRPC stream keeps it loaded until the stream closes (then this says False, and
+        the server is stopped as before)."""
         url = f"http://{self.host}:{self.http_port}"
+        end = time.monotonic() + timeout
 
-        def unload(group: list[str], wait: float) -> bool:
+        def unload(group: list[str], deadline: float) -> bool:
             for name in group:
                 control_request(url, f"/v2/repository/models/{name}/unload", self.admin_key, timeout=5)
-            deadline = time.monotonic() + wait
-            while any(model_states(url, self.admin_key, 5)[n][0] in ("READY", "UNLOADING") for n in group):
+            while True:
+                states = model_states(url, self.admin_key, timeout=5)
+                if not any(states[n][0] in ("READY", "LOADING", "UNLOADING") for n in group):
+                    return True
                 if time.monotonic() > deadline:
                     return False
                 time.sleep(0.1)
-            return True
 
         try:
             names = list(model_states(url, self.admin_key, timeout=5))
-            if not unload([n for n in names if n != ROUTER], timeout):
+            if not unload([n for n in names if n != ROUTER], end):
                 return False
-            unload([n for n in names if n == ROUTER], DRAIN_ROUTER_S)
+            return unload([n for n in names if n == ROUTER], min(end, time.monotonic() + DRAIN_ROUTER_S))
         except (OSError, ValueError, KeyError, TypeError):  # not serving HTTP, or no model control
             return False
-        return True
 
     def __enter__(self) -> TritonServer:
         self.start()
@@ -419,7 +419,7 @@ def lock_repository(repo: Path) -> IO[str]:
     f = open(path, "a+")  # noqa: SIM115 (held for the server's lifetime)
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:
         f.seek(0)
         holder = f.read().strip() or "another process"
         f.close()
@@ -465,7 +465,7 @@ def serve_main(args: argparse.Namespace) -> int:
         return 2
     try:
         repo_lock = lock_repository(Path(args.model_repository))
-    except RuntimeError as e:
+    except (RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
@@ -516,7 +516,7 @@ def _serve(args: argparse.Namespace, config_path: Path, config: EngineConfig, en
     def on_signal(signum: int, frame: object) -> None:
         nonlocal stop
         if stop and server.proc is not None and server.proc.poll() is None:  # a second one: no more waiting
-            print("second signal: killing tritonserver", file=sys.stderr, flush=True)
+            os.write(2, b"second signal: killing tritonserver\n")  # (print may not re-enter a write under way)
             server.proc.kill()
         stop = True
 

@@ -390,15 +390,17 @@ def run_from_args(args: argparse.Namespace) -> int:
         )
     # SIGINT and SIGTERM stop it: a shell starts a background job with SIGINT ignored, and a container stops
     # with SIGTERM.
+    handlers = {}
     if threading.current_thread() is threading.main_thread():  # (only there can handlers be set)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        handlers = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         server.server_close()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     return 0
 
 
