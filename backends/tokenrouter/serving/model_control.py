@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import os
 import urllib.error
-import urllib.request
 from typing import Any
 
-from tokenrouter.serving.server import ADMIN_HEADER, ADMIN_KEY_ENV, CONTROL_URL_ENV, model_states
+from tokenrouter.serving.server import ADMIN_KEY_ENV, CONTROL_URL_ENV, control_request, model_states
 
 RELOAD_TIMEOUT_S = 1800.0  # a large model's weights take minutes to load
 # Between reload attempts: the first wait, doubling up to the last.
@@ -27,15 +26,10 @@ def reload_model(model: str, pb_utils: Any) -> None:
         pb_utils.unload_model(model_name=model)
         pb_utils.load_model(model_name=model)
         return
-    key = os.environ.get(ADMIN_KEY_ENV)
-    headers = {"Content-Type": "application/json", **({ADMIN_HEADER: key} if key else {})}
     for action in ("unload", "load"):
-        request = urllib.request.Request(
-            f"{url}/v2/repository/models/{model}/{action}", data=b"{}", headers=headers, method="POST"
-        )
         try:
-            with urllib.request.urlopen(request, timeout=RELOAD_TIMEOUT_S) as r:
-                r.read()
+            control_request(url, f"/v2/repository/models/{model}/{action}", os.environ.get(ADMIN_KEY_ENV),
+                            timeout=RELOAD_TIMEOUT_S)
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"{action} of {model!r} refused: {e.read().decode(errors='replace')}") from None
 
