@@ -35,14 +35,10 @@ def running_server(config_path: Path, workdir: Path, execution_env: Path | None 
     except Exception:
         # The log lives in pytest's temporary folder: without its end in the report, a crash seen only in CI
         # cannot be diagnosed.
-        _report_log(server)
+        print(server_state(server, lines=80), file=sys.stderr)
         raise
     finally:
         server.stop()
-
-
-def _report_log(server: TritonServer) -> None:
-    print(server_state(server, lines=80), file=sys.stderr)
 
 
 def server_state(server: TritonServer, lines: int = 25) -> str:

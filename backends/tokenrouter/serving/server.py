@@ -434,11 +434,12 @@ def lock_repository(repo: Path) -> IO[str]:
 
 def serve_main(args: argparse.Namespace) -> int:
     config_path = Path(args.config).resolve()
-    problem = _port_problem([args.http_port, args.grpc_port, args.metrics_port])
+    ports = [args.http_port, args.grpc_port, args.metrics_port]
+    problem = _port_problem(ports)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    busy = _ports_in_use([args.http_port, args.grpc_port, args.metrics_port])
+    busy = _ports_in_use(ports)
     if busy:
         print(f"error: port(s) {busy} already in use; pick others with --http-port/--grpc-port/--metrics-port",
               file=sys.stderr)
