@@ -14,6 +14,8 @@ import json
 import logging
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,37 @@ the exact chain then still answers)."""
 
 # Largest concurrency solved, by number of models: C(N - 1 + M, M) candidates (136 for M=2, N=16; 120 for M=3, N=8).
 MAX_SOLVED_N = {1: 64, 2: 16, 3: 8}
+
+
+class LoadMeter:
+    """The time-weighted mean number of requests in the system between two solves: the concurrency a re-solve tunes
+    for. The count at the moment of a solve is a poor sample of it: between two runs of a closed loop of 8 clients
+    one solve saw 2 requests, and the 32B ran at threshold 1 for the next 2.4 s (served, H200,
+    perf/results/tuner_h200_2026-12-04)."""
+
+    def __init__(self, now: float | None = None) -> None:
+        self._lock = threading.Lock()
+        self._n = 0
+        self._since = self._at = time.monotonic() if now is None else now
+        self._area = 0.0  # request-seconds since `_since`
+
+    def update(self, n: int, now: float | None = None) -> None:
+        """`n` requests are in the system from `now` (time.monotonic()) on."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._area += self._n * max(0.0, now - self._at)
+            self._n, self._at = n, max(now, self._at)
+
+    def take(self, now: float | None = None) -> int:
+        """The mean number of requests since the last take (rounded, at least 1); starts the next interval."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            area = self._area + self._n * max(0.0, now - self._at)
+            span = now - self._since
+            mean = area / span if span > 0.0 else float(self._n)
+            self._since = self._at = max(now, self._at)
+            self._area = 0.0
+        return max(1, int(mean + 0.5))
 
 
 @dataclass(frozen=True)
@@ -63,6 +96,7 @@ def solve_thresholds(
     max_states: int = DEFAULT_MAX_STATES,
     max_wait: float | None = None,
     one_device: bool = False,
+    current: Mapping[str, int] | None = None,
 ) -> TunedThresholds | None:
     """Best thresholds for `concurrency` requests, or None while some model has no measurements yet.
 
@@ -72,6 +106,8 @@ def solve_thresholds(
     from their steps and simulated (engine/sharing.py). `max_wait`: the deployment's bounded wait in seconds
     (`batching.max_wait_ms`); the ranking of such a shared device applies it (a threshold that waits longer than it
     for its batch does not get it). Other systems are ranked as before, without it (not measured).
+    `current`: the thresholds in force (model -> B), kept unless the best is expected to serve
+    :data:`~tokenrouter.tuning.choose.SWITCH_GAIN` more.
     """
     system = system_model(models, stats, concurrency, one_device=one_device)
     if system is None:
@@ -81,15 +117,16 @@ def solve_thresholds(
     # The candidates are ranked without the handoffs' transit (it delays every vector's moves alike, and the exact
     # chain cannot model it); the chosen vector's expected tokens/s counts it, simulated (served on an H200:
     # 0.7-1.9 ms a handoff, 4-5 % of the C=1 and C=8 throughput, perf/results/green_h200_2026-12-03).
+    incumbent = tuple(current[m] for m in models) if current and set(current) == set(models) else None
     choice = choose_thresholds(dataclasses.replace(system, transit=None), state_budget=state_budget,
-                               max_states=max_states, max_wait=max_wait)
+                               max_states=max_states, max_wait=max_wait, incumbent=incumbent)
     expected = choice.throughput
     if system.has_transit:
         expected = simulated_throughput(system, choice.thresholds, max_wait=max_wait)
     best = dict(zip(models, choice.thresholds))
     n = system.concurrency
-    log.info("auto thresholds for N=%d: %s (%.1f tok/s expected, %s; slowdown beside another model: %s)", n, best,
-             expected, choice.method, system.slowdown)
+    log.info("auto thresholds for N=%d: %s (%.1f tok/s expected, %s; slowdown beside another model: %s)%s", n, best,
+             expected, choice.method, system.slowdown, " (kept)" if choice.thresholds == incumbent else "")
     return TunedThresholds(best, expected, choice.method, n)
 
 
@@ -134,7 +171,7 @@ def system_model(models: list[str], stats: Mapping[str, StepStats], concurrency:
 
 def solve_in_subprocess(
     models: list[str], stats: Mapping[str, StepStats | Mapping[str, Any]], concurrency: int, timeout: float = 60.0,
-    max_wait: float | None = None, one_device: bool = False,
+    max_wait: float | None = None, one_device: bool = False, current: Mapping[str, int] | None = None,
 ) -> TunedThresholds | None:
     """`solve_thresholds` in a child Python process. The solve is seconds of pure-Python work: run inside a
     serving process it would hold that process's GIL and stall the threads that forward handoffs.
@@ -144,7 +181,7 @@ def solve_in_subprocess(
     not valid fails the solve with a RuntimeError that names the model."""
     snapshots = {m: s.snapshot() if isinstance(s, StepStats) else s for m, s in stats.items()}
     payload = {"models": models, "concurrency": concurrency, "max_wait": max_wait, "one_device": one_device,
-               "stats": snapshots}
+               "current": dict(current) if current else None, "stats": snapshots}
     python = Path(sys.prefix) / "bin" / "python"
     exe = str(python) if python.exists() else sys.executable
     proc = subprocess.run([exe, "-m", "tokenrouter.engine.autotune"], input=json.dumps(payload),
@@ -158,8 +195,8 @@ def solve_in_subprocess(
 
 
 def _main() -> None:
-    """stdin: {"models", "concurrency", "max_wait", "one_device", "stats": {model: StepStats.snapshot()}}; stdout: the
-    solve as JSON."""
+    """stdin: {"models", "concurrency", "max_wait", "one_device", "current", "stats": {model: StepStats.snapshot()}};
+    stdout: the solve as JSON."""
     payload = json.loads(sys.stdin.read())
     stats = {}
     for model, snapshot in payload["stats"].items():
@@ -169,7 +206,8 @@ def _main() -> None:
             sys.exit(f"bad step statistics from {model}: {e}")
     wait = payload.get("max_wait")
     tuned = solve_thresholds(payload["models"], stats, int(payload["concurrency"]),
-                             max_wait=None if wait is None else float(wait), one_device=bool(payload.get("one_device")))
+                             max_wait=None if wait is None else float(wait), one_device=bool(payload.get("one_device")),
+                             current=payload.get("current"))
     print(json.dumps(None if tuned is None else dataclasses.asdict(tuned)))
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from transformers import PreTrainedTokenizerBase
 
 from tokenrouter.config import EngineConfig
+from tokenrouter.engine.autotune import LoadMeter
 from tokenrouter.engine.outputs import RequestOutput, RequestState
 from tokenrouter.routing.policy import Policy
 from tokenrouter.sampling_params import SamplingParams
@@ -47,6 +48,7 @@ class Coordinator:
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self._tuned: dict[str, int] | None = None
+        self.load = LoadMeter()  # the concurrency `thresholds: auto` solves for
         self.thresholds: dict[str, int] = {}
         self._prompt_char_bound: int | None = None
         if tokenizer is not None:
@@ -223,6 +225,7 @@ class Coordinator:
         """Keep sum(B_i - 1) < N for the N requests in the system, so they can never all wait in queues."""
         tuned = self._tuned or {}
         want = {m: tuned.get(m, self.config.batching.threshold_of(m)) for m in self.model_names}
+        self.load.update(len(self.requests))
         n = max(1, len(self.requests))
         while sum(b - 1 for b in want.values()) >= n:
             biggest = max(want, key=lambda m: want[m])

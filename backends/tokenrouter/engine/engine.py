@@ -142,11 +142,11 @@ class Engine(Coordinator):
         and routing rates, and apply it. Returns the thresholds, or None before enough was measured.
         With the model loops running in this process, the solve runs in a child process: it is seconds
         of pure Python that would otherwise hold the GIL against the decoding threads."""
-        n = concurrency if concurrency is not None else max(1, len(self.requests))
+        n = concurrency if concurrency is not None else self.load.take()
         stats = {m: s.stats for m, s in self.subservers.items()}
         solve = solve_in_subprocess if self.running_in_background else solve_thresholds
         tuned = solve(self.model_names, stats, n, max_wait=self.config.batching.max_wait_ms / 1000.0,
-                      one_device=self.config.one_device)
+                      one_device=self.config.one_device, current=self._tuned)
         best = tuned.thresholds if tuned is not None else None
         if best is not None:
             self._tuned = best

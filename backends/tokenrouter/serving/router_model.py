@@ -134,9 +134,9 @@ class SocketCoordinator(Coordinator):
         off the loop)."""
         if set(self.step_reports) != set(self.model_names):
             return None
-        return solve_in_subprocess(self.model_names, dict(self.step_reports), max(1, len(self.requests)),
+        return solve_in_subprocess(self.model_names, dict(self.step_reports), self.load.take(),
                                    max_wait=self.config.batching.max_wait_ms / 1000.0,
-                                   one_device=self.config.one_device)
+                                   one_device=self.config.one_device, current=self._tuned)
 
     def apply_tuned(self, tuned: dict[str, int]) -> None:
         self._tuned = tuned

@@ -38,6 +38,12 @@ throughput."""
 REFINE_FACTOR = 8
 """How much longer than a screening run a throughput estimate is simulated (~1-2 % noise at N = 8)."""
 
+SWITCH_GAIN = 0.03
+"""A re-solve keeps the thresholds in force (the incumbent) unless the best vector is expected to serve at least this
+much more than it, judged by the same model and random numbers. Without it the served tuner flipped the 32B's
+threshold between 1, 4, 6 and 7 from one 2 s solve to the next at C=8 on an H200, its inputs (a few seconds of steps)
+being that noisy (perf/results/tuner_h200_2026-12-04)."""
+
 Method = Literal["markov", "simulator"]
 
 
@@ -58,16 +64,21 @@ def choose_thresholds(
     sim_steps: int = SIM_STEPS,
     seed: int = 0,
     max_wait: float | None = None,
+    incumbent: tuple[int, ...] | None = None,
 ) -> Choice:
     """The feasible threshold vector with the highest predicted throughput (exact chain, else simulation).
 
     ``state_budget`` is shared by all ``C(N - 1 + M, M)`` candidates; ``max_states`` caps any single chain (a chain
     above it sends the whole ranking to the simulator, so all candidates are compared by one method). ``max_wait``:
-    the bounded wait the simulator applies (the exact chain has none).
+    the bounded wait the simulator applies (the exact chain has none). ``incumbent``: the thresholds in force; where
+    feasible it is kept unless the best is expected to serve :data:`SWITCH_GAIN` more.
     """
     candidates = list(feasible_thresholds(model.num_models, model.concurrency))
+    if incumbent is not None and tuple(incumbent) not in candidates:
+        incumbent = None  # infeasible at this concurrency: it cannot stay
     if model.has_transit or model.shares_gpu:  # only the simulator models transit and a shared GPU
-        return rank_by_simulation(model, candidates, sim_steps=sim_steps, seed=seed, max_wait=max_wait)
+        return rank_by_simulation(model, candidates, sim_steps=sim_steps, seed=seed, max_wait=max_wait,
+                                  incumbent=incumbent)
     tick = default_tick(model, state_budget=max(1.0, state_budget / len(candidates)))
     ticks_per_step = resolution(model, tick)
     if ticks_per_step >= MIN_TICKS_PER_MIN_LATENCY:
@@ -75,33 +86,44 @@ def choose_thresholds(
         # removes most of it (the candidates' ranking barely moves, the predicted tokens/s does).
         rounding = "nearest" if ticks_per_step >= MAX_TICKS_PER_MIN_LATENCY else "stochastic"
         try:
-            return _rank_by_chain(model, candidates, tick, rounding, max_states)
+            return _rank_by_chain(model, candidates, tick, rounding, max_states, incumbent)
         except (ValueError, RuntimeError):
             pass  # a chain overflowed max_states or did not converge: the simulator always answers
-    return rank_by_simulation(model, candidates, sim_steps=sim_steps, seed=seed, max_wait=max_wait)
+    return rank_by_simulation(model, candidates, sim_steps=sim_steps, seed=seed, max_wait=max_wait,
+                              incumbent=incumbent)
+
+
+def _keep_incumbent(best: tuple[int, ...], tp: dict[tuple[int, ...], float], incumbent: tuple[int, ...] | None,
+                    method: Method) -> Choice:
+    """The best vector, or the incumbent where the best does not beat it by SWITCH_GAIN (`tp` holds both)."""
+    if incumbent is not None and incumbent != best and tp[best] < (1.0 + SWITCH_GAIN) * tp[incumbent]:
+        return Choice(incumbent, tp[incumbent], method)
+    return Choice(best, tp[best], method)
 
 
 def _rank_by_chain(
-    model: SystemModel, candidates: list[tuple[int, ...]], tick: float, rounding: str, max_states: int
+    model: SystemModel, candidates: list[tuple[int, ...]], tick: float, rounding: str, max_states: int,
+    incumbent: tuple[int, ...] | None = None,
 ) -> Choice:
+    tp: dict[tuple[int, ...], float] = {}
     best: tuple[int, ...] | None = None
-    best_tp = 0.0
     for thr in candidates:
-        tp = solve(model, thr, tick=tick, rounding=rounding, max_states=max_states).throughput
-        if best is None or tp > best_tp + 1e-9 * abs(best_tp):  # ties keep the earlier vector, as best_thresholds
-            best, best_tp = thr, tp
+        tp[thr] = solve(model, thr, tick=tick, rounding=rounding, max_states=max_states).throughput
+        if best is None or tp[thr] > tp[best] + 1e-9 * abs(tp[best]):  # ties keep the earlier, as best_thresholds
+            best = thr
     assert best is not None
-    return Choice(best, best_tp, "markov")
+    return _keep_incumbent(best, tp, incumbent, "markov")
 
 
 def rank_by_simulation(
     model: SystemModel, candidates: list[tuple[int, ...]], *, sim_steps: int = SIM_STEPS, seed: int = 0,
-    max_wait: float | None = None,
+    max_wait: float | None = None, incumbent: tuple[int, ...] | None = None,
 ) -> Choice:
     """Screen every candidate with a short simulation, then re-simulate the best few for longer and pick among them.
 
     All candidates of a round share one seed (common random numbers: their differences are less noisy than their
     values). The second round uses a fresh seed so the reported throughput is not inflated by the screening's luck.
+    An `incumbent` (one of the candidates) is always in the second round and stays unless beaten by SWITCH_GAIN.
     """
     if not candidates:
         raise ValueError("no candidate thresholds")
@@ -110,10 +132,12 @@ def rank_by_simulation(
     screen = {thr: simulate(model, thr, num_steps=sim_steps, seed=seed, max_wait=max_wait).throughput
               for thr in candidates}
     finalists = sorted(candidates, key=lambda thr: -screen[thr])[:SIM_REFINE]
+    if incumbent is not None and incumbent not in finalists:
+        finalists.append(incumbent)
     final = {thr: simulated_throughput(model, thr, sim_steps=sim_steps, seed=seed + 1, max_wait=max_wait)
              for thr in finalists}
     best = max(finalists, key=lambda thr: final[thr])  # max keeps the first of equals: the screening's favourite
-    return Choice(best, final[best], "simulator")
+    return _keep_incumbent(best, final, incumbent, "simulator")
 
 
 def simulated_throughput(model: SystemModel, thresholds: tuple[int, ...], *, sim_steps: int = SIM_STEPS,
