@@ -172,3 +172,18 @@ def test_models_that_never_overlap_or_give_no_end_keep_the_measured_tables() -> 
     model = system_model(["small", "large"], stats, 4, one_device=True)
     assert model is not None and model.slowdown is None
     assert model.step_latency[0] == small.latency_table(4)
+
+
+def test_on_a_shared_gpu_the_fastest_model_is_never_held_back() -> None:
+    """The simulator rated holding the 0.6B for a batch higher than it served (H200, C=16: (11, 3) committed
+    1,400-1,600 tok/s, (1, 6) ~2,150): on a shared GPU only the slower model's threshold is tuned. With these
+    slowdowns the simulator alone would choose (2, 6)."""
+    choice = choose_thresholds(h200_pair([2.4, 1.1]), max_wait=0.1)
+    assert choice.thresholds[0] == 1 and choice.thresholds[1] >= 4
+    model = h200_pair([1.1, 2.4])
+    model.step_latency = [model.step_latency[1], model.step_latency[0]]  # the fastest listed second: found by time
+    model.route_probs, model.tokens = [[0.0, 1.0], [0.1, 0.9]], [[1.0, 1.0], [0.0, 1.0]]
+    model.transit = None
+    for incumbent in (None, (1, 3), (3, 1), (4, 2)):  # an incumbent that holds it back cannot stay
+        choice = choose_thresholds(model, max_wait=0.1, incumbent=incumbent)
+        assert choice.thresholds[1] == 1 and choice.thresholds[0] >= 4, incumbent
