@@ -7,6 +7,9 @@
 # summarized (perf/timeline.py served: busy fractions, step phases, handoff transit and its legs).
 # FIRST=1: the first variant's fresh server first takes 32 requests at C=8 without a warm-up round (issue 11,
 # point 4: the first requests' TTFT), and the Triton kernels compiled after ready are listed.
+# SOAK=N: the first variant's server then takes a served soak (perf/soak.py: N requests at C=16, 20 % cancelled at
+# random points; every other request ends with one final response, the server's accounting agrees, nothing is
+# held once idle).
 # Usage (repository root, on the GPU machine, .gpu from perf/make_gpu_bundle.sh):
 #   bash perf/gpu_served_ab.sh OUT_DIR CONFIG NAME=TREE[,VAR=VALUE...] ...
 #   bash perf/gpu_served_ab.sh $OUT config/random/qwen3-0.6b_qwen3-32b.yaml new=. base=.baseline \
@@ -60,6 +63,12 @@ for variant in "$@"; do
     timeout 150 python3 perf/bench_served.py --url 127.0.0.1:8001 "${load[@]}" --concurrency ${point%:*} \
       --repeat ${point#*:} --out $res/served_${name}_c${point%:*} 2>&1 | grep "^C="
   done
+  if [ "${SOAK:-0}" -gt 0 ] && [ "$name" = "${1%%=*}" ]; then
+    timeout 200 python3 perf/soak.py --url 127.0.0.1:8001 --metrics-url http://127.0.0.1:8002/metrics \
+      --requests $SOAK --concurrency 16 --cancel-fraction 0.2 --max-tokens 64 --out $res/soak_$name.json \
+      > $res/soak_$name.log 2>&1
+    echo "soak $name: exit $?"; tail -12 $res/soak_$name.log
+  fi
   stop_server
   unset "${settings[@]%%=*}" PYTHONPATH TOKENROUTER_TIMELINE_DIR
   for run in first c8 c1; do
