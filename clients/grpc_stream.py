@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 
 def make_input(name: str, value: str | bool) -> grpcclient.InferInput:
@@ -32,6 +33,13 @@ def text_of(result: grpcclient.InferResult, name: str) -> str | None:
     if arr is None:
         return None
     return "".join(x.decode() if isinstance(x, bytes) else str(x) for x in arr.reshape(-1))
+
+
+def failure(url: str, error: InferenceServerException) -> str:
+    """One line for a failed stream; an unreachable server (gRPC status UNAVAILABLE) is named as such."""
+    if str(error.status()) == "StatusCode.UNAVAILABLE":
+        return f"cannot reach the server at {url}: {error.message()}"
+    return f"error: {error.message()}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,14 +64,23 @@ def main(argv: list[str] | None = None) -> int:
     client = grpcclient.InferenceServerClient(url=args.url)
     # The callback runs on tritonclient's reader thread; hand everything to the main thread.
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    # The model may end with a flags-only response; ask Triton to deliver it so we see the end.
-    client.async_stream_infer(args.model, inputs, request_id="grpc-stream-demo", enable_empty_final_response=True)
+    try:
+        # The model may end with a flags-only response; ask Triton to deliver it so we see the end.
+        client.async_stream_infer(args.model, inputs, request_id="grpc-stream-demo", enable_empty_final_response=True)
+    except InferenceServerException as e:
+        # A stream that broke before the send (e.g. nothing listens at the URL) is refused with a generic
+        # message; the cause reaches only the callback, which has run once stop_stream joined its thread.
+        client.stop_stream()
+        cause = responses.get_nowait()[1] if not responses.empty() else e
+        print(failure(args.url, cause), file=sys.stderr)
+        client.close()
+        return 1
 
     rc, n_text, cancelled = 0, 0, False
     while True:
         result, error = responses.get()
         if error is not None:
-            print(f"\nerror: {error}", file=sys.stderr)
+            print(("\n" if n_text else "") + failure(args.url, error), file=sys.stderr)
             rc = 1
             break
         text = text_of(result, "text_output") or ""

@@ -31,10 +31,29 @@ def error_text(raw: str) -> str:
     return raw.strip()
 
 
+def root_cause(e: BaseException) -> BaseException:
+    """The innermost error behind `e` (e.g. `[Errno 111] Connection refused` behind requests' and urllib3's
+    wrappers, which keep it as `reason` or as the exception's cause)."""
+    seen = {id(e)}
+    while True:
+        reason = getattr(e, "reason", None)
+        inner = reason if isinstance(reason, BaseException) else e.__cause__ or e.__context__
+        if inner is None or id(inner) in seen:
+            return e
+        seen.add(id(inner))
+        e = inner
+
+
 def post_sse(url: str, body: dict) -> Iterator[dict]:
-    """POST `body` and yield each `data:` event as a dict. Raises SystemExit on an HTTP error."""
+    """POST `body` and yield each `data:` event as a dict. Raises SystemExit on an HTTP error or when the
+    server cannot be reached (one line, not a traceback)."""
+    base = url.split("/v2/", 1)[0]
     if requests is not None:
-        with requests.post(url, json=body, stream=True, timeout=(10, None)) as resp:
+        try:
+            resp = requests.post(url, json=body, stream=True, timeout=(10, None))
+        except requests.ConnectionError as e:
+            raise SystemExit(f"cannot reach the server at {base}: {root_cause(e)}") from None
+        with resp:
             if resp.status_code != 200:
                 raise SystemExit(f"HTTP {resp.status_code}: {error_text(resp.text)}")
             # chunk_size=None: hand over each chunk as it arrives (Triton sends one per event); the default
@@ -47,6 +66,8 @@ def post_sse(url: str, body: dict) -> Iterator[dict]:
         resp = urllib.request.urlopen(req)
     except urllib.error.HTTPError as e:
         raise SystemExit(f"HTTP {e.code}: {error_text(e.read().decode(errors='replace'))}") from None
+    except urllib.error.URLError as e:  # (after HTTPError, its subclass) no connection: refused, unknown host
+        raise SystemExit(f"cannot reach the server at {base}: {root_cause(e)}") from None
     with resp:
         yield from _events(resp)  # iterating the response yields lines as soon as they arrive
 

@@ -38,6 +38,8 @@ def generate(url: str, model: str, body: dict) -> dict:
             raw = resp.read().decode()
     except urllib.error.HTTPError as e:
         raise SystemExit(f"HTTP {e.code}: {error_text(e.read().decode(errors='replace'))}") from None
+    except urllib.error.URLError as e:  # (after HTTPError, its subclass) no connection: refused, unknown host
+        raise SystemExit(f"cannot reach the server at {url}: {e.reason}") from None
     events = [json.loads(line[len("data:") :]) for line in raw.splitlines() if line.startswith("data:")]
     if not events:
         raise SystemExit(f"no response event in: {raw[:200]!r}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,12 +20,28 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     try:
-        from openai import OpenAI
+        from openai import APIConnectionError, APIStatusError, OpenAI
     except ImportError:
         print("this example needs the openai package: pip install openai", file=sys.stderr)
         return 1
 
     client = OpenAI(base_url=args.url, api_key="not-needed")  # the server checks no key; the client wants one
+    try:
+        demo(client, args)
+    except APIConnectionError as e:
+        # The package says only "Connection error." (after its retries); the exception it wraps says why.
+        print(f"cannot reach the server at {args.url}: {e.__cause__ or e}", file=sys.stderr)
+        return 1
+    except APIStatusError as e:
+        # `body` is the error object of the reply; its message alone, without the package's wrapping.
+        message = e.body.get("message") if isinstance(e.body, dict) else None
+        print(f"HTTP {e.status_code}: {message or e.message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def demo(client: Any, args: argparse.Namespace) -> None:
+    """Each call the server offers, printed as it comes."""
     common = {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature}
     messages = [{"role": "user", "content": args.prompt}]
 
@@ -53,7 +70,6 @@ def main(argv: list[str] | None = None) -> int:
             print(chunk.choices[0].delta.content, end="", flush=True)
         usage = chunk.usage or usage
     print(f"\n[{usage}]")
-    return 0
 
 
 if __name__ == "__main__":

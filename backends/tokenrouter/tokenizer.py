@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -14,6 +15,31 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
     if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
         return None
     return AutoTokenizer.from_pretrained(path)
+
+
+@dataclass(frozen=True)
+class PromptCharBound:
+    """The most characters a text prompt may have to fit a context of `max_model_len` tokens: no token covers
+    more characters than the longest vocabulary entry (a byte-level BPE entry has one character per byte), with
+    a factor 4 for normalization that shrinks text. Checked before tokenizing: tokenizing megabytes stalls the
+    thread (and memory) that does it, for a prompt the context could never hold."""
+
+    max_model_len: int
+    max_chars: int
+
+    @classmethod
+    def of(cls, tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> PromptCharBound:
+        """The bound for `tokenizer`; scans the vocabulary (tens of ms for 150k entries), so build it once."""
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        return cls(max_model_len, 4 * max_model_len * max(1, longest))
+
+    def check(self, num_chars: int, what: str = "prompt") -> None:
+        """ValueError naming the length and the bound when `num_chars` is over it."""
+        if num_chars > self.max_chars:
+            raise ValueError(
+                f"{what} has {num_chars} characters, more than a context limit of {self.max_model_len} tokens can "
+                f"hold (at most {self.max_chars} characters)"
+            )
 
 
 def decode(tokenizer: PreTrainedTokenizerBase | None, token_ids: list[int]) -> str:

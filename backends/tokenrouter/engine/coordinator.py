@@ -21,6 +21,7 @@ from tokenrouter.engine.autotune import LoadMeter
 from tokenrouter.engine.outputs import RequestOutput, RequestState
 from tokenrouter.routing.policy import Policy
 from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.tokenizer import PromptCharBound
 from tokenrouter.transport.base import Transport
 from tokenrouter.transport.messages import Append, Arrive, Commit, Event, Failed, Handoff, Release, Released
 
@@ -50,7 +51,7 @@ class Coordinator:
         self._tuned: dict[str, int] | None = None
         self.load = LoadMeter()  # the concurrency `thresholds: auto` solves for
         self.thresholds: dict[str, int] = {}
-        self._prompt_char_bound: int | None = None
+        self._prompt_char_bound: PromptCharBound | None = None
         if tokenizer is not None:
             self._warm_tokenizer()
         # How messages reach the models; set by the subclass before the first delivery or threshold update.
@@ -72,12 +73,8 @@ class Coordinator:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass the prompt as a list of token ids")
-            if len(prompt) > self._max_prompt_chars():
-                # Refused before tokenizing: tokenizing megabytes stalls every other request on this thread.
-                raise ValueError(
-                    f"prompt has {len(prompt)} characters, more than a context limit of {self.max_model_len} "
-                    "tokens can hold"
-                )
+            # Refused before tokenizing: tokenizing megabytes stalls every other request on this thread.
+            self._prompt_bound().check(len(prompt))
             ids = self.tokenizer(prompt)["input_ids"]
         elif isinstance(prompt, list | tuple):
             ids = list(prompt)
@@ -98,17 +95,18 @@ class Coordinator:
         the prompt length bound (Qwen3's 151,936 entries: a fresh server's first requests reached the model 60-64
         ms after they were sent on the H200 host, 4-8 ms once the scan ran at start) and the tokenizer's first
         call."""
-        self._max_prompt_chars()
+        self._prompt_bound()
         self.tokenizer("warm-up")
 
-    def _max_prompt_chars(self) -> int:
-        """A prompt longer than this cannot fit the context: no token covers more characters than the
-        longest vocabulary entry (a byte-level BPE entry has one character per byte), with a factor 4 for
-        normalization that shrinks text."""
+    def _prompt_bound(self) -> PromptCharBound:
+        """The character bound on text prompts (the OpenAI frontend applies the same one), built once."""
         if self._prompt_char_bound is None:
-            longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
-            self._prompt_char_bound = 4 * self.max_model_len * max(1, longest)
+            self._prompt_char_bound = PromptCharBound.of(self.tokenizer, self.max_model_len)
         return self._prompt_char_bound
+
+    def _max_prompt_chars(self) -> int:
+        """A text prompt longer than this cannot fit the context."""
+        return self._prompt_bound().max_chars
 
     def _check_token_ids(self, ids: list[int], what: str) -> None:
         for i, t in enumerate(ids):

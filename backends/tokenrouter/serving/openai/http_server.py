@@ -20,10 +20,15 @@ import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenrouter.serving.openai.errors import ClientDisconnected, OpenAIError, TritonRequestError, to_openai_error
-from tokenrouter.serving.openai.prompts import count_tokens, load_frontend_tokenizer, prepare_prompt
+from tokenrouter.serving.openai.prompts import (
+    count_tokens,
+    load_frontend_tokenizer,
+    prepare_prompt,
+    tokenizer_context_limit,
+)
 from tokenrouter.serving.openai.protocol import (
     DEFAULT_MODEL_NAME,
     GenerationRequest,
@@ -47,10 +52,16 @@ from tokenrouter.serving.openai.triton_client import (
     triton_input_arrays,
 )
 
+if TYPE_CHECKING:  # (it imports transformers; this package stays light to import)
+    from tokenrouter.tokenizer import PromptCharBound
+
 logger = logging.getLogger(__name__)
 
-# Bodies are read whole before parsing; anything bigger is almost certainly a mistake.
+# Bodies are read whole before parsing; anything bigger is almost certainly a mistake. With a prompt bound the
+# cap is lower (`body_limit`).
 MAX_BODY_BYTES = 16 * 1024 * 1024
+# Room in a body for what is not prompt text: the JSON around it, the other fields, each message's keys.
+BODY_OVERHEAD_BYTES = 64 * 1024
 API_KEY_ENV = "TOKENROUTER_API_KEY"
 # Routes answered without the API key: load balancers probe them and they reveal nothing.
 OPEN_PATHS = frozenset({"/health"})
@@ -79,6 +90,14 @@ def peer_closed(sock: socket.socket) -> bool:
         return True  # reset, or the socket is already closed
 
 
+def body_limit(bound: PromptCharBound | None) -> int:
+    """The largest request body worth reading: 6 bytes per prompt character (a \\uXXXX escape, the longest JSON
+    spelling of a character outside the rare astral planes) plus `BODY_OVERHEAD_BYTES`, at most `MAX_BODY_BYTES`."""
+    if bound is None:
+        return MAX_BODY_BYTES
+    return min(MAX_BODY_BYTES, 6 * bound.max_chars + BODY_OVERHEAD_BYTES)
+
+
 class OpenAIFrontendServer(ThreadingHTTPServer):
     """The HTTP server plus what its handlers share: backend, tokenizer, served model name."""
 
@@ -93,6 +112,7 @@ class OpenAIFrontendServer(ThreadingHTTPServer):
         tokenizer: Any,
         model_name: str = DEFAULT_MODEL_NAME,
         api_key: str | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         # Before binding: a bind that fails calls server_close, which closes the backend.
         self.backend = backend
@@ -100,9 +120,26 @@ class OpenAIFrontendServer(ThreadingHTTPServer):
         self.model_name = model_name
         self._api_key = api_key.encode("utf-8") if api_key else None
         self.created = int(time.time())
-        # HF fast tokenizers can fail with "Already borrowed" when one instance is used from several
-        # threads at once; tokenizing is cheap next to generation, so serialise it.
-        self.tokenizer_lock = threading.Lock()
+        # The router's own character bound on prompts, so that one it would refuse is refused here before the
+        # frontend tokenizes it (for its token count).
+        max_model_len = max_model_len if max_model_len is not None else tokenizer_context_limit(tokenizer)
+        self.prompt_bound: PromptCharBound | None = None
+        if max_model_len:
+            from tokenrouter.tokenizer import PromptCharBound
+
+            self.prompt_bound = PromptCharBound.of(tokenizer, max_model_len)
+        else:
+            logger.warning("no context limit known (the tokenizer names none): prompts are bounded only by the "
+                           "body size; pass --max-model-len")
+        self.max_body_bytes = body_limit(self.prompt_bound)
+        # No lock around the tokenizer, which the handler threads share. An HF fast tokenizer fails ("Already
+        # borrowed", huggingface/tokenizers#537) only when a call changes its settings (truncation, padding,
+        # special-token splitting) while another thread encodes; transformers changes them only when a call asks
+        # for other settings than the last, and this server always calls it one way (`count_tokens`; the chat
+        # template renders text without it). This first call makes any such change before a thread exists; after
+        # it calls only read the Rust tokenizer, whose encode releases the GIL, so a long prompt holds up no other
+        # request (behind one lock, three 15 MB prompts held a small request for 68 s).
+        count_tokens(tokenizer, "warm-up")
         super().__init__(address, _Handler)
 
     @property
@@ -120,12 +157,10 @@ class OpenAIFrontendServer(ThreadingHTTPServer):
         return scheme.lower() == "bearer" and hmac.compare_digest(sent, self._api_key)
 
     def count_tokens(self, text: str) -> int:
-        with self.tokenizer_lock:
-            return count_tokens(self.tokenizer, text)
+        return count_tokens(self.tokenizer, text)
 
     def prepare_prompt(self, req: GenerationRequest) -> tuple[str, int]:
-        with self.tokenizer_lock:
-            return prepare_prompt(req, self.tokenizer)
+        return prepare_prompt(req, self.tokenizer, self.prompt_bound)
 
     def server_close(self) -> None:
         super().server_close()
@@ -151,6 +186,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         for name, value in (headers or {}).items():
             self.send_header(name, value)
+        if self.close_connection:  # e.g. a body refused unread: say so, rather than leave the client to find out
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
@@ -232,9 +269,16 @@ class _Handler(BaseHTTPRequestHandler):
             n = int(length)
         except ValueError:
             n = -1
-        if n < 0 or n > MAX_BODY_BYTES:
+        if n < 0:
             self.close_connection = True
-            raise OpenAIError(f"request body too large or bad Content-Length {length!r}", 413)
+            raise OpenAIError(f"bad Content-Length {length!r}", 400)
+        limit = self.server.max_body_bytes
+        if n > limit:
+            # Refused from the header alone: the body is never read, and the connection is dropped.
+            self.close_connection = True
+            bound = self.server.prompt_bound
+            why = f" (prompts are limited to {bound.max_chars} characters)" if bound is not None else ""
+            raise OpenAIError(f"request body has {n} bytes, more than the {limit} this server accepts{why}", 413)
         return self.rfile.read(n)
 
     def _generate(self, parse: Callable[[Any, str], GenerationRequest]) -> None:
@@ -319,6 +363,7 @@ def build_server(
     backend: Backend | None = None,
     tokenizer: Any = None,
     api_key: str | None = None,
+    max_model_len: int | None = None,
 ) -> ThreadingHTTPServer:
     """A bound (not yet serving) OpenAI-compatible server; call `serve_forever()` on it.
 
@@ -326,12 +371,16 @@ def build_server(
     Triton model it forwards to. `backend` and `tokenizer` replace the gRPC backend and the tokenizer
     loaded from `tokenizer_dir` (tests pass fakes). Port 0 picks a free port (`server.server_address`).
     With `api_key`, every route but /health answers 401 unless the request sends `Authorization: Bearer <key>`.
+    `max_model_len` is the deployment's context limit (default: the tokenizer's `model_max_length`); prompts
+    longer than the router's character bound for it are refused before they are tokenized.
     """
+    if max_model_len is not None and max_model_len < 2:
+        raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len}")
     if tokenizer is None:
         tokenizer = load_frontend_tokenizer(tokenizer_dir)
     if backend is None:
         backend = TritonGrpcBackend(triton_url, triton_model_name)
-    return OpenAIFrontendServer((host, port), backend, tokenizer, model_name, api_key)
+    return OpenAIFrontendServer((host, port), backend, tokenizer, model_name, api_key, max_model_len)
 
 
 def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -349,6 +398,12 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
         "--api-key",
         help=f"require 'Authorization: Bearer KEY' on every route but /health "
         f"(default: ${API_KEY_ENV}; unset: no key needed)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="the deployment's context limit in tokens, which bounds prompt length (default: the tokenizer's "
+        "model_max_length)",
     )
     p.add_argument("--log-level", default="INFO", help="logging level (DEBUG logs every HTTP request)")
     return p
@@ -371,6 +426,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             args.served_model_name,
             triton_model_name=args.triton_model_name,
             api_key=api_key,
+            max_model_len=args.max_model_len,
         )
     except (OSError, ValueError) as e:
         logger.error("cannot start: %s", e)

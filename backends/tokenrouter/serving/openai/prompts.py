@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenrouter.serving.openai.errors import OpenAIError
 from tokenrouter.serving.openai.protocol import GenerationRequest
+
+if TYPE_CHECKING:  # (tokenrouter.tokenizer imports transformers; this package stays light to import)
+    from tokenrouter.tokenizer import PromptCharBound
+
+# Past any real context: transformers sets `model_max_length` to 1e30 when the tokenizer files name no limit.
+_NO_LIMIT = 10**12
 
 
 def load_frontend_tokenizer(tokenizer_dir: str) -> Any:
@@ -16,6 +22,12 @@ def load_frontend_tokenizer(tokenizer_dir: str) -> Any:
     if tokenizer is None:
         raise ValueError(f"no tokenizer files in {tokenizer_dir!r}")
     return tokenizer
+
+
+def tokenizer_context_limit(tokenizer: Any) -> int | None:
+    """The context limit a tokenizer declares (`model_max_length`), or None when it declares none."""
+    n = getattr(tokenizer, "model_max_length", None)
+    return n if isinstance(n, int) and 0 < n < _NO_LIMIT else None
 
 
 def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
@@ -33,7 +45,29 @@ def count_tokens(tokenizer: Any, text: str) -> int:
     return len(tokenizer(text)["input_ids"])
 
 
-def prepare_prompt(req: GenerationRequest, tokenizer: Any) -> tuple[str, int]:
-    """(prompt text to send, prompt token count) for a parsed request."""
-    prompt = render_chat_prompt(tokenizer, req.messages or []) if req.kind == "chat" else req.prompt or ""
+def _check_chars(bound: PromptCharBound | None, num_chars: int, what: str, param: str) -> None:
+    if bound is None:
+        return
+    try:
+        bound.check(num_chars, what)
+    except ValueError as e:
+        raise OpenAIError(str(e), param=param) from None
+
+
+def prepare_prompt(req: GenerationRequest, tokenizer: Any, bound: PromptCharBound | None = None) -> tuple[str, int]:
+    """(prompt text to send, prompt token count) for a parsed request.
+
+    With `bound` (the router's own rule), a prompt the context cannot hold is a 400 before anything is
+    tokenized: tokenizing megabytes takes seconds and gigabytes, for a request the router refuses anyway.
+    """
+    if req.kind == "chat":
+        messages = req.messages or []
+        # Every string a message carries reaches the template: roles and names too, not only the content.
+        _check_chars(bound, sum(len(v) for m in messages for v in m.values()), "the messages' text", "messages")
+        prompt = render_chat_prompt(tokenizer, messages)
+        # The template adds text per message: many empty messages can still make an over-long prompt.
+        _check_chars(bound, len(prompt), "the chat prompt (the messages in the chat template)", "messages")
+    else:
+        prompt = req.prompt or ""
+        _check_chars(bound, len(prompt), "prompt", "prompt")
     return prompt, count_tokens(tokenizer, prompt)

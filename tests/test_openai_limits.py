@@ -1,0 +1,207 @@
+"""The OpenAI frontend against oversized and hostile input: the router's prompt bound applied before tokenizing,
+the body cap from the Content-Length alone, no tokenizer lock between requests, a string `max_tokens`, and the
+client scripts facing a server that is not there. No tritonserver: the fake model of test_openai_unit.py."""
+
+from __future__ import annotations
+
+import http.client
+import importlib.util
+import json
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from test_openai_unit import FakeTriton, WordTokenizer, _post
+from tokenrouter.serving.openai import build_server, load_frontend_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+CONTEXT = 64
+LONGEST_ENTRY = 4
+BOUND = 4 * CONTEXT * LONGEST_ENTRY  # the router's rule (tokenizer.PromptCharBound): 1,024 characters
+
+
+class CountingTokenizer(WordTokenizer):
+    """WordTokenizer with a context limit and a vocabulary (so the frontend derives the bound), recording the
+    length of every text it tokenizes; a text holding "SLOW" waits in the tokenizer until `release` is set."""
+
+    model_max_length = CONTEXT
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+        self.slow_entered = threading.Event()
+        self.release = threading.Event()
+
+    def get_vocab(self) -> dict[str, int]:
+        return {"a": 0, "b c": 1, "x" * LONGEST_ENTRY: 2}
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        self.calls.append(len(text))
+        if "SLOW" in text:
+            self.slow_entered.set()
+            self.release.wait(30)  # bounded, so a broken test fails instead of hanging
+        return super().__call__(text)
+
+
+@pytest.fixture
+def limited() -> Iterator[tuple[FakeTriton, Any, CountingTokenizer]]:
+    fake = FakeTriton()
+    tok = CountingTokenizer()
+    server = build_server(fake.url, "127.0.0.1", 0, "", tokenizer=tok)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    tok.calls.clear()  # the server's own warm-up call
+    yield fake, server, tok
+    tok.release.set()
+    server.shutdown()
+    server.server_close()
+    fake.stop()
+
+
+def _error(raw: bytes) -> dict[str, Any]:
+    return json.loads(raw)["error"]
+
+
+def test_over_long_prompt_is_refused_before_tokenizing(limited) -> None:
+    fake, server, tok = limited
+    addr = server.server_address[:2]
+    status, _, raw = _post(addr, "/v1/completions", {"prompt": "x" * (BOUND + 1), "max_tokens": 2})
+    err = _error(raw)
+    assert status == 400 and err["type"] == "invalid_request_error" and err["param"] == "prompt"
+    assert f"prompt has {BOUND + 1} characters" in err["message"] and f"at most {BOUND} characters" in err["message"]
+    assert f"context limit of {CONTEXT} tokens" in err["message"]
+
+    # Chat: the messages' text (roles included) before the template, then the rendered prompt, since the template
+    # adds text per message: 200 messages of 4 characters ("user", no content) render to 1,612.
+    status, _, raw = _post(addr, "/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * BOUND}]})
+    assert status == 400 and f"the messages' text has {BOUND + 4} characters" in _error(raw)["message"]
+    status, _, raw = _post(addr, "/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 200})
+    err = _error(raw)
+    assert status == 400 and err["param"] == "messages" and "the chat prompt" in err["message"]
+    assert tok.calls == [] and fake.requests == []
+
+    # At the bound it goes through, tokenized once.
+    status, _, raw = _post(addr, "/v1/completions", {"prompt": "x " * (BOUND // 2), "max_tokens": 2})
+    assert status == 200 and json.loads(raw)["usage"]["prompt_tokens"] == BOUND // 2
+    assert tok.calls == [BOUND]
+
+
+def test_oversized_body_is_refused_from_its_content_length(limited) -> None:
+    _, server, tok = limited
+    limit = server.max_body_bytes
+    assert limit == 6 * BOUND + 64 * 1024  # 6 bytes per character (a \uXXXX escape) and room for the rest
+    # Headers only: the answer must come without the server waiting for a body it would not read.
+    with socket.create_connection(server.server_address[:2], timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % (limit + 1))
+        resp = http.client.HTTPResponse(sock)
+        resp.begin()
+        err = _error(resp.read())
+    assert resp.status == 413 and resp.getheader("Connection") == "close"
+    assert f"{limit + 1} bytes, more than the {limit}" in err["message"] and f"{BOUND} characters" in err["message"]
+    assert tok.calls == []
+
+
+def test_a_small_request_does_not_wait_for_a_long_tokenization(limited) -> None:
+    """Requests share the tokenizer without a lock: one stuck in it (here until released) holds up no other."""
+    _, server, tok = limited
+    addr = server.server_address[:2]
+    slow: list[int] = []
+    t = threading.Thread(target=lambda: slow.append(_post(addr, "/v1/completions", {"prompt": "SLOW a b"})[0]))
+    t.start()
+    assert tok.slow_entered.wait(10)
+    try:
+        status, _, _ = _post(addr, "/v1/completions", {"prompt": "a b", "max_tokens": 2})  # 10 s timeout
+        assert status == 200
+        assert slow == []  # the long one is still in the tokenizer
+    finally:
+        tok.release.set()
+        t.join(10)
+    assert slow == [200]
+
+
+def test_a_real_fast_tokenizer_shared_by_threads(tiny_dir: Path) -> None:
+    """The no-lock decision, on the real thing: concurrent chat and completion requests of mixed lengths through
+    one HF fast tokenizer all succeed ("Already borrowed" would be a 500) with the right token counts."""
+    tok = load_frontend_tokenizer(str(tiny_dir / "tokenizer"))
+    fake = FakeTriton()
+    server = build_server(fake.url, "127.0.0.1", 0, "", tokenizer=tok)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    addr = server.server_address[:2]
+    failures: list[Any] = []
+
+    def client(i: int) -> None:
+        for k in range(12):
+            text = "def f(x):\n    return x + 1\n" * (1 + (i * 7 + k * 131) % 400)
+            body: dict[str, Any] = {"max_tokens": 1}
+            path = "/v1/chat/completions" if k % 2 else "/v1/completions"
+            body.update({"messages": [{"role": "user", "content": text}]} if k % 2 else {"prompt": text})
+            status, _, raw = _post(addr, path, body)
+            want = len(tok(text)["input_ids"]) if path == "/v1/completions" else None
+            got = json.loads(raw).get("usage", {}).get("prompt_tokens") if status == 200 else None
+            if status != 200 or (want is not None and got != want):
+                failures.append((status, raw[:200], want, got))
+
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        server.shutdown()
+        server.server_close()
+        fake.stop()
+    assert failures == []
+
+
+@pytest.mark.parametrize(
+    "path, key",
+    [("/v1/completions", "max_tokens"), ("/v1/chat/completions", "max_tokens"),
+     ("/v1/chat/completions", "max_completion_tokens")],
+)
+def test_max_tokens_as_a_string_is_a_400_naming_the_field(limited, path: str, key: str) -> None:
+    """Triton's own interface takes "16" for 16 (as vllm_backend does); the OpenAI API does not, and says so."""
+    fake, server, _ = limited
+    body = {"prompt": "a"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "a"}]}
+    status, _, raw = _post(server.server_address[:2], path, {**body, key: "16"})
+    err = _error(raw)
+    assert status == 400 and err["type"] == "invalid_request_error" and err["param"] == key
+    assert err["message"] == f"'{key}' must be an integer >= 1, got '16'"
+    assert fake.requests == []
+
+
+@pytest.fixture
+def closed_port() -> Iterator[int]:
+    """A port that refuses connections: bound (so nothing else takes it) but not listening."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "script, url",
+    [
+        ("http_generate_stream.py", "127.0.0.1:{port}"),
+        ("http_infer.py", "127.0.0.1:{port}"),
+        ("grpc_stream.py", "127.0.0.1:{port}"),
+        ("openai_example.py", "http://127.0.0.1:{port}/v1"),
+    ],
+)
+def test_client_scripts_say_the_server_is_unreachable(closed_port: int, script: str, url: str) -> None:
+    if script == "openai_example.py" and importlib.util.find_spec("openai") is None:
+        pytest.skip("the openai package is not installed")
+    url = url.format(port=closed_port)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "clients" / script), "--url", url, "--max-tokens", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cannot reach the server at "), proc.stderr
+    assert f"127.0.0.1:{closed_port}" in lines[0] and "Connection refused" in lines[0]
