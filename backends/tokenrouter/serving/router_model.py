@@ -175,10 +175,10 @@ class _Graveyard:
 class _Client:
     """One client request: where its responses go and what it asked for."""
 
-    def __init__(self, sender: Any, request: Any, gen: GenerateRequest) -> None:
-        self.sender, self.request, self.gen = sender, request, gen
+    def __init__(self, sender: Any, request: Any, gen: GenerateRequest, prompt_ids: list[int], start: float) -> None:
+        self.sender, self.request, self.gen, self.prompt_ids = sender, request, gen, prompt_ids
         self.request_id: str | None = None
-        self.start = time.monotonic()
+        self.start = start
         self.last_token: float | None = None
         self.done = False
         self.deadline: float | None = None  # request_timeout_s: when it is aborted and answered with an error
@@ -220,13 +220,18 @@ class RouterModel:
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
+            start = time.monotonic()
             sender = request.get_response_sender()
             try:
                 gen = parse_request(lambda name, r=request: self._input(r, name))
+                # Tokenized here, on Triton's thread, not on the router's loop: a prompt near the length bound
+                # takes ~1.3 s to tokenize, and on the loop it held every other stream's tokens back as long. The
+                # Rust tokenizer releases the GIL meanwhile, so the loop keeps relaying.
+                ids = self.coordinator.tokenize(gen.prompt)
             except ValueError as e:
                 self._send_error(sender, str(e), request)
                 continue
-            self.loop.call_soon_threadsafe(self._admit, _Client(sender, request, gen))
+            self.loop.call_soon_threadsafe(self._admit, _Client(sender, request, gen, ids, start))
         return None
 
     def _input(self, request: Any, name: str) -> np.ndarray | None:
@@ -260,7 +265,7 @@ class RouterModel:
             client.deadline = client.start + self.config.request_timeout_s
         self.clients[rid] = client
         try:
-            self.coordinator.add_request(client.gen.prompt, client.gen.params, rid, lambda o: self._respond(client, o))
+            self.coordinator.add_request(client.prompt_ids, client.gen.params, rid, lambda o: self._respond(client, o))
         except ValueError as e:
             del self.clients[rid]
             self._send_error(client.sender, str(e), client.request)
