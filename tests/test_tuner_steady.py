@@ -17,7 +17,7 @@ import pytest
 import tokenrouter.engine.engine as engine_mod
 from test_autotune_robust import N, two_model_stats
 from tokenrouter import Engine, SamplingParams
-from tokenrouter.engine.autotune import LoadMeter, solve_in_subprocess, solve_thresholds, system_model
+from tokenrouter.engine.autotune import LoadMeter, SolveFailures, solve_in_subprocess, solve_thresholds, system_model
 from tokenrouter.tuning import choose
 from tokenrouter.tuning.choose import SWITCH_GAIN, choose_thresholds
 from tokenrouter.tuning.system import feasible_thresholds
@@ -140,3 +140,28 @@ def test_the_engine_tunes_for_the_requests_it_held_since_the_last_solve(
         assert solved == [1]  # since the last take: one request
         while engine.has_unfinished():
             engine.step()
+
+
+def test_a_failing_solve_is_logged_once_per_cause(caplog: pytest.LogCaptureFixture) -> None:
+    """A model reporting malformed statistics fails every solve (every 2 s): one line per cause, not a traceback
+    each time; the child's error is its message's last line."""
+    import logging
+
+    failures = SolveFailures(logging.getLogger("tuner-test"))
+    bad = RuntimeError("threshold solve failed: Traceback (most recent call last):\n  ...\n"
+                       "bad step statistics from small: recent[3] must be [end, seconds, batch size]")
+    with caplog.at_level(logging.INFO, logger="tuner-test"):
+        for _ in range(5):
+            failures.failed(bad)
+        failures.failed(ValueError("something else"))
+        failures.failed(ValueError("something else"))
+        failures.solved()
+        failures.solved()
+        failures.failed(bad)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 4, lines
+    assert "bad step statistics from small: recent[3]" in lines[0] and "Traceback" not in lines[0]
+    assert "ValueError: something else" in lines[1]
+    assert "works again" in lines[2]
+    assert "bad step statistics" in lines[3]
+    assert all(r.exc_info is None for r in caplog.records)

@@ -169,6 +169,28 @@ def system_model(models: list[str], stats: Mapping[str, StepStats], concurrency:
                        slowdown=slowdown)
 
 
+class SolveFailures:
+    """Logs a failed re-solve once per cause, in one line: the tuner retries every `auto_interval_s`, and a cause
+    that persists (a model reporting malformed statistics fails every solve) logged with a traceback each time
+    would bury the server's log. The cause is the message's last line (a child's traceback ends with its error)."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self.last: str | None = None
+
+    def failed(self, e: BaseException) -> None:
+        lines = str(e).strip().splitlines()
+        cause = f"{type(e).__name__}: {lines[-1] if lines else ''}"
+        if cause != self.last:
+            self.logger.error("threshold tuning failed (%s); the thresholds in force stay, and it is retried", cause)
+            self.last = cause
+
+    def solved(self) -> None:
+        if self.last is not None:
+            self.logger.warning("threshold tuning works again")
+        self.last = None
+
+
 def solve_in_subprocess(
     models: list[str], stats: Mapping[str, StepStats | Mapping[str, Any]], concurrency: int, timeout: float = 60.0,
     max_wait: float | None = None, one_device: bool = False, current: Mapping[str, int] | None = None,

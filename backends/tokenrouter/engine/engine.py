@@ -23,7 +23,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from tokenrouter.config import EngineConfig, load_config
-from tokenrouter.engine.autotune import solve_in_subprocess, solve_thresholds
+from tokenrouter.engine.autotune import SolveFailures, solve_in_subprocess, solve_thresholds
 from tokenrouter.engine.coordinator import Coordinator, Prompt
 from tokenrouter.engine.outputs import RequestOutput
 from tokenrouter.engine.subserver import Subserver
@@ -155,12 +155,15 @@ class Engine(Coordinator):
 
     def _tune_forever(self) -> None:
         interval = self.config.batching.auto_interval_s
+        failures = SolveFailures(log)
         while not self._stop_event.wait(interval):
             if self.requests:
                 try:
                     self.retune()
-                except Exception:  # tuning is an optimization: never let it take serving down
-                    log.exception("threshold tuning failed")
+                except Exception as e:  # tuning is an optimization: never let it take serving down
+                    failures.failed(e)
+                else:
+                    failures.solved()
 
     # -- stepped mode ---------------------------------------------------------------------------------
 

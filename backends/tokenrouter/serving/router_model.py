@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from tokenrouter.config import EngineConfig, load_config
-from tokenrouter.engine.autotune import TunedThresholds, solve_in_subprocess
+from tokenrouter.engine.autotune import SolveFailures, TunedThresholds, solve_in_subprocess
 from tokenrouter.engine.coordinator import Coordinator
 from tokenrouter.engine.outputs import RequestOutput
 from tokenrouter.engine.timeline import Timeline
@@ -397,15 +397,17 @@ class RouterModel:
     async def _tune_forever(self) -> None:
         """Re-solve the thresholds every auto_interval_s while requests are in the system; the solve runs
         on a worker thread so the loop keeps serving."""
+        failures = SolveFailures(log)
         while True:
             await asyncio.sleep(self.config.batching.auto_interval_s)
             if not self.coordinator.requests:
                 continue
             try:
                 tuned = await self.loop.run_in_executor(None, self.coordinator.retune)
-            except Exception:  # tuning is an optimization: never let it take serving down
-                log.exception("threshold tuning failed")
+            except Exception as e:  # tuning is an optimization: never let it take serving down
+                failures.failed(e)
                 continue
+            failures.solved()
             if tuned is not None:
                 self.coordinator.apply_tuned(tuned.thresholds)
                 self.metrics.tuned(tuned.thresholds, tuned.predicted_tok_s)
