@@ -197,10 +197,13 @@ def test_cancel_frees_kv_everywhere_then_serves(deployment) -> None:
 )
 def test_bad_input_gets_clear_error_and_server_keeps_serving(deployment, body: dict, message: str) -> None:
     _, server, expected = deployment
+    refused = 'tokenrouter_requests_finished_total{finish_reason="refused",model="tokenrouter"}'
+    before = metrics(server).get(refused, 0)
     status, events = generate_stream(server, body)
     error = json.dumps(events)
     assert status >= 400 or "error" in events[-1], events
     assert message in error
+    assert metrics(server).get(refused, 0) == before + 1  # every request the router answered is accounted for
     status, events = generate_stream(server, _body(PROMPTS[2]))
     assert status == 200 and "".join(e.get("text_output", "") for e in events) == expected[PROMPTS[2]].text
 

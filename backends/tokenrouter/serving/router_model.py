@@ -229,7 +229,7 @@ class RouterModel:
                 # Rust tokenizer releases the GIL meanwhile, so the loop keeps relaying.
                 ids = self.coordinator.tokenize(gen.prompt)
             except ValueError as e:
-                self._send_error(sender, str(e), request)
+                self._refuse(sender, str(e), request)
                 continue
             self.loop.call_soon_threadsafe(self._admit, _Client(sender, request, gen, ids, start))
         return None
@@ -268,7 +268,7 @@ class RouterModel:
             self.coordinator.add_request(client.prompt_ids, client.gen.params, rid, lambda o: self._respond(client, o))
         except ValueError as e:
             del self.clients[rid]
-            self._send_error(client.sender, str(e), client.request)
+            self._refuse(client.sender, str(e), client.request)
 
     def _respond(self, client: _Client, out: RequestOutput) -> None:
         if client.done:
@@ -411,6 +411,12 @@ class RouterModel:
             if tuned is not None:
                 self.coordinator.apply_tuned(tuned.thresholds)
                 self.metrics.tuned(tuned.thresholds, tuned.predicted_tok_s)
+
+    def _refuse(self, sender: Any, message: str, request: Any) -> None:
+        """A request refused before it was admitted (bad input, a model down): its error, counted as finished with
+        reason "refused" so that the finished counter accounts for every request the router answered."""
+        self.responder.call(functools.partial(self.metrics.finished, "refused"))
+        self._send_error(sender, message, request)
 
     def _send_error(self, sender: Any, message: str, request: Any = None) -> None:
         """The final response: `message` as the request's error (`request` is kept from the send on)."""
