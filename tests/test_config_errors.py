@@ -246,13 +246,13 @@ def test_cli_bad_values_fail_before_loading(two: dict, tmp_path: Path, capsys: p
     import yaml
 
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({**with_model(two, block_size="16"), "policy": "random"}))
+    path.write_text(yaml.safe_dump({**with_model(two, block_size="16"), "policy": "random"}, sort_keys=False))
     assert main(["generate", "--config", str(path), "--prompt", "x"]) == 2
     assert capsys.readouterr().err == "error: models.small.block_size must be an integer >= 1, got '16'\n"
-    path.write_text(yaml.safe_dump({**two, "policy": "nope"}))
+    path.write_text(yaml.safe_dump({**two, "policy": "nope"}, sort_keys=False))
     assert main(["generate", "--config", str(path), "--prompt", "x"]) == 2
     assert capsys.readouterr().err.startswith("error: unknown routing policy 'nope'; available: [")
-    path.write_text(yaml.safe_dump(two))
+    path.write_text(yaml.safe_dump(two, sort_keys=False))
     assert main(["generate", "--config", str(path), "--prompt", "x", "--max-tokens", "0"]) == 2
     assert capsys.readouterr().err == "error: max_new_tokens must be an integer >= 1, got 0\n"
 
@@ -278,3 +278,15 @@ def test_models_with_different_vocabularies_are_refused_before_loading(tiny_dir:
 def test_a_peer_url_must_be_host_and_port(two: dict, url: object) -> None:
     with pytest.raises(ConfigError, match=r"models\.small\.url must be a peer server's gRPC address"):
         load_config(with_model(two, url=url))
+
+
+def test_the_entry_model_must_be_listed_first(two: dict) -> None:
+    """Listed large first, the routing policies took the large model for the small one and the entry model never
+    routed: no error, only a large-model share of 0."""
+    cfg = copy.deepcopy(two)
+    cfg["models"] = {"large": cfg["models"]["large"], "small": cfg["models"]["small"]}
+    with pytest.raises(ConfigError, match=r"^entry 'small' must be the first model listed: list the models small "
+                       r"to large .*listed: \['large', 'small'\]$"):
+        load_config(cfg)
+    cfg["entry"] = "large"  # first, so accepted (which model is larger is not the config's to know)
+    assert load_config(cfg).entry == "large"

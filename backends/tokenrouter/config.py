@@ -209,6 +209,11 @@ class EngineConfig:
             raise ConfigError("'models' must name at least one model")
         if self.entry not in self.models:
             raise ConfigError(f"entry {self.entry!r} is not one of the models {sorted(self.models)}")
+        if self.entry != next(iter(self.models)):
+            # The policies take the first model listed as the small one, where requests start: listed large
+            # first, the entry model never routed (no error, only the large model's share at 0).
+            raise ConfigError(f"entry {self.entry!r} must be the first model listed: list the models small to large "
+                              f"(the routing policies take the first as the small one); listed: {list(self.models)}")
         for m in self.models.values():
             m.validate()
         if not isinstance(self.policy, dict) or not isinstance(self.policy.get("name"), str):
