@@ -80,7 +80,7 @@ def test_bad_prompts(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
         engine.add_request(42, GREEDY)
     # A text far longer than the context can hold is refused before it is tokenized (tokenizing megabytes
     # would stall every other request); one just under the character bound is tokenized and refused by count.
-    bound = engine._max_prompt_chars()
+    bound = engine._prompt_bound().max_chars
     calls: list[int] = []
     real = type(engine.tokenizer).__call__
 

@@ -25,7 +25,7 @@ from tokenrouter.engine.sharing import shared_gpu
 from tokenrouter.engine.step_stats import StepStats
 from tokenrouter.tuning.choose import TOTAL_STATE_BUDGET, Method, choose_thresholds, simulated_throughput
 from tokenrouter.tuning.markov import DEFAULT_MAX_STATES
-from tokenrouter.tuning.system import SystemModel, sanitize_latency
+from tokenrouter.tuning.system import SystemModel, clamp_thresholds, sanitize_latency
 
 log = logging.getLogger(__name__)
 
@@ -38,33 +38,38 @@ MAX_SOLVED_N = {1: 64, 2: 16, 3: 8}
 
 
 class LoadMeter:
-    """The time-weighted mean number of requests in the system between two solves: the concurrency a re-solve tunes
-    for. The count at the moment of a solve is a poor sample of it: between two runs of a closed loop of 8 clients
-    one solve saw 2 requests, and the 32B ran at threshold 1 for the next 2.4 s (served, H200,
-    perf/results/tuner_h200_2026-12-04)."""
+    """The mean number of requests in the system while there were any, between two solves: the concurrency a
+    re-solve tunes for. The count at the moment of a solve is a poor sample of it: between two runs of a closed loop
+    of 8 clients one solve saw 2 requests, and the 32B ran at threshold 1 for the next 2.4 s (served, H200,
+    perf/results/tuner_h200_2026-12-04). Idle time is left out: the tuner does not solve while idle, and a minute
+    idle before a burst of 8 would otherwise read as a concurrency of 1."""
 
     def __init__(self, now: float | None = None) -> None:
         self._lock = threading.Lock()
         self._n = 0
-        self._since = self._at = time.monotonic() if now is None else now
-        self._area = 0.0  # request-seconds since `_since`
+        self._at = time.monotonic() if now is None else now
+        self._area = 0.0  # request-seconds since the last take
+        self._busy = 0.0  # seconds with at least one request since the last take
+
+    def _advance(self, now: float) -> None:
+        if now > self._at and self._n > 0:
+            self._area += self._n * (now - self._at)
+            self._busy += now - self._at
+        self._at = max(now, self._at)
 
     def update(self, n: int, now: float | None = None) -> None:
         """`n` requests are in the system from `now` (time.monotonic()) on."""
-        now = time.monotonic() if now is None else now
         with self._lock:
-            self._area += self._n * max(0.0, now - self._at)
-            self._n, self._at = n, max(now, self._at)
+            self._advance(time.monotonic() if now is None else now)
+            self._n = n
 
     def take(self, now: float | None = None) -> int:
-        """The mean number of requests since the last take (rounded, at least 1); starts the next interval."""
-        now = time.monotonic() if now is None else now
+        """The mean number of requests since the last take, over the time there were any (rounded, at least 1;
+        the count now where there was no such time); starts the next interval."""
         with self._lock:
-            area = self._area + self._n * max(0.0, now - self._at)
-            span = now - self._since
-            mean = area / span if span > 0.0 else float(self._n)
-            self._since = self._at = max(now, self._at)
-            self._area = 0.0
+            self._advance(time.monotonic() if now is None else now)
+            mean = self._area / self._busy if self._busy > 0.0 else float(self._n)
+            self._area = self._busy = 0.0
         return max(1, int(mean + 0.5))
 
 
@@ -117,7 +122,9 @@ def solve_thresholds(
     # The candidates are ranked without the handoffs' transit (it delays every vector's moves alike, and the exact
     # chain cannot model it); the chosen vector's expected tokens/s counts it, simulated (served on an H200:
     # 0.7-1.9 ms a handoff, 4-5 % of the C=1 and C=8 throughput, perf/results/green_h200_2026-12-03).
-    incumbent = tuple(current[m] for m in models) if current and set(current) == set(models) else None
+    incumbent = None
+    if current and set(current) == set(models):  # lowered as the coordinator lowers it for fewer requests
+        incumbent = clamp_thresholds([current[m] for m in models], system.concurrency)
     choice = choose_thresholds(dataclasses.replace(system, transit=None), state_budget=state_budget,
                                max_states=max_states, max_wait=max_wait, incumbent=incumbent)
     expected = choice.throughput
@@ -181,11 +188,13 @@ class SolveFailures:
     def failed(self, e: BaseException) -> None:
         lines = str(e).strip().splitlines()
         cause = f"{type(e).__name__}: {lines[-1] if lines else ''}"
-        if cause != self.last:
-            self.logger.error("threshold tuning failed (%s); the thresholds in force stay, and it is retried", cause)
+        if cause != self.last:  # (with its traceback the first time: an in-process bug keeps its stack)
+            self.logger.error("threshold tuning failed (%s); the thresholds in force stay, and it is retried", cause,
+                              exc_info=e)
             self.last = cause
 
     def solved(self) -> None:
+        """A solve answered (not one skipped for want of measurements)."""
         if self.last is not None:
             self.logger.warning("threshold tuning works again")
         self.last = None

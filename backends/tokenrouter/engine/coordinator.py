@@ -24,6 +24,7 @@ from tokenrouter.sampling_params import SamplingParams
 from tokenrouter.tokenizer import PromptCharBound
 from tokenrouter.transport.base import Transport
 from tokenrouter.transport.messages import Append, Arrive, Commit, Event, Failed, Handoff, Release, Released
+from tokenrouter.tuning.system import clamp_thresholds
 
 Prompt = str | list[int]
 
@@ -103,10 +104,6 @@ class Coordinator:
         if self._prompt_char_bound is None:
             self._prompt_char_bound = PromptCharBound.of(self.tokenizer, self.max_model_len)
         return self._prompt_char_bound
-
-    def _max_prompt_chars(self) -> int:
-        """A text prompt longer than this cannot fit the context."""
-        return self._prompt_bound().max_chars
 
     def _check_token_ids(self, ids: list[int], what: str) -> None:
         for i, t in enumerate(ids):
@@ -224,10 +221,7 @@ class Coordinator:
         tuned = self._tuned or {}
         want = {m: tuned.get(m, self.config.batching.threshold_of(m)) for m in self.model_names}
         self.load.update(len(self.requests))
-        n = max(1, len(self.requests))
-        while sum(b - 1 for b in want.values()) >= n:
-            biggest = max(want, key=lambda m: want[m])
-            want[biggest] -= 1
+        want = dict(zip(want, clamp_thresholds(list(want.values()), len(self.requests))))
         if want != self.thresholds:
             self.thresholds = want
             self.transport.thresholds_changed(dict(want))

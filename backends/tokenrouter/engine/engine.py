@@ -138,9 +138,9 @@ class Engine(Coordinator):
         return self.config.batching.thresholds == "auto"
 
     def retune(self, concurrency: int | None = None) -> dict[str, int] | None:
-        """`thresholds: auto`: solve B* for the current (or given) concurrency from measured step latencies
-        and routing rates, and apply it. Returns the thresholds, or None before enough was measured.
-        With the model loops running in this process, the solve runs in a child process: it is seconds
+        """`thresholds: auto`: solve B* for the mean concurrency since the last solve (LoadMeter; or the given one)
+        from measured step latencies and routing rates, and apply it. Returns the thresholds, or None before enough
+        was measured. With the model loops running in this process, the solve runs in a child process: it is seconds
         of pure Python that would otherwise hold the GIL against the decoding threads."""
         n = concurrency if concurrency is not None else self.load.take()
         stats = {m: s.stats for m, s in self.subservers.items()}
@@ -159,10 +159,11 @@ class Engine(Coordinator):
         while not self._stop_event.wait(interval):
             if self.requests:
                 try:
-                    self.retune()
+                    solved = self.retune() is not None
                 except Exception as e:  # tuning is an optimization: never let it take serving down
                     failures.failed(e)
-                else:
+                    continue
+                if solved:
                     failures.solved()
 
     # -- stepped mode ---------------------------------------------------------------------------------

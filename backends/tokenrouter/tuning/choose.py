@@ -40,9 +40,10 @@ REFINE_FACTOR = 8
 
 SWITCH_GAIN = 0.03
 """A re-solve keeps the thresholds in force (the incumbent) unless the best vector is expected to serve at least this
-much more than it, judged by the same model and random numbers. Without it the served tuner flipped the 32B's
-threshold between 1, 4, 6 and 7 from one 2 s solve to the next at C=8 on an H200, its inputs (a few seconds of steps)
-being that noisy (perf/results/tuner_h200_2026-12-04)."""
+much more than it, judged by the same model and random numbers: close candidates must not trade places on noise.
+Served at C=8 on an H200 the 32B's threshold moved between 1, 4, 6 and 7 from one 2 s solve to the next without it,
+and still between 4, 5 and 7 with it: the tuner's inputs (a few seconds of steps) move by more than this
+(perf/results/tuner_h200_2026-12-04)."""
 
 Method = Literal["markov", "simulator"]
 
@@ -98,7 +99,7 @@ def choose_thresholds(
 def _fastest_undelayed(model: SystemModel, candidates: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
     """On a shared GPU, only the vectors that never hold the fastest model back. The simulator's processor sharing
     rates holding the 0.6B for a batch (so that the 32B steps alone) higher than it serves: served on an H200 at C=16,
-    thresholds (0.6B, 32B) = (11, 3) committed 1,400-1,600 tokens/s where (1, 2) and (1, 6) committed 2,100-2,200, and
+    thresholds (0.6B, 32B) = (11, 3) committed 1,400-1,600 tokens/s where (1, 2) and (1, 6) committed 2,050-2,200, and
     at C=8 the 0.6B held at 2-4 did no better than at 1 (perf/results/tuner_h200_2026-12-04). Holding the slow model
     for a fuller batch is what the sharing model was measured right about (+14 % at C=8)."""
     fastest = min(range(model.num_models), key=lambda i: model.step_latency[i][0])

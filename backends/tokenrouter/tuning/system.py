@@ -170,6 +170,16 @@ def is_feasible(thresholds: Sequence[int], concurrency: int) -> bool:
     return sum(b - 1 for b in thresholds) < concurrency
 
 
+def clamp_thresholds(thresholds: Sequence[int], concurrency: int) -> tuple[int, ...]:
+    """`thresholds` lowered until feasible for `concurrency` requests (at least 1): the largest (the first of equals)
+    down by one at a time until sum(B_i - 1) < N, so the requests can never all wait in queues."""
+    want = list(thresholds)
+    n = max(1, concurrency)
+    while sum(b - 1 for b in want) >= n:
+        want[max(range(len(want)), key=want.__getitem__)] -= 1
+    return tuple(want)
+
+
 def feasible_thresholds(num_models: int, concurrency: int) -> Iterator[tuple[int, ...]]:
     """Every threshold vector ``(B_1, ..., B_M)`` with ``B_i >= 1`` and ``sum(B_i - 1) < N``, in lexicographic order.
 
