@@ -105,6 +105,33 @@ def test_oversized_body_is_refused_from_its_content_length(limited) -> None:
     assert tok.calls == []
 
 
+def test_a_client_expecting_100_continue_is_refused_before_it_uploads(limited) -> None:
+    """curl sends `Expect: 100-continue` for large bodies and waits: it must get the 413, not an invitation to
+    upload megabytes that would not be read."""
+    _, server, tok = limited
+    limit = server.max_body_bytes
+    with socket.create_connection(server.server_address[:2], timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\n"
+                     b"Content-Length: %d\r\n\r\n" % (limit + 1))
+        resp = http.client.HTTPResponse(sock)
+        resp.begin()
+        err = _error(resp.read())
+    assert resp.status == 413 and resp.getheader("Connection") == "close"
+    assert f"{limit + 1} bytes" in err["message"]
+    # Within the cap the client is invited to send its body as before.
+    body = json.dumps({"prompt": "hello there", "max_tokens": 2}).encode()
+    with socket.create_connection(server.server_address[:2], timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+        assert sock.recv(64).startswith(b"HTTP/1.1 100")
+        sock.sendall(body)
+        resp = http.client.HTTPResponse(sock)
+        resp.begin()
+        resp.read()
+    assert resp.status == 200
+    assert tok.calls == [len("hello there")]
+
+
 def test_a_small_request_does_not_wait_for_a_long_tokenization(limited) -> None:
     """Requests share the tokenizer without a lock: one stuck in it (here until released) holds up no other."""
     _, server, tok = limited
@@ -121,6 +148,56 @@ def test_a_small_request_does_not_wait_for_a_long_tokenization(limited) -> None:
         tok.release.set()
         t.join(10)
     assert slow == [200]
+
+
+class _Turns:
+    """Wraps the test tokenizer: counts how many "SLOW" texts are inside it at once (the most ever)."""
+
+    def __init__(self, tok: CountingTokenizer) -> None:
+        self.tok, self.inside, self.most = tok, 0, 0
+        self.lock = threading.Lock()
+        self.entered = threading.Semaphore(0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tok, name)
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        if "SLOW" not in text:
+            return self.tok(text)
+        with self.lock:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+        self.entered.release()
+        try:
+            return self.tok(text)
+        finally:
+            with self.lock:
+                self.inside -= 1
+
+
+def test_long_prompts_are_tokenized_two_at_a_time_and_short_ones_pass(limited) -> None:
+    """Without the lock, a burst of prompts near the bound would all be tokenized at once (hundreds of MB each):
+    long ones take turns (LONG_PROMPT_TOKENIZERS), a short one never waits for them."""
+    _, server, tok = limited
+    server.long_prompt_chars = 10
+    server.tokenizer = turns = _Turns(tok)
+    addr = server.server_address[:2]
+    done: list[int] = []
+    body = {"prompt": "SLOW a b c d e f", "max_tokens": 2}
+    threads = [threading.Thread(target=lambda: done.append(_post(addr, "/v1/completions", body)[0]))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        assert turns.entered.acquire(timeout=10) and turns.entered.acquire(timeout=10)
+        assert not turns.entered.acquire(timeout=0.5)  # the third waits for a turn
+        status, _, _ = _post(addr, "/v1/completions", {"prompt": "a b", "max_tokens": 2})
+        assert status == 200 and done == []
+    finally:
+        tok.release.set()
+        for t in threads:
+            t.join(10)
+    assert done == [200, 200, 200] and turns.most == 2
 
 
 def test_a_real_fast_tokenizer_shared_by_threads(tiny_dir: Path) -> None:

@@ -62,6 +62,11 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 * 1024 * 1024
 # Room in a body for what is not prompt text: the JSON around it, the other fields, each message's keys.
 BODY_OVERHEAD_BYTES = 64 * 1024
+# Prompts of at least this many characters are tokenized LONG_PROMPT_TOKENIZERS at a time: each holds its
+# encoding (hundreds of MB near the bound) while it is tokenized, and with no limit a burst of them could exhaust
+# memory. Shorter prompts never wait for them.
+LONG_PROMPT_CHARS = 64 * 1024
+LONG_PROMPT_TOKENIZERS = 2
 API_KEY_ENV = "TOKENROUTER_API_KEY"
 # Routes answered without the API key: load balancers probe them and they reveal nothing.
 OPEN_PATHS = frozenset({"/health"})
@@ -140,6 +145,8 @@ class OpenAIFrontendServer(ThreadingHTTPServer):
         # it calls only read the Rust tokenizer, whose encode releases the GIL, so a long prompt holds up no other
         # request (behind one lock, three 15 MB prompts held a small request for 68 s).
         count_tokens(tokenizer, "warm-up")
+        self.long_prompt_chars = LONG_PROMPT_CHARS
+        self._long_prompts = threading.BoundedSemaphore(LONG_PROMPT_TOKENIZERS)
         super().__init__(address, _Handler)
 
     @property
@@ -160,7 +167,11 @@ class OpenAIFrontendServer(ThreadingHTTPServer):
         return count_tokens(self.tokenizer, text)
 
     def prepare_prompt(self, req: GenerationRequest) -> tuple[str, int]:
-        return prepare_prompt(req, self.tokenizer, self.prompt_bound)
+        size = len(req.prompt or "") + sum(len(v) for m in req.messages or [] for v in m.values())
+        if size < self.long_prompt_chars:
+            return prepare_prompt(req, self.tokenizer, self.prompt_bound)
+        with self._long_prompts:
+            return prepare_prompt(req, self.tokenizer, self.prompt_bound)
 
     def server_close(self) -> None:
         super().server_close()
@@ -257,8 +268,23 @@ class _Handler(BaseHTTPRequestHandler):
                 self._read_body()
             self._send_error_obj(OpenAIError(f"no route for POST {path}", 404))
 
+    def handle_expect_100(self) -> bool:
+        """A client that waits for "100 Continue" before it sends its body (curl does for bodies over 1 KiB) is
+        refused from its headers, rather than invited to upload a body that would not be read."""
+        try:
+            self._body_length()
+        except OpenAIError as e:
+            self._send_error_obj(e)
+            return False
+        return super().handle_expect_100()
+
     def _read_body(self) -> bytes:
         """The request body; OpenAIError 411/413 (and the connection marked to close) when it cannot be read."""
+        return self.rfile.read(self._body_length())
+
+    def _body_length(self) -> int:
+        """The body's length from its headers; OpenAIError 400/411/413 (and the connection marked to close) when it
+        has none, a bad one, or one over the server's cap."""
         length = self.headers.get("Content-Length")
         if length is None:
             # No body we can delimit (e.g. a chunked upload): refuse it and drop the connection,
@@ -279,7 +305,7 @@ class _Handler(BaseHTTPRequestHandler):
             bound = self.server.prompt_bound
             why = f" (prompts are limited to {bound.max_chars} characters)" if bound is not None else ""
             raise OpenAIError(f"request body has {n} bytes, more than the {limit} this server accepts{why}", 413)
-        return self.rfile.read(n)
+        return n
 
     def _generate(self, parse: Callable[[Any, str], GenerationRequest]) -> None:
         srv = self.server
