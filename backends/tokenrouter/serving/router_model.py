@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import functools
 import json
 import logging
@@ -58,11 +59,16 @@ KEEP_TRITON_OBJECTS_S = 10.0
 # Reviving a model whose process died: how long its socket may take to answer once Triton says it is
 # loaded again.
 REVIVE_CONNECT_S = 10.0
+# Threads that tokenize text prompts (off the loop, off Triton's execute thread): a prompt near the length bound
+# takes 1-3 s, and a short prompt behind it need not wait for it.
+TOKENIZE_WORKERS = 4
 
 
 class SocketCoordinator(Coordinator):
     """The coordinator over the local sockets' transport (transport/sockets.py), plus what the router knows
-    of its models' processes (down or back, step statistics). Call it on the loop thread only."""
+    of its models' processes (down or back, step statistics). Call it on the loop thread only, but for
+    `tokenize` and `_check_open`, which read only what is fixed at start (the tokenizer, the bound) or one dict
+    read (`down`)."""
 
     def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop) -> None:
         tokenizer = load_tokenizer(config.tokenizer_path)
@@ -199,6 +205,8 @@ class RouterModel:
         self.graveyard = _Graveyard()
         # Every response and request metric leaves from the responder's thread, in order (serving/responder.py).
         self.responder = Responder(self.graveyard.keep)
+        self._tokenizing = concurrent.futures.ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="tr-tokenize")
+        self._closing = False
         self._thread = threading.Thread(target=self._run_loop, name="tr-router-loop", daemon=True)
         self._thread.start()
 
@@ -224,21 +232,46 @@ class RouterModel:
             sender = request.get_response_sender()
             try:
                 gen = parse_request(lambda name, r=request: self._input(r, name))
-                # Tokenized here, on Triton's thread, not on the router's loop: a prompt near the length bound
-                # takes ~1.3 s to tokenize, and on the loop it held every other stream's tokens back as long. The
-                # Rust tokenizer releases the GIL meanwhile, so the loop keeps relaying.
-                ids = self.coordinator.tokenize(gen.prompt)
+                gen.params.validate()  # the cheap checks before the tokenizer's seconds
             except ValueError as e:
                 self._refuse(sender, str(e), request)
                 continue
-            self.loop.call_soon_threadsafe(self._admit, _Client(sender, request, gen, ids, start))
+            self._tokenizing.submit(self._tokenize_then_admit, sender, request, gen, start)
         return None
+
+    def _tokenize_then_admit(self, sender: Any, request: Any, gen: GenerateRequest, start: float) -> None:
+        """On a tokenizing thread. Not on the router's loop: a prompt near the length bound takes 1-3 s to
+        tokenize, and on the loop it held every other stream's tokens back as long (perf/tokenize_stall.py). Not
+        on Triton's execute thread either, where every request behind it would wait. The Rust tokenizer releases
+        the GIL while it encodes (building the ids' Python list does not)."""
+        if self._closing:
+            self._send_error(sender, "the server is shutting down", request)
+            return
+        try:
+            self.coordinator._check_open()  # a model down: refused before the tokenizer's seconds
+            ids = self.coordinator.tokenize(gen.prompt)
+        except ValueError as e:
+            self._refuse(sender, str(e), request)
+            return
+        except Exception as e:  # nothing may leave a request unanswered
+            log.exception("tokenizing a prompt failed")
+            self._refuse(sender, f"the prompt could not be tokenized: {e}", request)
+            return
+        try:
+            self.loop.call_soon_threadsafe(self._admit, _Client(sender, request, gen, ids, start))
+        except RuntimeError:  # the loop is closed: finalize ran
+            self._send_error(sender, "the server is shutting down", request)
 
     def _input(self, request: Any, name: str) -> np.ndarray | None:
         t = self.pb.get_input_tensor_by_name(request, name)
         return None if t is None else t.as_numpy()
 
     def finalize(self) -> None:
+        # Requests still waiting to be tokenized are answered at once; those being tokenized reach the loop
+        # (and are aborted below with the rest) before it stops.
+        self._closing = True
+        self._tokenizing.shutdown(wait=True)
+
         def stop() -> None:
             for rid, client in list(self.clients.items()):
                 self.coordinator.abort(rid)
@@ -407,8 +440,8 @@ class RouterModel:
             except Exception as e:  # tuning is an optimization: never let it take serving down
                 failures.failed(e)
                 continue
-            failures.solved()
             if tuned is not None:
+                failures.solved()
                 self.coordinator.apply_tuned(tuned.thresholds)
                 self.metrics.tuned(tuned.thresholds, tuned.predicted_tok_s)
 
