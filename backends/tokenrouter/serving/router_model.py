@@ -60,8 +60,14 @@ KEEP_TRITON_OBJECTS_S = 10.0
 # loaded again.
 REVIVE_CONNECT_S = 10.0
 # Threads that tokenize text prompts (off the loop, off Triton's execute thread): a prompt near the length bound
-# takes 1-3 s, and a short prompt behind it need not wait for it.
-TOKENIZE_WORKERS = 4
+# takes 1-3 s and holds hundreds of MB meanwhile; a short prompt behind one need not wait for it.
+TOKENIZE_WORKERS = 2
+
+
+def _log_failure(job: concurrent.futures.Future) -> None:
+    """A tokenizing job that raised past its own handlers (its request may be unanswered): logged, not lost."""
+    if not job.cancelled() and job.exception() is not None:
+        log.error("tokenizing a request failed", exc_info=job.exception())
 
 
 class SocketCoordinator(Coordinator):
@@ -131,9 +137,10 @@ class SocketCoordinator(Coordinator):
             log.warning("model %r is back", model)
 
     def _check_open(self) -> None:
-        # Any model may be routed to, so a request admitted now could fail half-way: refuse it up front.
-        if self.down:
-            raise ValueError(next(iter(self.down.values())))
+        # Any model may be routed to, so a request admitted now could fail half-way: refuse it up front. (One
+        # copy of the reasons: a tokenizing thread asks while the loop may add or pop one.)
+        for reason in list(self.down.values()):
+            raise ValueError(reason)
 
     def retune(self) -> TunedThresholds | None:
         """`thresholds: auto`: solve B* from the reported statistics, in a child process (blocking: call it
@@ -231,12 +238,16 @@ class RouterModel:
             start = time.monotonic()
             sender = request.get_response_sender()
             try:
-                gen = parse_request(lambda name, r=request: self._input(r, name))
-                gen.params.validate()  # the cheap checks before the tokenizer's seconds
+                gen = parse_request(lambda name, r=request: self._input(r, name))  # (validates the parameters)
             except ValueError as e:
                 self._refuse(sender, str(e), request)
                 continue
-            self._tokenizing.submit(self._tokenize_then_admit, sender, request, gen, start)
+            try:
+                job = self._tokenizing.submit(self._tokenize_then_admit, sender, request, gen, start)
+            except RuntimeError:  # the pool is shut down: finalize ran
+                self._send_error(sender, "the server is shutting down", request)
+                continue
+            job.add_done_callback(_log_failure)
         return None
 
     def _tokenize_then_admit(self, sender: Any, request: Any, gen: GenerateRequest, start: float) -> None:

@@ -270,7 +270,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def handle_expect_100(self) -> bool:
         """A client that waits for "100 Continue" before it sends its body (curl does for bodies over 1 KiB) is
-        refused from its headers, rather than invited to upload a body that would not be read."""
+        refused from its headers, rather than invited to upload a body that would not be read: 401 without the
+        key (before anything about the server's limits), else 400/411/413 for a body it would not read."""
+        if self.command != "POST":
+            return super().handle_expect_100()
+        path = self.path.split("?", 1)[0].rstrip("/")
+        if not (path in OPEN_PATHS or self.server.authorized(self.headers.get("Authorization"))):
+            self.close_connection = True  # its body is never read
+            self._authorized(path)  # answers 401
+            return False
         try:
             self._body_length()
         except OpenAIError as e:
