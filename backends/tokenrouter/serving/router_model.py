@@ -62,6 +62,8 @@ REVIVE_CONNECT_S = 10.0
 # Threads that tokenize text prompts (off the loop, off Triton's execute thread): a prompt near the length bound
 # takes 1-3 s and holds hundreds of MB meanwhile; a short prompt behind one need not wait for it.
 TOKENIZE_WORKERS = 2
+# What a request still unanswered when the router unloads is told.
+SHUTTING_DOWN = "the server is shutting down"
 
 
 def _log_failure(job: concurrent.futures.Future) -> None:
@@ -245,7 +247,7 @@ class RouterModel:
             try:
                 job = self._tokenizing.submit(self._tokenize_then_admit, sender, request, gen, start)
             except RuntimeError:  # the pool is shut down: finalize ran
-                self._send_error(sender, "the server is shutting down", request)
+                self._send_error(sender, SHUTTING_DOWN, request)
                 continue
             job.add_done_callback(_log_failure)
         return None
@@ -256,7 +258,7 @@ class RouterModel:
         on Triton's execute thread either, where every request behind it would wait. The Rust tokenizer releases
         the GIL while it encodes (building the ids' Python list does not)."""
         if self._closing:
-            self._send_error(sender, "the server is shutting down", request)
+            self._send_error(sender, SHUTTING_DOWN, request)
             return
         try:
             self.coordinator._check_open()  # a model down: refused before the tokenizer's seconds
@@ -271,7 +273,7 @@ class RouterModel:
         try:
             self.loop.call_soon_threadsafe(self._admit, _Client(sender, request, gen, ids, start))
         except RuntimeError:  # the loop is closed: finalize ran
-            self._send_error(sender, "the server is shutting down", request)
+            self._send_error(sender, SHUTTING_DOWN, request)
 
     def _input(self, request: Any, name: str) -> np.ndarray | None:
         t = self.pb.get_input_tensor_by_name(request, name)
@@ -288,7 +290,7 @@ class RouterModel:
                 self.coordinator.abort(rid)
                 if not client.done:  # its final response would come from models that are unloading
                     client.done = True
-                    self._send_error(client.sender, "the server is shutting down", client.request)
+                    self._send_error(client.sender, SHUTTING_DOWN, client.request)
             self.coordinator.close()
             self.responder.finish()  # after the final responses above
             self.loop.stop()

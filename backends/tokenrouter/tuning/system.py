@@ -174,8 +174,7 @@ def clamp_thresholds(thresholds: Sequence[int], concurrency: int) -> tuple[int, 
     """`thresholds` lowered until feasible for `concurrency` requests (at least 1): the largest (the first of equals)
     down by one at a time until sum(B_i - 1) < N, so the requests can never all wait in queues."""
     want = list(thresholds)
-    n = max(1, concurrency)
-    while sum(b - 1 for b in want) >= n:
+    while not is_feasible(want, max(1, concurrency)):
         want[max(range(len(want)), key=want.__getitem__)] -= 1
     return tuple(want)
 

@@ -27,6 +27,7 @@ from tokenrouter.serving.openai.prompts import (
     count_tokens,
     load_frontend_tokenizer,
     prepare_prompt,
+    text_size,
     tokenizer_context_limit,
 )
 from tokenrouter.serving.openai.protocol import (
@@ -167,8 +168,7 @@ class OpenAIFrontendServer(ThreadingHTTPServer):
         return count_tokens(self.tokenizer, text)
 
     def prepare_prompt(self, req: GenerationRequest) -> tuple[str, int]:
-        size = len(req.prompt or "") + sum(len(v) for m in req.messages or [] for v in m.values())
-        if size < self.long_prompt_chars:
+        if text_size(req) < self.long_prompt_chars:
             return prepare_prompt(req, self.tokenizer, self.prompt_bound)
         with self._long_prompts:
             return prepare_prompt(req, self.tokenizer, self.prompt_bound)
@@ -207,9 +207,16 @@ class _Handler(BaseHTTPRequestHandler):
             logger.warning("request failed (%d): %s", err.status, err.message)
         self._send_json(err.status, err.body(), headers)
 
+    def _path(self) -> str:
+        """The request's route: its path without the query or a trailing slash."""
+        return self.path.split("?", 1)[0].rstrip("/")
+
+    def _has_access(self, path: str) -> bool:
+        return path in OPEN_PATHS or self.server.authorized(self.headers.get("Authorization"))
+
     def _authorized(self, path: str, has_body: bool = False) -> bool:
         """True when the request may go on; else it has been answered with 401."""
-        if path in OPEN_PATHS or self.server.authorized(self.headers.get("Authorization")):
+        if self._has_access(path):
             return True
         if has_body:
             # Read what the client sent, so the connection stays in step for its next request.
@@ -237,7 +244,7 @@ class _Handler(BaseHTTPRequestHandler):
     # ---- routing ----
 
     def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0].rstrip("/")
+        path = self._path()
         srv = self.server
         if not self._authorized(path):
             return
@@ -256,7 +263,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_error_obj(OpenAIError(f"no route for GET {path}", 404))
 
     def do_POST(self) -> None:
-        path = self.path.split("?", 1)[0].rstrip("/")
+        path = self._path()
         if not self._authorized(path, has_body=True):
             return
         if path == "/v1/completions":
@@ -274,8 +281,8 @@ class _Handler(BaseHTTPRequestHandler):
         key (before anything about the server's limits), else 400/411/413 for a body it would not read."""
         if self.command != "POST":
             return super().handle_expect_100()
-        path = self.path.split("?", 1)[0].rstrip("/")
-        if not (path in OPEN_PATHS or self.server.authorized(self.headers.get("Authorization"))):
+        path = self._path()
+        if not self._has_access(path):
             self.close_connection = True  # its body is never read
             self._authorized(path)  # answers 401
             return False

@@ -54,6 +54,14 @@ def _check_chars(bound: PromptCharBound | None, num_chars: int, what: str, param
         raise OpenAIError(str(e), param=param) from None
 
 
+def text_size(req: GenerationRequest) -> int:
+    """Characters of prompt text a request carries before any template: its prompt, or every string of its
+    messages (roles and names reach the template too, not only the content)."""
+    if req.kind == "chat":
+        return sum(len(v) for m in req.messages or [] for v in m.values())
+    return len(req.prompt or "")
+
+
 def prepare_prompt(req: GenerationRequest, tokenizer: Any, bound: PromptCharBound | None = None) -> tuple[str, int]:
     """(prompt text to send, prompt token count) for a parsed request.
 
@@ -61,13 +69,11 @@ def prepare_prompt(req: GenerationRequest, tokenizer: Any, bound: PromptCharBoun
     tokenized: tokenizing megabytes takes seconds and gigabytes, for a request the router refuses anyway.
     """
     if req.kind == "chat":
-        messages = req.messages or []
-        # Every string a message carries reaches the template: roles and names too, not only the content.
-        _check_chars(bound, sum(len(v) for m in messages for v in m.values()), "the messages' text", "messages")
-        prompt = render_chat_prompt(tokenizer, messages)
+        _check_chars(bound, text_size(req), "the messages' text", "messages")
+        prompt = render_chat_prompt(tokenizer, req.messages or [])
         # The template adds text per message: many empty messages can still make an over-long prompt.
         _check_chars(bound, len(prompt), "the chat prompt (the messages in the chat template)", "messages")
     else:
         prompt = req.prompt or ""
-        _check_chars(bound, len(prompt), "prompt", "prompt")
+        _check_chars(bound, text_size(req), "prompt", "prompt")
     return prompt, count_tokens(tokenizer, prompt)
