@@ -27,6 +27,7 @@ from tokenrouter.runner.attention import TorchAttention  # noqa: E402
 from tokenrouter.runner.forward_batch import ForwardBatch  # noqa: E402
 from tokenrouter.runner.triton_attention import (  # noqa: E402
     TritonAttention,
+    _extend_grid_work,
     _extend_launch_bound,
     _extend_num_splits,
 )
@@ -239,12 +240,35 @@ def test_extend_launch_bound_covers_every_sequence(q_per_prog: int) -> None:
         assert u <= _extend_launch_bound(target, kv_heads, t, q_per_prog), (q, t, u)
 
 
+@pytest.mark.parametrize("q_per_prog", [8, 32])
+def test_extend_grid_covers_every_sequences_work(q_per_prog: int) -> None:
+    """A graph's split extend launches _extend_grid_work programs per (sequence, KV head): every sequence of a
+    batch it replays (at least `t` tokens, a suffix of q <= t) has no more (query tile, split) pairs than that,
+    and for the 32B's short extends on an H200 that is ~2.5x fewer programs than its longest suffix times the
+    launched splits."""
+    target, kv_heads = 2 * 132, 8
+    for t in range(2, 130, 3):
+        splits = _extend_launch_bound(target, kv_heads, t, q_per_prog)
+        max_m = triton.cdiv(t, q_per_prog)
+        work = _extend_grid_work(max_m, splits, target, kv_heads)
+        assert work <= max_m * splits
+        cases = [(q, 4096, t) for q in range(2, t + 1, max(1, t // 12))]
+        used = extend_splits(cases, q_per_prog=q_per_prog, kv_heads=kv_heads, max_splits=splits, target=target)
+        for (q, _, _), u in zip(cases, used):
+            assert triton.cdiv(q, q_per_prog) * u <= work, (q, t, u, work)
+    # 64 tokens of the 32B (8 queries a tile): 11 splits launched, 33 pairs at most instead of 88.
+    assert (_extend_launch_bound(target, kv_heads, 49, 8), _extend_grid_work(8, 11, target, kv_heads)) == (11, 33)
+    # Eager launches use every split they launch: the whole product.
+    assert _extend_grid_work(8, 11, ta._EVERY_SPLIT, kv_heads) == 88
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_extend_splits_decided_per_sequence_match_torch(monkeypatch: pytest.MonkeyPatch, padded: bool) -> None:
     """In a CUDA graph's launch (lengths unknown on the host), one sequence splits its keys and another does not:
     the reduce merges exactly the splits each sequence's programs wrote. On the CPU (4 "SMs", 8 programs
     wanted): the 8-token suffix is alone in its estimate (2 programs -> 4 splits), the 2-token one is one of five
-    (10 programs -> 1 split); the decode row goes to the decode kernel. `padded`: laid out as a graph replays it,
+    (10 programs -> 1 split); the decode row goes to the decode kernel. The launch has 4 programs per (sequence,
+    KV head), not 2 query tiles x 4 splits: the 8-token suffix's 4 splits take them all. `padded`: laid out as a graph replays it,
     with a padding sequence (no tokens) and padding tokens (NaN queries) past every sequence, which no kernel may
     touch: their output rows must keep what the output held, even with the lengths' buffers poisoned past their
     end (a program that took a padding token for a sequence would read them and merge NaN scratch into its row)."""

@@ -287,48 +287,47 @@ def _extend_kernel(
     SPLIT: tl.constexpr,  # num_splits > 1: write per-split partials for _extend_reduce_kernel
     PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
-    """Grid (B, Hkv, cdiv(max_q_len, Q_PER_PROG) * num_splits): Q_PER_PROG new tokens x GROUP heads of one KV
-    head, over one KV split.
+    """Grid (B, Hkv, _extend_grid_work(...)): Q_PER_PROG new tokens x GROUP heads of one KV head, over one KV split.
 
     The BLOCK_M rows of the tile are (query, head) pairs, row = query_local * GROUP + g, so the K/V tile feeds
     all heads of the group at once. Keys are visited in two phases: tiles strictly before the first query's
     position need no mask (every row sees them), the rest up to the last query's position get the causal mask.
     A short suffix over a long prefix (a request returning from another model) has only a few such programs,
     each walking the whole prefix: with SPLIT the keys are divided among up to num_splits programs, as in
-    decode; the programs of splits the sequence does not use return at once, and a sequence that uses one split
-    writes its output directly (no partials, no reduce).
+    decode; programs past a sequence's (query tile, split) pairs return at once, and a sequence that uses one
+    split writes its output directly (no partials, no reduce).
     """
     wait_for_predecessor(PDL)  # first: the early returns below must have waited too
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    if SPLIT:
-        split = tl.program_id(2) % num_splits
-        m_prog = tl.program_id(2) // num_splits
-        num_m = tl.num_programs(2) // num_splits
-    else:
-        split = 0
-        m_prog = tl.program_id(2)
-        num_m = tl.num_programs(2)
-    # Causal work grows with m_block: hand out the longest query tiles first so the short ones fill the tail.
-    m_block = num_m - 1 - m_prog
+    work = tl.program_id(2)
     # Every length this program needs, loaded at once: most programs of a graph's grid return after these.
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     kv_len = tl.load(kv_lens_ptr + seq)
     total_tokens = tl.load(cu_seqlens_q_ptr + tl.num_programs(0))
+    num_m = (q_len + Q_PER_PROG - 1) // Q_PER_PROG  # this sequence's query tiles
+    if SPLIT:
+        # The sequence's (query tile, split) pairs are numbered densely, so the grid needs only as many programs
+        # as the busiest sequence has pairs (_extend_grid_work), not its longest suffix times the launched splits.
+        # (a padding sequence, q_len 0, returns below: counted as one token here, so nothing divides by zero)
+        used = _extend_num_splits(tl.maximum(q_len, 1), kv_len, total_tokens, tl.num_programs(1), num_splits,
+                                  target_programs, Q_PER_PROG, BLOCK_N)
+        split = work % used
+        m_prog = work // used
+    else:
+        split = 0
+        m_prog = work
+    # Causal work grows with m_block: hand out the longest query tiles first so the short ones fill the tail.
+    m_block = num_m - 1 - m_prog
     m_first = m_block * Q_PER_PROG  # first new token (index within the sequence's new tokens) of this program
-    # The grid is sized for the longest sequence; shorter ones have nothing here.
-    skip = m_first >= q_len
+    # The grid is sized for the busiest sequence; the others have nothing here.
+    skip = m_prog >= num_m
     if SKIP_DECODE:
         # A single query would fill 1/Q_PER_PROG of the tile: the split-K decode kernel does it far cheaper.
         skip = skip | (q_len == 1)
     if skip:
         return
-    if SPLIT:
-        used = _extend_num_splits(q_len, kv_len, total_tokens, tl.num_programs(1), num_splits, target_programs,
-                                  Q_PER_PROG, BLOCK_N)
-        if split >= used:
-            return
     prefix = kv_len - q_len  # cached tokens before the new ones
 
     rows = tl.arange(0, BLOCK_M)
@@ -513,6 +512,16 @@ def _extend_launch_bound(target_programs: int, num_kv_heads: int, min_tokens: in
     per KV head. Launching no more keeps a graph's grid (sized for its longest suffix and most sequences) from
     being mostly programs that return at once; fewer would only cost speed (the device clamps to the launch)."""
     return triton.cdiv(target_programs, num_kv_heads * max(1, min_tokens // (2 * q_per_prog)))
+
+
+def _extend_grid_work(max_m: int, splits: int, target_programs: int, num_kv_heads: int) -> int:
+    """Programs per (sequence, KV head) of a split extend launch: the most (query tile, split) pairs any sequence
+    has. A sequence of m <= `max_m` query tiles uses at most `splits` splits, and past one split at most
+    target_programs // (its estimated sequences x num_kv_heads x m) of them (_extend_num_splits, the estimate at
+    least 1): m x splits pairs, at most max(m, target_programs // num_kv_heads). A graph's grid, sized for its
+    longest possible suffix, is then ~2.5x smaller than max_m x splits (e.g. 33 against 88 programs for 64
+    tokens of 8 query tiles and 11 splits), and its padding sequences, which return at once, cost that much less."""
+    return max(1, min(max_m * splits, max(max_m, target_programs // num_kv_heads)))
 
 
 class TritonAttention(AttentionBackend):
@@ -770,7 +779,8 @@ class TritonAttention(AttentionBackend):
         mid_o = mid_lse = out  # never read without SPLIT
         if splits > 1:
             mid_o, mid_lse = _split_scratch(state, "extend", q.shape[0], num_heads, splits, head_dim, q.device)
-        self._launch(_extend_kernel, (batch.num_seqs, num_kv_heads, num_m * splits),
+        work = _extend_grid_work(num_m, splits, target, num_kv_heads) if splits > 1 else num_m
+        self._launch(_extend_kernel, (batch.num_seqs, num_kv_heads, work),
             q, k_cache, v_cache, out, mid_o, mid_lse, batch.block_tables, batch.cu_seqlens_q, batch.kv_lens,
             scale * _LOG2E, splits, target,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
