@@ -268,10 +268,11 @@ def test_extend_splits_decided_per_sequence_match_torch(monkeypatch: pytest.Monk
     the reduce merges exactly the splits each sequence's programs wrote. On the CPU (4 "SMs", 8 programs
     wanted): the 8-token suffix is alone in its estimate (2 programs -> 4 splits), the 2-token one is one of five
     (10 programs -> 1 split); the decode row goes to the decode kernel. The launch has 4 programs per (sequence,
-    KV head), not 2 query tiles x 4 splits: the 8-token suffix's 4 splits take them all. `padded`: laid out as a graph replays it,
-    with a padding sequence (no tokens) and padding tokens (NaN queries) past every sequence, which no kernel may
-    touch: their output rows must keep what the output held, even with the lengths' buffers poisoned past their
-    end (a program that took a padding token for a sequence would read them and merge NaN scratch into its row)."""
+    KV head), not 2 query tiles x 4 splits: the 8-token suffix's 4 splits take them all. `padded`: laid out as a
+    graph replays it, with a padding sequence (no tokens) and padding tokens (NaN queries) past every sequence,
+    which no kernel may touch: their output rows must keep what the output held, even with the lengths' buffers
+    poisoned past their end (a program that took a padding token for a sequence would read them and merge NaN
+    scratch into its row)."""
     q, k, v, batch = make_case([(8, 200), (2, 40), (1, 60)], 16, 4, 2, 16, seed=5)
     real = q.shape[0]
     if padded:

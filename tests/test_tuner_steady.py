@@ -11,6 +11,8 @@ only in part: the results README).
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -195,3 +197,43 @@ def test_an_incumbent_too_high_for_fewer_requests_is_lowered_not_dropped(monkeyp
     assert seen == [(1, 6)]
     assert clamp_thresholds((1, 7), 6) == (1, 6) and clamp_thresholds((3, 3), 4) == (2, 3)
     assert clamp_thresholds((4, 4), 0) == (1, 1) and clamp_thresholds((2, 5), 9) == (2, 5)
+
+
+def test_the_first_solves_come_sooner_than_the_interval() -> None:
+    """A fresh deployment runs at its configured thresholds until the first solve: the tuner tries every
+    EARLY_INTERVAL_S until it has solved EARLY_SOLVES times, and models report that often at first; never slower
+    than the configured interval."""
+    early = autotune.EARLY_INTERVAL_S
+    assert [autotune.solve_interval(2.0, n) for n in range(autotune.EARLY_SOLVES + 2)] == (
+        [early] * autotune.EARLY_SOLVES + [2.0, 2.0])
+    assert [autotune.report_interval(2.0, n) for n in range(autotune.EARLY_REPORTS + 2)] == (
+        [early] * autotune.EARLY_REPORTS + [2.0, 2.0])
+    assert autotune.solve_interval(0.05, 0) == autotune.report_interval(0.05, 0) == 0.05
+
+
+def test_a_fresh_engine_solves_long_before_its_interval(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a re-solve every 60 s, the background tuner still solves within the first seconds of traffic."""
+    cfg = {
+        "models": {m: {"path": str(tiny_dir / m), "kv_cache_tokens": 4096} for m in ("small", "large")},
+        "entry": "small",
+        "policy": {"name": "random", "p": 0.3, "seed": 1},
+        "batching": {"thresholds": "auto", "max_wait_ms": 2.0, "auto_interval_s": 60.0},
+    }
+    solved = threading.Event()
+    real = engine_mod.solve_in_subprocess
+
+    def solve(*args: object, **kw: object) -> object:
+        tuned = real(*args, **kw)
+        if tuned is not None:
+            solved.set()
+        return tuned
+
+    monkeypatch.setattr(engine_mod, "solve_in_subprocess", solve)
+    params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+    with Engine.from_config(cfg) as engine:
+        engine.start()
+        deadline = time.monotonic() + 30.0
+        while not solved.is_set() and time.monotonic() < deadline:  # keep requests in the system meanwhile
+            engine.generate([[5 + i, 9, 30 + i, 7] for i in range(4)], params)
+        assert solved.is_set(), "no solve within 30 s of traffic"
+        engine.check_integrity()

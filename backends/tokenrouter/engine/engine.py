@@ -23,7 +23,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from tokenrouter.config import EngineConfig, load_config
-from tokenrouter.engine.autotune import SolveFailures, solve_in_subprocess, solve_thresholds
+from tokenrouter.engine.autotune import SolveFailures, solve_in_subprocess, solve_interval, solve_thresholds
 from tokenrouter.engine.coordinator import Coordinator, Prompt
 from tokenrouter.engine.outputs import RequestOutput
 from tokenrouter.engine.subserver import Subserver
@@ -154,9 +154,9 @@ class Engine(Coordinator):
         return best
 
     def _tune_forever(self) -> None:
-        interval = self.config.batching.auto_interval_s
         failures = SolveFailures(log)
-        while not self._stop_event.wait(interval):
+        solves = 0
+        while not self._stop_event.wait(solve_interval(self.config.batching.auto_interval_s, solves)):
             if self.requests:
                 try:
                     solved = self.retune() is not None
@@ -165,6 +165,7 @@ class Engine(Coordinator):
                     continue
                 if solved:
                     failures.solved()
+                    solves += 1
 
     # -- stepped mode ---------------------------------------------------------------------------------
 

@@ -41,14 +41,12 @@ _DECODE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224
 # first visit to a model: its prompt and suffix), and run eagerly they pay ~30 us of host time per kernel launch
 # (perf/profile_host.py on an H200: 10-11 ms per step of the 0.6B against 1.9 ms for its graph, 23 ms of
 # launches per step of the 32B), while padding up to 63 tokens costs a prefill little. For each token count a
-# few sequence counts, so a handful of returning requests does not run the grids of a 64-sequence graph (served
-# at C=8 on an H200, the 32B's steps of 5-8 returning requests in a 16-sequence graph took ~3 ms more than
-# steps of as many tokens from up to 4 in a 4-sequence one, 22-23 against 19-20 ms: hence 8); past
+# few sequence counts, so a handful of returning requests does not run the grids of a 64-sequence graph; past
 # 128 tokens at most 16 sequences: the extend kernel's grid covers the longest possible suffix of every sequence
 # (64 x 512 tokens would be ~50,000 programs per layer, nearly all returning at once), and each graph keeps its
 # own [sequences, vocab] float32 logits (39 MB at 64 sequences of Qwen3's vocabulary).
 _EXTEND_TOKEN_STEPS = ((128, 16), (1 << 30, 64))  # (up to this many tokens, in steps of)
-_EXTEND_SEQS = (4, 8, 16, 64)
+_EXTEND_SEQS = (4, 16, 64)
 _PREFILL_SEQS = (4, 16)  # past the first step size's limit (128 tokens)
 
 StepHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | None"]

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from tokenrouter.config import EngineConfig, load_config
-from tokenrouter.engine.autotune import SolveFailures, TunedThresholds, solve_in_subprocess
+from tokenrouter.engine.autotune import SolveFailures, TunedThresholds, solve_in_subprocess, solve_interval
 from tokenrouter.engine.coordinator import Coordinator
 from tokenrouter.engine.outputs import RequestOutput
 from tokenrouter.engine.timeline import Timeline
@@ -441,11 +441,12 @@ class RouterModel:
                     self.coordinator.abort(rid)
 
     async def _tune_forever(self) -> None:
-        """Re-solve the thresholds every auto_interval_s while requests are in the system; the solve runs
-        on a worker thread so the loop keeps serving."""
+        """Re-solve the thresholds every auto_interval_s while requests are in the system (the first solves
+        sooner: autotune.solve_interval); the solve runs on a worker thread so the loop keeps serving."""
         failures = SolveFailures(log)
+        solves = 0
         while True:
-            await asyncio.sleep(self.config.batching.auto_interval_s)
+            await asyncio.sleep(solve_interval(self.config.batching.auto_interval_s, solves))
             if not self.coordinator.requests:
                 continue
             try:
@@ -455,6 +456,7 @@ class RouterModel:
                 continue
             if tuned is not None:
                 failures.solved()
+                solves += 1
                 self.coordinator.apply_tuned(tuned.thresholds)
                 self.metrics.tuned(tuned.thresholds, tuned.predicted_tok_s)
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from tokenrouter.config import load_config
+from tokenrouter.engine.autotune import report_interval
 from tokenrouter.engine.subserver import Subserver
 from tokenrouter.engine.timeline import Timeline
 from tokenrouter.serving.metrics import SubserverMetrics
@@ -142,6 +143,7 @@ class SubserverModel:
     def _send_forever(self) -> None:
         """Drain events and send each router connection what is ready for it as one batch."""
         next_report = 0.0
+        reports = 0  # sent reports that held steps: the first few go out faster (autotune.report_interval)
         while not self._stop.is_set():
             try:
                 first = self._events.get(timeout=0.1)
@@ -165,8 +167,9 @@ class SubserverModel:
                     per_peer.setdefault(peer, []).append(ev)
                 peers = {p for p in self._owner.values() if not p.closed}
             if self._report_every is not None and time.monotonic() >= next_report and peers:
-                next_report = time.monotonic() + self._report_every
                 report = StepStatsReport(self.name, self.sub.stats.snapshot())
+                reports += bool(report.stats["latency"])
+                next_report = time.monotonic() + report_interval(self._report_every, reports)
                 for p in peers:
                     per_peer.setdefault(p, []).append(report)
             for peer, events in per_peer.items():
