@@ -22,6 +22,7 @@ import tokenrouter.engine.engine as engine_mod
 from test_autotune_robust import N, two_model_stats
 from tokenrouter import Engine, SamplingParams
 from tokenrouter.engine.autotune import LoadMeter, SolveFailures, solve_in_subprocess, solve_thresholds, system_model
+from tokenrouter.engine.step_stats import StepStats
 from tokenrouter.tuning import choose
 from tokenrouter.tuning.choose import SWITCH_GAIN, choose_thresholds
 from tokenrouter.tuning.system import clamp_thresholds, feasible_thresholds
@@ -209,6 +210,25 @@ def test_the_first_solves_come_sooner_than_the_interval() -> None:
     assert [autotune.report_interval(2.0, n) for n in range(autotune.EARLY_REPORTS + 2)] == (
         [early] * autotune.EARLY_REPORTS + [2.0, 2.0])
     assert autotune.solve_interval(0.05, 0) == autotune.report_interval(0.05, 0) == 0.05
+    assert autotune.solve_interval(2.0, 0, failing=True) == 2.0  # a failing solve is retried at the interval
+
+
+def test_no_solve_starts_before_every_model_measured_something() -> None:
+    """A try before every model has timed a step and sampled a row starts no solve (each is a child process):
+    a model that is never routed to would otherwise cost one every EARLY_INTERVAL_S for as long as requests run.
+    A report malformed here goes to the solve, whose child names what is wrong with it."""
+    stepped, sampled, both = StepStats(), StepStats(), StepStats()
+    stepped.record_step(1, 0.01)
+    sampled.record_route(None, True)
+    both.record_step(1, 0.01)
+    both.record_route(None, True)
+    assert not autotune.measured({"a": both, "b": StepStats()})
+    assert not autotune.measured({"a": both, "b": stepped})
+    assert not autotune.measured({"a": both, "b": sampled})
+    assert autotune.measured({"a": both, "b": both})
+    assert not autotune.measured({"a": both.snapshot(), "b": stepped.snapshot()})  # reports from other processes
+    assert autotune.measured({"a": both.snapshot(), "b": both.snapshot()})
+    assert autotune.measured({"a": both.snapshot(), "b": {"latency": "garbage"}})
 
 
 def test_a_fresh_engine_solves_long_before_its_interval(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -237,3 +257,41 @@ def test_a_fresh_engine_solves_long_before_its_interval(tiny_dir: Path, monkeypa
             engine.generate([[5 + i, 9, 30 + i, 7] for i in range(4)], params)
         assert solved.is_set(), "no solve within 30 s of traffic"
         engine.check_integrity()
+
+
+def test_the_early_solves_pick_freely_and_none_starts_without_measurements(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first EARLY_SOLVES solves, made from the least data, keep no incumbent; later ones keep the thresholds in
+    force unless beaten (SWITCH_GAIN). Before any step, a retune starts no solve and leaves the load meter alone."""
+    cfg = {
+        "models": {m: {"path": str(tiny_dir / m), "kv_cache_tokens": 4096} for m in ("small", "large")},
+        "entry": "small",
+        "policy": {"name": "random", "p": 0.3, "seed": 1},
+        "batching": {"thresholds": "auto", "max_wait_ms": 2.0},
+    }
+    currents: list[dict[str, int] | None] = []
+    real = engine_mod.solve_thresholds
+
+    def solve(models: list[str], stats: object, n: int, **kw: object) -> object:
+        currents.append(kw.get("current"))
+        return real(models, stats, n, **kw)
+
+    monkeypatch.setattr(engine_mod, "solve_thresholds", solve)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    with Engine.from_config(cfg) as engine:
+        engine.add_request([5, 9, 30, 7], params)
+        takes: list[int] = []
+        real_take = engine.load.take
+        monkeypatch.setattr(engine.load, "take", lambda *a: takes.append(1) or real_take(*a))
+        assert engine.retune() is None and currents == [] and takes == []
+        while engine.has_unfinished():
+            engine.step()
+        for _ in range(autotune.EARLY_SOLVES + 2):
+            engine.add_request([5, 9, 30, 7], params)
+            assert engine.retune() is not None
+            while engine.has_unfinished():
+                engine.step()
+        assert currents[:autotune.EARLY_SOLVES] == [None] * autotune.EARLY_SOLVES
+        assert all(c is not None and set(c) == {"small", "large"} for c in currents[autotune.EARLY_SOLVES:])
+        assert engine.num_solves == autotune.EARLY_SOLVES + 2

@@ -165,7 +165,8 @@ class BatchingConfig:
 
     thresholds: dict[str, int] | int | Literal["auto"] = _spec(1, ge=1)
     max_wait_ms: float = _spec(5.0, ge=0.0)
-    # With thresholds: auto, how often the Markov-chain model is re-solved while serving.
+    # With thresholds: auto, how often the Markov-chain model is re-solved while serving (the first solves of a
+    # fresh deployment come sooner: engine/autotune.py, EARLY_INTERVAL_S).
     auto_interval_s: float = _spec(2.0, gt=0.0)
 
     def validate(self, models: list[str]) -> None:

@@ -38,20 +38,40 @@ the exact chain then still answers)."""
 # tok/s for the first run's first 4.5 s, against ~1,400 once solved), while a solve from 1 s of steps already
 # picks the thresholds of the steady state. So the first solves come faster: models report every
 # EARLY_INTERVAL_S for their first EARLY_REPORTS reports that hold steps, and the tuner tries every
-# EARLY_INTERVAL_S until it has solved EARLY_SOLVES times (a solve takes ~0.35 s in its child process).
+# EARLY_INTERVAL_S until it has solved EARLY_SOLVES times (a solve takes ~0.35 s in its child process). A try
+# starts no solve before every model has measured something (`measured`), and a failing solve is retried at
+# auto_interval_s. These early solves, made from the least data, pick freely: only later ones keep the
+# thresholds in force unless beaten by SWITCH_GAIN.
 EARLY_INTERVAL_S = 0.25
 EARLY_REPORTS = 8
 EARLY_SOLVES = 3
 
 
-def solve_interval(auto_interval_s: float, solves: int) -> float:
-    """Seconds until the next try of a tuner that has solved `solves` times."""
-    return min(auto_interval_s, EARLY_INTERVAL_S) if solves < EARLY_SOLVES else auto_interval_s
+def solve_interval(auto_interval_s: float, solves: int, failing: bool = False) -> float:
+    """Seconds until the next try of a tuner that has solved `solves` times (`failing`: its last try failed)."""
+    early = solves < EARLY_SOLVES and not failing
+    return min(auto_interval_s, EARLY_INTERVAL_S) if early else auto_interval_s
 
 
 def report_interval(auto_interval_s: float, reports: int) -> float:
     """Seconds until a model's next statistics report, after `reports` reports that held steps."""
     return min(auto_interval_s, EARLY_INTERVAL_S) if reports < EARLY_REPORTS else auto_interval_s
+
+
+def measured(stats: Mapping[str, StepStats | Mapping[str, Any]]) -> bool:
+    """Whether every model has timed a step and sampled a row (its StepStats, or a snapshot another process
+    reported): before that a solve answers None, so a try starts none (each would be a child process). A report
+    malformed here counts as measured: the solve's child then names what is wrong with it."""
+    for s in stats.values():
+        if isinstance(s, StepStats):
+            rows, steps = s.rows, s.latency_count
+        elif isinstance(s, Mapping):
+            rows, steps = s.get("rows", 1), s.get("latency", True)
+        else:
+            continue
+        if not rows or not steps:
+            return False
+    return True
 
 
 # Largest concurrency solved, by number of models: C(N - 1 + M, M) candidates (136 for M=2, N=16; 120 for M=3, N=8).

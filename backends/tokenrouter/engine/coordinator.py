@@ -17,7 +17,7 @@ from collections.abc import Callable
 from transformers import PreTrainedTokenizerBase
 
 from tokenrouter.config import EngineConfig
-from tokenrouter.engine.autotune import LoadMeter
+from tokenrouter.engine.autotune import EARLY_SOLVES, LoadMeter
 from tokenrouter.engine.outputs import RequestOutput, RequestState
 from tokenrouter.routing.policy import Policy
 from tokenrouter.sampling_params import SamplingParams
@@ -50,6 +50,7 @@ class Coordinator:
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self._tuned: dict[str, int] | None = None
+        self.num_solves = 0  # `thresholds: auto` solves that answered (the first ones come sooner: autotune.py)
         self.load = LoadMeter()  # the concurrency `thresholds: auto` solves for
         self.thresholds: dict[str, int] = {}
         self._prompt_char_bound: PromptCharBound | None = None
@@ -215,6 +216,17 @@ class Coordinator:
                 self._collect(out)
 
     # -- delayed batching ------------------------------------------------------------------------------
+
+    def _incumbent(self) -> dict[str, int] | None:
+        """The thresholds a re-solve keeps unless beaten by SWITCH_GAIN; none during the early solves, made from
+        the least data (autotune.EARLY_SOLVES)."""
+        return self._tuned if self.num_solves >= EARLY_SOLVES else None
+
+    def apply_tuned(self, tuned: dict[str, int]) -> None:
+        """A solve's thresholds (model -> B), in force from now on (clamped for the requests in the system)."""
+        self._tuned = tuned
+        self.num_solves += 1
+        self._update_thresholds()
 
     def _update_thresholds(self) -> None:
         """Keep sum(B_i - 1) < N for the N requests in the system, so they can never all wait in queues."""

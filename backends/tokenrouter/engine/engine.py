@@ -23,7 +23,13 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from tokenrouter.config import EngineConfig, load_config
-from tokenrouter.engine.autotune import SolveFailures, solve_in_subprocess, solve_interval, solve_thresholds
+from tokenrouter.engine.autotune import (
+    SolveFailures,
+    measured,
+    solve_in_subprocess,
+    solve_interval,
+    solve_thresholds,
+)
 from tokenrouter.engine.coordinator import Coordinator, Prompt
 from tokenrouter.engine.outputs import RequestOutput
 from tokenrouter.engine.subserver import Subserver
@@ -142,21 +148,22 @@ class Engine(Coordinator):
         from measured step latencies and routing rates, and apply it. Returns the thresholds, or None before enough
         was measured. With the model loops running in this process, the solve runs in a child process: it is seconds
         of pure Python that would otherwise hold the GIL against the decoding threads."""
-        n = concurrency if concurrency is not None else self.load.take()
         stats = {m: s.stats for m, s in self.subservers.items()}
+        if not measured(stats):
+            return None
+        n = concurrency if concurrency is not None else self.load.take()
         solve = solve_in_subprocess if self.running_in_background else solve_thresholds
         tuned = solve(self.model_names, stats, n, max_wait=self.config.batching.max_wait_ms / 1000.0,
-                      one_device=self.config.one_device, current=self._tuned)
+                      one_device=self.config.one_device, current=self._incumbent())
         best = tuned.thresholds if tuned is not None else None
         if best is not None:
-            self._tuned = best
-            self._update_thresholds()
+            self.apply_tuned(best)
         return best
 
     def _tune_forever(self) -> None:
         failures = SolveFailures(log)
-        solves = 0
-        while not self._stop_event.wait(solve_interval(self.config.batching.auto_interval_s, solves)):
+        while not self._stop_event.wait(solve_interval(self.config.batching.auto_interval_s, self.num_solves,
+                                                       failing=failures.last is not None)):
             if self.requests:
                 try:
                     solved = self.retune() is not None
@@ -165,7 +172,6 @@ class Engine(Coordinator):
                     continue
                 if solved:
                     failures.solved()
-                    solves += 1
 
     # -- stepped mode ---------------------------------------------------------------------------------
 

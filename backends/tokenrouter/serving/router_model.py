@@ -27,7 +27,13 @@ from typing import Any
 import numpy as np
 
 from tokenrouter.config import EngineConfig, load_config
-from tokenrouter.engine.autotune import SolveFailures, TunedThresholds, solve_in_subprocess, solve_interval
+from tokenrouter.engine.autotune import (
+    SolveFailures,
+    TunedThresholds,
+    measured,
+    solve_in_subprocess,
+    solve_interval,
+)
 from tokenrouter.engine.coordinator import Coordinator
 from tokenrouter.engine.outputs import RequestOutput
 from tokenrouter.engine.timeline import Timeline
@@ -147,15 +153,12 @@ class SocketCoordinator(Coordinator):
     def retune(self) -> TunedThresholds | None:
         """`thresholds: auto`: solve B* from the reported statistics, in a child process (blocking: call it
         off the loop)."""
-        if set(self.step_reports) != set(self.model_names):
+        reports = dict(self.step_reports)
+        if set(reports) != set(self.model_names) or not measured(reports):
             return None
-        return solve_in_subprocess(self.model_names, dict(self.step_reports), self.load.take(),
+        return solve_in_subprocess(self.model_names, reports, self.load.take(),
                                    max_wait=self.config.batching.max_wait_ms / 1000.0,
-                                   one_device=self.config.one_device, current=self._tuned)
-
-    def apply_tuned(self, tuned: dict[str, int]) -> None:
-        self._tuned = tuned
-        self._update_thresholds()
+                                   one_device=self.config.one_device, current=self._incumbent())
 
     def close(self) -> None:
         self.transport.close()
@@ -444,9 +447,9 @@ class RouterModel:
         """Re-solve the thresholds every auto_interval_s while requests are in the system (the first solves
         sooner: autotune.solve_interval); the solve runs on a worker thread so the loop keeps serving."""
         failures = SolveFailures(log)
-        solves = 0
         while True:
-            await asyncio.sleep(solve_interval(self.config.batching.auto_interval_s, solves))
+            await asyncio.sleep(solve_interval(self.config.batching.auto_interval_s, self.coordinator.num_solves,
+                                               failing=failures.last is not None))
             if not self.coordinator.requests:
                 continue
             try:
@@ -456,7 +459,6 @@ class RouterModel:
                 continue
             if tuned is not None:
                 failures.solved()
-                solves += 1
                 self.coordinator.apply_tuned(tuned.thresholds)
                 self.metrics.tuned(tuned.thresholds, tuned.predicted_tok_s)
 
