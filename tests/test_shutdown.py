@@ -14,11 +14,12 @@ import queue
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import yaml
 
-from tokenrouter.serving.server import _stub_regions
+from tokenrouter.serving.server import TritonServer, _stub_regions
 from triton_harness import running_server
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,3 +114,18 @@ def test_a_model_unloaded_by_an_admin_stays_unloaded_until_loaded_again(tiny_dir
             time.sleep(0.5)
         # Loaded by the admin, it is only reconnected: not reloaded by the router on top.
         assert "reloading it" not in server.log_file.read_text(errors="replace")
+
+
+def test_the_drain_keeps_to_its_deadline_against_a_stalled_server(tmp_path: Path) -> None:
+    """Each model-control call of the drain gets only what is left of the drain's time: a server that accepts
+    connections and never answers held it 5 s a call before, past its bound."""
+    stalled = socket.socket()
+    stalled.bind(("127.0.0.1", 0))
+    stalled.listen(16)  # connections are accepted by the kernel and never answered
+    try:
+        server = TritonServer(tmp_path, http_port=stalled.getsockname()[1])
+        t0 = time.monotonic()
+        assert server.drain(timeout=1.0) is False
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        stalled.close()

@@ -282,11 +282,19 @@ class TritonServer:
         url = f"http://{self.host}:{self.http_port}"
         end = time.monotonic() + timeout
 
+        def within(deadline: float) -> float:
+            """An HTTP call's timeout: at most 5 s, and never past `deadline` (a stalled server would otherwise
+            hold the drain 5 s a call, past its own bound)."""
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the drain's deadline passed")
+            return min(5.0, left)
+
         def unload(group: list[str], deadline: float) -> bool:
             for name in group:
-                control_request(url, f"/v2/repository/models/{name}/unload", self.admin_key, timeout=5)
+                control_request(url, f"/v2/repository/models/{name}/unload", self.admin_key, timeout=within(deadline))
             while True:
-                states = model_states(url, self.admin_key, timeout=5)
+                states = model_states(url, self.admin_key, timeout=within(deadline))
                 if not any(states[n][0] in ("READY", "LOADING", "UNLOADING") for n in group):
                     return True
                 if time.monotonic() > deadline:
@@ -294,7 +302,7 @@ class TritonServer:
                 time.sleep(0.1)
 
         try:
-            names = list(model_states(url, self.admin_key, timeout=5))
+            names = list(model_states(url, self.admin_key, timeout=within(end)))
             if not unload([n for n in names if n != ROUTER], end):
                 return False
             return unload([n for n in names if n == ROUTER], min(end, time.monotonic() + DRAIN_ROUTER_S))
