@@ -4,11 +4,18 @@ attempt (it is logged once), and a refused connection must say what it most like
 
 from __future__ import annotations
 
+import logging
 import socket
 
 import pytest
 
-from tokenrouter.serving.model_control import reload_failure, reload_model
+from tokenrouter.serving.model_control import (
+    REVIVE_BACKOFF_MAX_S,
+    REVIVE_BACKOFF_S,
+    ReviveAttempts,
+    reload_failure,
+    reload_model,
+)
 from tokenrouter.serving.server import CONTROL_URL_ENV
 
 
@@ -33,3 +40,21 @@ def test_a_refused_reload_says_the_server_is_not_serving_http(monkeypatch: pytes
 def test_other_failures_keep_their_type_and_message() -> None:
     error = RuntimeError("load of 'large' refused: boom")
     assert reload_failure(error) == "RuntimeError: load of 'large' refused: boom"
+
+
+def test_revive_attempts_back_off_and_log_each_cause_once(caplog: pytest.LogCaptureFixture) -> None:
+    """The revivers' retries (router and peer gateway): waits doubling from REVIVE_BACKOFF_S up to
+    REVIVE_BACKOFF_MAX_S, and a failed reload logged once per cause, again when the cause changes."""
+    logger = logging.getLogger("test-revive")
+    attempts = ReviveAttempts(logger, "model 'large'")
+    waits = [attempts.wait() for _ in range(8)]
+    assert waits[0] == REVIVE_BACKOFF_S and max(waits) == REVIVE_BACKOFF_MAX_S
+    assert all(b == min(2 * a, REVIVE_BACKOFF_MAX_S) for a, b in zip(waits, waits[1:]))
+    with caplog.at_level(logging.WARNING, logger="test-revive"):
+        for e in (RuntimeError("refused"), RuntimeError("refused"), OSError("gone"), RuntimeError("refused")):
+            attempts.failed(e)
+    assert [r.getMessage() for r in caplog.records] == [
+        "model 'large': reload failed (RuntimeError: refused); retrying",
+        "model 'large': reload failed (OSError: gone); retrying",
+        "model 'large': reload failed (RuntimeError: refused); retrying",
+    ]

@@ -4,6 +4,7 @@ gateway for the model it offers to routers on other servers (peer_model.py)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import urllib.error
 from typing import Any
@@ -52,6 +53,27 @@ def reload_failure(error: Exception) -> str:
             "shutting down, or does not serve HTTP"
         )
     return f"{type(error).__name__}: {error}"
+
+
+class ReviveAttempts:
+    """What a reviver's retries share (the router's for its local models, a peer's gateway for the model it offers):
+    the wait before the next attempt, REVIVE_BACKOFF_S doubling up to REVIVE_BACKOFF_MAX_S, and each cause of a
+    failed reload logged once, in one line (`reload_failure`), until another cause replaces it."""
+
+    def __init__(self, logger: logging.Logger, who: str) -> None:
+        self.logger, self.who = logger, who
+        self.delay = REVIVE_BACKOFF_S
+        self.failure: str | None = None  # the last cause logged
+
+    def failed(self, error: Exception) -> None:
+        if (why := reload_failure(error)) != self.failure:
+            self.logger.warning("%s: reload failed (%s); retrying", self.who, why)
+            self.failure = why
+
+    def wait(self) -> float:
+        """Seconds to wait before the next attempt (each wait doubles the next, up to the cap)."""
+        delay, self.delay = self.delay, min(2 * self.delay, REVIVE_BACKOFF_MAX_S)
+        return delay
 
 
 class UnloadedOnPurpose(RuntimeError):

@@ -23,11 +23,9 @@ from typing import Any
 import numpy as np
 
 from tokenrouter.serving.model_control import (
-    REVIVE_BACKOFF_MAX_S,
-    REVIVE_BACKOFF_S,
+    ReviveAttempts,
     cannot_reload,
     check_not_unloaded,
-    reload_failure,
     reload_model,
 )
 from tokenrouter.transport import codec, ipc
@@ -151,8 +149,7 @@ class PeerModel:
         return True
 
     def _revive(self) -> None:
-        delay = REVIVE_BACKOFF_S
-        failure = None  # the last reload failure logged
+        attempts = ReviveAttempts(log, f"peer {self.model}")
         reloading = False  # our reload began (its unload leaves the model "unloaded" should its load fail)
         try:
             if self._alive():
@@ -173,11 +170,8 @@ class PeerModel:
                         log.error("peer %s: the model stays down: this server cannot reload it (%s); restart "
                                   "tritonserver, or run it with --model-control-mode=explicit", self.model, e)
                         return
-                    if (why := reload_failure(e)) != failure:
-                        log.warning("peer %s: reload failed (%s); retrying", self.model, why)
-                        failure = why
-                self._stop.wait(delay)
-                delay = min(2 * delay, REVIVE_BACKOFF_MAX_S)
+                    attempts.failed(e)
+                self._stop.wait(attempts.wait())
         finally:
             with self._lock:
                 self._reviving = False

@@ -41,12 +41,10 @@ from tokenrouter.routing.policy import make_policy
 from tokenrouter.runner.arch import declared_context_limit, shared_vocab_size
 from tokenrouter.serving.metrics import RouterMetrics
 from tokenrouter.serving.model_control import (
-    REVIVE_BACKOFF_MAX_S,
-    REVIVE_BACKOFF_S,
+    ReviveAttempts,
     UnloadedOnPurpose,
     cannot_reload,
     check_not_unloaded,
-    reload_failure,
     reload_model,
 )
 from tokenrouter.serving.responder import Responder
@@ -380,8 +378,7 @@ class RouterModel:
         the model stays down, and requests are refused with a message that says so."""
         link = self.coordinator.transport.links[model]
         remote = self.config.models[model].url is not None  # its server is not ours to reload: reconnect
-        delay = REVIVE_BACKOFF_S
-        failure = None  # the last reload failure logged
+        attempts = ReviveAttempts(log, f"model {model!r}")
         reloading = False  # our reload began (its unload leaves the model "unloaded" should its load fail)
         unloaded = False  # Triton had unloaded it on request: once it is READY again, it only needs connecting
         while not self.coordinator.transport.closing:
@@ -412,11 +409,8 @@ class RouterModel:
                     unloaded = True
                     self.loop.call_soon_threadsafe(self.coordinator.down.__setitem__, model,
                                                    f"model {model!r} is unavailable: {e}")
-                if (why := reload_failure(e)) != failure:
-                    log.warning("model %r: reload failed (%s); retrying", model, why)
-                    failure = why
-            time.sleep(delay)
-            delay = min(2 * delay, REVIVE_BACKOFF_MAX_S)
+                attempts.failed(e)
+            time.sleep(attempts.wait())
         else:
             return
         self.metrics.model_up(model, True)
