@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tokenrouter.serving.server import TritonServer, _stub_regions
@@ -116,9 +117,13 @@ def test_a_model_unloaded_by_an_admin_stays_unloaded_until_loaded_again(tiny_dir
         assert "reloading it" not in server.log_file.read_text(errors="replace")
 
 
-def test_the_drain_keeps_to_its_deadline_against_a_stalled_server(tmp_path: Path) -> None:
+def test_the_drain_keeps_to_its_deadline_against_a_stalled_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each model-control call of the drain gets only what is left of the drain's time: a server that accepts
     connections and never answers held it 5 s a call before, past its bound."""
+    for var in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):  # urllib would send 127.0.0.1 through one
+        monkeypatch.delenv(var, raising=False)
     stalled = socket.socket()
     stalled.bind(("127.0.0.1", 0))
     stalled.listen(16)  # connections are accepted by the kernel and never answered

@@ -223,10 +223,13 @@ class Coordinator:
         return self._tuned if self.num_solves >= EARLY_SOLVES else None
 
     def apply_tuned(self, tuned: dict[str, int]) -> None:
-        """A solve's thresholds (model -> B), in force from now on (clamped for the requests in the system)."""
-        self._tuned = tuned
-        self.num_solves += 1
-        self._update_thresholds()
+        """A solve's thresholds (model -> B), in force from now on (clamped for the requests in the system; under
+        the lock, as every other caller of _update_thresholds: the tuner's thread would otherwise clamp for a stale
+        count of requests)."""
+        with self._lock:
+            self._tuned = tuned
+            self.num_solves += 1
+            self._update_thresholds()
 
     def _update_thresholds(self) -> None:
         """Keep sum(B_i - 1) < N for the N requests in the system, so they can never all wait in queues."""

@@ -297,7 +297,7 @@ class TritonServer:
                 states = model_states(url, self.admin_key, timeout=within(deadline))
                 if not any(states[n][0] in ("READY", "LOADING", "UNLOADING") for n in group):
                     return True
-                if time.monotonic() > deadline:
+                if time.monotonic() + 0.1 >= deadline:  # (no poll is begun past the deadline)
                     return False
                 time.sleep(0.1)
 
