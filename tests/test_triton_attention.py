@@ -150,7 +150,7 @@ def test_extend_matches_torch(shape: tuple[int, int, int, int], num_splits: int)
     ]
     q, k, v, batch = make_case(lens, block_size, hq, hkv, d, seed=hash(shape) % 1000 + 1)
     # The decode rows of this mixed batch go to the decode kernel while the rest go to the extend kernel. With
-    # KV splits, late query rows of (18, 35) see no key in some splits (the reduce must drop those).
+    # KV splits, late query rows of (18, 35) see no key in some splits (the merge must weigh those 0).
     backend = TritonAttention(extend_block_m=16, extend_block_n=16, decode_block_n=16, num_kv_splits=num_splits)
     out = run_triton(backend, q, k, v, batch)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -265,9 +265,9 @@ def test_extend_grid_covers_every_sequences_work(q_per_prog: int) -> None:
 @pytest.mark.parametrize("padded", [False, True])
 def test_extend_splits_decided_per_sequence_match_torch(monkeypatch: pytest.MonkeyPatch, padded: bool) -> None:
     """In a CUDA graph's launch (lengths unknown on the host), one sequence splits its keys and another does not:
-    the reduce merges exactly the splits each sequence's programs wrote. On the CPU (4 "SMs", 8 programs
-    wanted): the 8-token suffix is alone in its estimate (2 programs -> 4 splits), the 2-token one is one of five
-    (10 programs -> 1 split); the decode row goes to the decode kernel. The launch has 4 programs per (sequence,
+    each query tile's last split merges exactly the splits its sequence's programs wrote. On the CPU (4 "SMs", 8
+    programs wanted): the 8-token suffix is alone in its estimate (2 programs -> 4 splits), the 2-token one is one
+    of five (10 programs -> 1 split); the decode row goes to the decode kernel. The launch has 4 programs per (sequence,
     KV head), not 2 query tiles x 4 splits: the 8-token suffix's 4 splits take them all. `padded`: laid out as a
     graph replays it, with a padding sequence (no tokens) and padding tokens (NaN queries) past every sequence,
     which no kernel may touch: their output rows must keep what the output held, even with the lengths' buffers
@@ -290,7 +290,7 @@ def test_extend_splits_decided_per_sequence_match_torch(monkeypatch: pytest.Monk
         real_empty_like = torch.empty_like
         monkeypatch.setattr(torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(sentinel))
     backend = TritonAttention(decode_block_n=16, extend_block_m=16, extend_block_n=16)
-    # Split scratch full of NaN: a partial the reduce read without the extend kernel having written it shows.
+    # Split scratch full of NaN: a partial merged without the extend kernel having written it shows.
     real_scratch = ta._split_scratch
     monkeypatch.setattr(ta, "_split_scratch", lambda *a: tuple(t.fill_(float("nan")) for t in real_scratch(*a)))
     if INTERPRET:
@@ -308,9 +308,9 @@ def test_extend_splits_decided_per_sequence_match_torch(monkeypatch: pytest.Monk
     assert rel_err(out[:real], reference(q[:real], k, v, unpadded)) <= RTOL
 
 
-def test_extend_reduce_finds_sequences_past_the_first_64() -> None:
-    """The reduce finds a token's sequence 64 sequences at a time (`_SEQ_CHUNK`): extends after the 64th sequence,
-    between decode rows, split and merged like the first ones."""
+def test_extends_among_many_decode_rows_split_and_merged() -> None:
+    """Extends after the 64th sequence, between decode rows, split and merged like the first ones (each query
+    tile's counter is named by its first token)."""
     extends = {3: (5, 40), 64: (5, 40), 66: (3, 50), 69: (6, 37)}
     lens = [extends.get(i, (1, 20)) for i in range(70)]
     q, k, v, batch = make_case(lens, 16, 2, 1, 16, seed=13)
@@ -349,8 +349,8 @@ def test_precompile_covers_every_variant_a_step_can_launch(
     monkeypatch: pytest.MonkeyPatch, rows: int, heads: int, head_dim: int
 ) -> None:
     """`precompile` (run before serving) reaches every constexpr combination an eager batch can need: decode
-    with one split (direct output) and each power-of-two split count of the reduce, extend with and without
-    decode rows beside it and with and without splits; it launches nothing (compile only) and restores the
+    with one split (direct output) and with several (merged in the kernel), extend with and without decode rows
+    beside it and with and without splits; it launches nothing (compile only) and restores the
     backend. The wide case is Qwen3-32B's attention (64 heads of 128) under a batch of 2,048 tokens: its extend
     scratch cap must not hold the precompile at one split."""
     _, k_cache, v_cache, batch = make_case([(1, 40), (7, 30)], 16, 4, 2, 16, dtype=torch.bfloat16)
@@ -374,10 +374,8 @@ def test_precompile_covers_every_variant_a_step_can_launch(
     assert backend.precompile(q, k_cache, v_cache, batch, 0.25) == len(variants)
     assert backend._compile_only is None and backend.num_kv_splits is None and real_launch
     assert seen["_decode_split_kernel"] == {(("DIRECT_OUT", True),), (("DIRECT_OUT", False),)}
-    assert {dict(c)["SPLITS_PAD"] for c in seen["_decode_reduce_kernel"]} == {2, 4, 8, 16, 32, 64}
     assert seen["_extend_kernel"] == {(("SKIP_DECODE", d), ("SPLIT", s)) for d in (False, True) for s in (False, True)}
-    assert {dict(c)["SKIP_DECODE"] for c in seen["_extend_reduce_kernel"]} == {False, True}
-    assert {dict(c)["SPLITS_PAD"] for c in seen["_extend_reduce_kernel"]} == {2, 4, 8, 16}
+    assert set(seen) == {"_decode_split_kernel", "_extend_kernel"}  # the splits are merged inside: no other kernel
     # Eager batches take the prefill tile; graphs (int64 lengths, the short-suffix tile) compile theirs at capture.
     assert tiles == {(128, 32)}
 
@@ -396,11 +394,12 @@ def waits_first(ptx):  # PDL: the grid-dependency wait before the kernel's first
 
 for kernel, consts in (
         (ta._decode_split_kernel, dict(NUM_HEADS=16, HEAD_DIM=128, D_PAD=128, GROUP=2, GROUP_PAD=16, PAGE=16,
-                                       BLOCK_N=64, DIRECT_OUT=False)),
-        (ta._decode_reduce_kernel, dict(NUM_HEADS=16, HEAD_DIM=128, D_PAD=128, BLOCK_N=64, SPLITS_PAD=4))):
+                                       BLOCK_N=64, DIRECT_OUT=False, MERGE_G=2, MERGE_CHUNK=16)),
+        (ta._decode_split_kernel, dict(NUM_HEADS=64, HEAD_DIM=128, D_PAD=128, GROUP=8, GROUP_PAD=16, PAGE=16,
+                                       BLOCK_N=64, DIRECT_OUT=False, MERGE_G=8, MERGE_CHUNK=4))):
     for pdl in (False, True):
-        types = {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "block_tables_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
-                 "kv_lens_ptr": "*i32", "sm_scale_log2": "fp32"}
+        types = {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "count_ptr": "*i32", "block_tables_ptr": "*i32",
+                 "cu_seqlens_q_ptr": "*i32", "kv_lens_ptr": "*i32", "sm_scale_log2": "fp32"}
         sig = {n: types.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in kernel.arg_names}
         sig.update({c: "constexpr" for c in consts}, PDL="constexpr")
         ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs={**consts, "PDL": pdl}),
@@ -416,3 +415,21 @@ def test_decode_compiles_for_hopper() -> None:
     """The interpreter has no grid-dependency ops and runs PDL off: compile the decode kernels both ways for sm_90,
     no GPU needed (Triton's ptxas)."""
     compile_for_hopper(_COMPILE_DECODE_FOR_HOPPER)
+
+
+@pytest.mark.parametrize("lens", [[(1, kv) for kv in (1, 5, 16, 37, 70)], [(1, 9), (5, 23), (3, 40), (18, 35)]])
+def test_split_counters_left_zero_for_every_layer(monkeypatch: pytest.MonkeyPatch, lens: list) -> None:
+    """The last split of each (sequence or query tile, KV head) merges and zeroes its counter: the counters one
+    step's layers share (allocated zero once a step, or once a graph replay) are zero after every launch, and a
+    second and third layer on the same step state compute the same output as the first."""
+    q, k, v, batch = make_case(lens, 16, 4, 2, 16, seed=21)
+    backend = TritonAttention(decode_block_n=16, extend_block_m=16, extend_block_n=16, num_kv_splits=3)
+    counters = []
+    real_counts = ta._split_counts
+    monkeypatch.setattr(ta, "_split_counts", lambda *a: (counters.append(c := real_counts(*a)), c)[1])
+    backend.prepare(batch)
+    outs = [backend.forward(q, k, v, batch, q.shape[-1] ** -0.5) for _ in range(3)]
+    assert counters and all(c is counters[0] for c in counters)  # one buffer for the whole step
+    assert int(counters[0].abs().sum()) == 0
+    assert rel_err(outs[0], reference(q, k, v, batch)) <= RTOL
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
