@@ -10,6 +10,7 @@ decode configuration (key tile, stages, warps, forced KV splits), and the floor 
 measured in the same run). What the defaults should be is read off this.
 
     python perf/bench_attention.py --out perf/results/NAME.json [--models ...] [--tiles ...] [--splits ...]
+        [--batches 1,4,8,12 --contexts 1024,8192]
         [--decode-tiles 64x3x4,32x3x4 --decode-splits 1,4,16]
 """
 
@@ -159,12 +160,11 @@ def extend_configs(tiles: str, splits: str) -> list[tuple[dict[str, int], int]]:
 
 
 def bench_model(name: str, bandwidth: float, configs: list[tuple[dict[str, int], int]], iters: int,
-                dec_configs: Sequence[tuple[dict[str, int], int]] = ()) -> dict:
+                dec_configs: Sequence[tuple[dict[str, int], int]] = (), batches: Sequence[int] = (1, 4, 8, 12),
+                contexts: Sequence[int] = (1024, 8192)) -> dict:
     arch = ArchConfig.from_dir(ROOT / "perf" / "models" / name)
     dev = torch.device("cuda")
     hq, hkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
-    batches = (1, 4, 8, 12)  # 12 x 10: the largest short-suffix graph (128 tokens)
-    contexts = (1024, 8192)
     new = 10
     pool_blocks = max(batches) * -(-(max(contexts) + 64) // PAGE) + 64
     gen = torch.Generator().manual_seed(0)
@@ -262,6 +262,10 @@ def main() -> None:
     ap.add_argument("--decode-tiles", default="",
                     help="decode tiles to sweep, BLOCK_NxSTAGESxWARPS,... (each at every --decode-splits count)")
     ap.add_argument("--decode-splits", default="1,2,4,8,16,32,64", help="decode KV split counts to sweep")
+    ap.add_argument("--batches", default="1,4,8,12", help="requests per case (12 x 10: the largest short-suffix "
+                    "graph, 128 tokens)")
+    ap.add_argument("--contexts", default="1024,8192",
+                    help="cached tokens per request (routed serving's are a few hundred)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -271,7 +275,9 @@ def main() -> None:
                "copy_bandwidth_tb_s": bandwidth / 1e12, "models": []}
     for name in args.models.split(","):
         results["models"].append(bench_model(name, bandwidth, extend_configs(args.tiles, args.splits), args.iters,
-                                             decode_configs(args.decode_tiles, args.decode_splits)))
+                                             decode_configs(args.decode_tiles, args.decode_splits),
+                                             [int(b) for b in args.batches.split(",")],
+                                             [int(c) for c in args.contexts.split(",")]))
         args.out.write_text(json.dumps(results, indent=1))
     for line in summary(results):
         print(line)

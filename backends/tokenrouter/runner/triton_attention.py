@@ -110,9 +110,9 @@ def _attend_tile(
 
 
 # Split partials a last-arriving program merges per load: [rows, chunk, D] float32 tiles of at most this many
-# elements (32 registers a thread at 4 warps), so a decode head group over many splits takes a few loads, not one
-# per split.
-_MERGE_ELEMS = 4096
+# elements (64 registers a thread at 4 warps), so a decode head group over many splits takes a few loads, not one
+# per split: the merge is one program's chain of dependent loads, and its length, not bandwidth, is its cost.
+_MERGE_ELEMS = 8192
 
 
 @triton.jit
@@ -127,29 +127,28 @@ def _merge_splits(
     HEAD_DIM: tl.constexpr,
     CHUNK: tl.constexpr,  # splits per load (a power of two)
 ):
-    """Every split's partial of R rows merged, each weighted by exp2(lse_split - lse_max), in split order (so the
-    sum does not depend on which program merges). Reads with .cg: the partials were written by other programs, on
-    other SMs, and must not come from this SM's L1. Returns [R, D_PAD] float32."""
+    """Every split's partial of R rows merged in one pass, CHUNK splits a load, each weighted by exp2(lse_split -
+    lse_max) with the running maximum rescaled as in online softmax; in split order, so the result does not
+    depend on which program merges. Reads with .cg: the partials were written by programs on other SMs and must
+    not come from this SM's L1. Returns [R, D_PAD] float32."""
     c = tl.arange(0, CHUNK)
-    lse_max = tl.full(base.shape, float("-inf"), tl.float32)
-    for s0 in range(0, used, CHUNK):
-        s_ok = r_ok[:, None] & (s0 + c < used)[None, :]
-        lse = tl.load(mid_lse_ptr + base[:, None] + s0 + c[None, :], mask=s_ok, other=float("-inf"),
-                      cache_modifier=".cg")
-        lse_max = tl.maximum(lse_max, tl.max(lse, 1))
-    # A row with no key anywhere is padding (every real row sees its own position's key): keep it NaN-free.
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    m_i = tl.full(base.shape, float("-inf"), tl.float32)
     num = tl.zeros([base.shape[0], d.shape[0]], dtype=tl.float32)
     den = tl.zeros(base.shape, dtype=tl.float32)
     for s0 in range(0, used, CHUNK):
         s_ok = r_ok[:, None] & (s0 + c < used)[None, :]
         row = base[:, None] + s0 + c[None, :]  # [R, CHUNK]
-        w = tl.exp2(tl.load(mid_lse_ptr + row, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-                    - lse_max[:, None])  # 0 for splits a row saw nothing of
+        lse = tl.load(mid_lse_ptr + row, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
         part = tl.load(mid_o_ptr + row[:, :, None] * HEAD_DIM + d[None, None, :],
                        mask=s_ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-        num += tl.sum(part * w[:, :, None], 1)
-        den += tl.sum(w, 1)
+        m_new = tl.maximum(m_i, tl.max(lse, 1))
+        # A row that saw no key so far (padding rows never do): a finite reference keeps -inf - -inf from NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        w = tl.exp2(lse - m_ref[:, None])  # 0 for splits a row saw nothing of
+        num = num * alpha[:, None] + tl.sum(part * w[:, :, None], 1)
+        den = den * alpha + tl.sum(w, 1)
+        m_i = m_new
     return num / tl.where(den > 0.0, den, 1.0)[:, None]
 
 
