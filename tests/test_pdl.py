@@ -174,7 +174,7 @@ KERNELS = [
     (ta._decode_split_kernel, dict(NUM_HEADS=16, HEAD_DIM=128, D_PAD=128, GROUP=2, GROUP_PAD=16, PAGE=16, BLOCK_N=64,
                                    DIRECT_OUT=False, MERGE_G=2, MERGE_CHUNK=16)),
     (ta._extend_kernel, dict(HEAD_DIM=128, D_PAD=128, GROUP=2, PAGE=16, BLOCK_M=64, BLOCK_N=64, Q_PER_PROG=32,
-                             SKIP_DECODE=True, SPLIT=True, MERGE_CHUNK=1)),
+                             SKIP_DECODE=True, SPLIT=True, MERGE_CHUNK=1, MIN_SPLIT_KEYS=256)),
     # (the qkv matmul with its QKRope epilogue: one head of 128 per tile)
     (sg._skinny_gemm_kernel, dict(PROLOGUE=1, HAS_BIAS=False, ACTIVATION=0, HAS_RESIDUAL=False, FP32_DOT="", BLOCK_M=16,
                                   BLOCK_N=128, BLOCK_K=128, SPLIT_K=4, STATS_BLOCK=512, STATS_ITERS=2, QK_ROPE=True,

@@ -130,7 +130,7 @@ def test_decode_matches_torch(shape: tuple[int, int, int, int], num_splits: int 
     # kv_len 1, single partial page, exact page multiples and lengths spanning several key tiles and splits.
     lens = [(1, kv) for kv in (1, 5, 16, 37, 70)]
     q, k, v, batch = make_case(lens, block_size, hq, hkv, d, seed=hash(shape) % 1000)
-    backend = TritonAttention(decode_block_n=16, num_kv_splits=num_splits)
+    backend = TritonAttention(min_split_tokens=16, decode_block_n=16, num_kv_splits=num_splits)
     out = run_triton(backend, q, k, v, batch)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, reference(q, k, v, batch)) <= RTOL
@@ -151,7 +151,8 @@ def test_extend_matches_torch(shape: tuple[int, int, int, int], num_splits: int)
     q, k, v, batch = make_case(lens, block_size, hq, hkv, d, seed=hash(shape) % 1000 + 1)
     # The decode rows of this mixed batch go to the decode kernel while the rest go to the extend kernel. With
     # KV splits, late query rows of (18, 35) see no key in some splits (the merge must weigh those 0).
-    backend = TritonAttention(extend_block_m=16, extend_block_n=16, decode_block_n=16, num_kv_splits=num_splits)
+    backend = TritonAttention(extend_block_m=16, extend_block_n=16, decode_block_n=16, num_kv_splits=num_splits,
+                              min_split_tokens=16)
     out = run_triton(backend, q, k, v, batch)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, reference(q, k, v, batch)) <= RTOL
@@ -161,7 +162,7 @@ def test_decode_launches_its_splits_rounded_down(monkeypatch: pytest.MonkeyPatch
     """The decode path asks for the count rounded down: with 4 "SMs" (16 programs), 3 sequences x 2 KV heads
     launch 2 splits (12 programs), not 3 (18, a partial last round); the output equals torch's."""
     q, k, v, batch = make_case([(1, 600), (1, 700), (1, 520)], 16, 4, 2, 16, seed=12)
-    backend = TritonAttention(decode_block_n=16)
+    backend = TritonAttention(min_split_tokens=16, decode_block_n=16)
     backend._num_sms[q.device] = 4  # (on a GPU too)
     launched = []
     real_scratch = ta._split_scratch
@@ -196,35 +197,41 @@ def test_split_heuristic() -> None:
 
 
 @triton.jit
-def _split_rule_kernel(args_ptr, out_ptr, Q_PER_PROG: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_rule_kernel(args_ptr, out_ptr, Q_PER_PROG: tl.constexpr, BLOCK_N: tl.constexpr,
+                       MIN_SPLIT_KEYS: tl.constexpr):
     """`_extend_num_splits` for one case per program."""
     a = args_ptr + tl.program_id(0) * 6
     used = _extend_num_splits(tl.load(a), tl.load(a + 1), tl.load(a + 2), tl.load(a + 3), tl.load(a + 4),
-                              tl.load(a + 5), Q_PER_PROG, BLOCK_N)  # fmt: skip
+                              tl.load(a + 5), Q_PER_PROG, BLOCK_N, MIN_SPLIT_KEYS)  # fmt: skip
     tl.store(out_ptr + tl.program_id(0), used)
 
 
 def extend_splits(cases: list[tuple[int, int, int]], q_per_prog: int, kv_heads: int = 8, max_splits: int = 16,
-                  target: int = 2 * 132, block_n: int = 64) -> list[int]:
+                  target: int = 2 * 132, block_n: int = 64, min_keys: int = 256) -> list[int]:
     """The KV splits each (q_len, kv_len, batch tokens) case uses, as the extend kernel decides on the device."""
     args = torch.tensor([[q, kv, t, kv_heads, max_splits, target] for q, kv, t in cases], dtype=torch.int32,
                         device=DEVICE)  # fmt: skip
     out = torch.empty(len(cases), dtype=torch.int32, device=DEVICE)
-    _split_rule_kernel[(len(cases),)](args, out, Q_PER_PROG=q_per_prog, BLOCK_N=block_n)
+    _split_rule_kernel[(len(cases),)](args, out, Q_PER_PROG=q_per_prog, BLOCK_N=block_n, MIN_SPLIT_KEYS=min_keys)
     return out.tolist()
 
 
 def test_extend_split_rule_fills_the_gpu_with_the_batch_it_sees() -> None:
     """On an H200 (target 2 programs x 132 SMs), a batch of requests returning with 10 tokens over a 1k context:
     fewer splits the more sequences the batch has (estimated on the device as batch tokens / q_len), never
-    more than the launch has or than the context has key tiles."""
+    more than the launch has, than the context has key tiles, or than it has 256 keys."""
     # Qwen3-32B: 8 query heads per KV head in 64-row tiles -> 8 queries per program, two programs per suffix.
     batches = [(10, 1034, 10 * n) for n in (1, 4, 8, 12)]
-    assert extend_splits(batches, q_per_prog=8) == [16, 4, 2, 1]
+    assert extend_splits(batches, q_per_prog=8) == [4, 4, 2, 1]
+    assert extend_splits(batches, q_per_prog=8, min_keys=1) == [16, 4, 2, 1]  # (a split per key tile at most)
     # Qwen3-0.6B: 2 query heads per KV head -> 32 queries per program, one program per suffix.
-    assert extend_splits(batches, q_per_prog=32) == [16, 8, 4, 2]
-    # A short context has fewer key tiles than splits; the launch's split count caps the rest.
-    assert extend_splits([(10, 200, 10), (10, 8192, 10)], q_per_prog=8, max_splits=5) == [4, 5]
+    assert extend_splits(batches, q_per_prog=32) == [4, 4, 4, 2]
+    assert extend_splits(batches, q_per_prog=32, min_keys=1) == [16, 8, 4, 2]
+    # Contexts of a few hundred keys (what routed requests bring back) stay whole: 266 and 511 keys are one split,
+    # 522 two; with shorter splits allowed, a short context has fewer key tiles than splits; the launch's split
+    # count caps the rest.
+    assert extend_splits([(10, n, 10) for n in (266, 511, 522)], q_per_prog=8) == [1, 1, 2]
+    assert extend_splits([(10, 200, 10), (10, 8192, 10)], q_per_prog=8, max_splits=5, min_keys=1) == [4, 5]
     # A long prompt's chunk fills the GPU alone; a lone token in a big mixed batch still gets one split.
     assert extend_splits([(2048, 2048, 2048), (2, 512, 2000)], q_per_prog=8) == [1, 1]
 
@@ -235,7 +242,8 @@ def test_extend_launch_bound_covers_every_sequence(q_per_prog: int) -> None:
     sequence of such a batch uses more on the device."""
     target, kv_heads = 2 * 132, 8
     cases = [(q, 4096, t) for t in range(2, 130, 3) for q in range(2, t + 1, max(1, t // 12))]
-    used = extend_splits(cases, q_per_prog=q_per_prog, kv_heads=kv_heads, max_splits=1 << 10, target=target)
+    used = extend_splits(cases, q_per_prog=q_per_prog, kv_heads=kv_heads, max_splits=1 << 10, target=target,
+                         min_keys=1)
     for (q, _, t), u in zip(cases, used):
         assert u <= _extend_launch_bound(target, kv_heads, t, q_per_prog), (q, t, u)
 
@@ -253,7 +261,8 @@ def test_extend_grid_covers_every_sequences_work(q_per_prog: int) -> None:
         work = _extend_grid_work(max_m, splits, target, kv_heads)
         assert work <= max_m * splits
         cases = [(q, 4096, t) for q in range(2, t + 1, max(1, t // 12))]
-        used = extend_splits(cases, q_per_prog=q_per_prog, kv_heads=kv_heads, max_splits=splits, target=target)
+        used = extend_splits(cases, q_per_prog=q_per_prog, kv_heads=kv_heads, max_splits=splits, target=target,
+                             min_keys=1)
         for (q, _, _), u in zip(cases, used):
             assert triton.cdiv(q, q_per_prog) * u <= work, (q, t, u, work)
     # 64 tokens of the 32B (8 queries a tile): 11 splits launched, 33 pairs at most instead of 88.
@@ -289,13 +298,13 @@ def test_extend_splits_decided_per_sequence_match_torch(monkeypatch: pytest.Monk
         sentinel = 7.0
         real_empty_like = torch.empty_like
         monkeypatch.setattr(torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(sentinel))
-    backend = TritonAttention(decode_block_n=16, extend_block_m=16, extend_block_n=16)
+    backend = TritonAttention(min_split_tokens=16, decode_block_n=16, extend_block_m=16, extend_block_n=16)
     # Split scratch full of NaN: a partial merged without the extend kernel having written it shows.
     real_scratch = ta._split_scratch
     monkeypatch.setattr(ta, "_split_scratch", lambda *a: tuple(t.fill_(float("nan")) for t in real_scratch(*a)))
     if INTERPRET:
         assert extend_splits([(8, 200, 11), (2, 40, 11)], q_per_prog=8, kv_heads=2, max_splits=4, target=8,
-                             block_n=16) == [4, 1]  # fmt: skip
+                             block_n=16, min_keys=16) == [4, 1]  # fmt: skip
     # The state a graph of this batch's shape launches with (graph_state), the batch's own lengths as its bounds.
     b = dataclasses.replace(batch, attn_state=backend.graph_state(batch.num_seqs, q.shape[0], True, 200,
                                                                   min_tokens=11))
@@ -314,7 +323,8 @@ def test_extends_among_many_decode_rows_split_and_merged() -> None:
     extends = {3: (5, 40), 64: (5, 40), 66: (3, 50), 69: (6, 37)}
     lens = [extends.get(i, (1, 20)) for i in range(70)]
     q, k, v, batch = make_case(lens, 16, 2, 1, 16, seed=13)
-    backend = TritonAttention(decode_block_n=16, extend_block_m=16, extend_block_n=16, num_kv_splits=2)
+    backend = TritonAttention(decode_block_n=16, extend_block_m=16, extend_block_n=16, num_kv_splits=2,
+                              min_split_tokens=16)
     assert rel_err(run_triton(backend, q, k, v, batch), reference(q, k, v, batch)) <= RTOL
 
 
@@ -325,7 +335,8 @@ def test_half_precision_and_forward_without_prepare(dtype: torch.dtype) -> None:
         # The interpreter keeps bf16 as raw uint16 and its tl.dot multiplies the bit patterns
         # (triton-lang/triton#11584, "not supported yet"); bf16 is covered by the TRITON_INTERPRET=0 GPU run.
         pytest.skip("Triton's interpreter does not support bfloat16 tl.dot")
-    backend = TritonAttention(decode_block_n=16, extend_block_m=16, extend_block_n=16, num_kv_splits=2)
+    backend = TritonAttention(decode_block_n=16, extend_block_m=16, extend_block_n=16, num_kv_splits=2,
+                              min_split_tokens=16)
     for lens in ([(1, 20), (1, 45)], [(6, 6), (4, 30)]):
         q, k, v, batch = make_case(lens, 4, 4, 2, 16, dtype=dtype, seed=3)
         b = dataclasses.replace(batch, attn_state=None)
@@ -340,7 +351,7 @@ def test_non_contiguous_q() -> None:
     qkv = torch.cat([q, torch.randn_like(q)], dim=1)  # [T, 2 * Hq, D]
     q_view = qkv[:, :4]
     assert not q_view.is_contiguous()
-    backend = TritonAttention(extend_block_m=16, extend_block_n=16)
+    backend = TritonAttention(min_split_tokens=16, extend_block_m=16, extend_block_n=16)
     assert rel_err(run_triton(backend, q_view, k, v, batch), reference(q, k, v, batch)) <= RTOL
 
 
@@ -423,7 +434,8 @@ def test_split_counters_left_zero_for_every_layer(monkeypatch: pytest.MonkeyPatc
     step's layers share (allocated zero once a step, or once a graph replay) are zero after every launch, and a
     second and third layer on the same step state compute the same output as the first."""
     q, k, v, batch = make_case(lens, 16, 4, 2, 16, seed=21)
-    backend = TritonAttention(decode_block_n=16, extend_block_m=16, extend_block_n=16, num_kv_splits=3)
+    backend = TritonAttention(decode_block_n=16, extend_block_m=16, extend_block_n=16, num_kv_splits=3,
+                              min_split_tokens=16)
     counters = []
     real_counts = ta._split_counts
     monkeypatch.setattr(ta, "_split_counts", lambda *a: (counters.append(c := real_counts(*a)), c)[1])

@@ -42,7 +42,9 @@ _EXTEND_PROGRAMS_PER_SM = 2
 _SHORT_EXTEND_TOKENS = 128
 # A target no batch reaches: every launched split is used (as far as the sequence's context has key tiles).
 _EVERY_SPLIT = 1 << 30
-# A split shorter than this does too little work to pay for its share of the reduction.
+# A split shorter than this does too little work to pay for its share of the merge. Extends measured it too
+# (perf/results/attention_merge_h200_2026-12-04): 10-token suffixes over 256 keys ran 12.6-15.4 us a layer on
+# one split against 16.5-20.5 on two, and over 1k keys best on 3-6 splits of 1-4 requests.
 _MIN_TOKENS_PER_SPLIT = 256
 # Decode programs to aim for per SM: a few resident programs per SM hide the block-table -> K/V load latency. Also
 # the most a decode launches (rounded down): past it, measured, a partial last round of programs costs more.
@@ -110,9 +112,9 @@ def _attend_tile(
 
 
 # Split partials a last-arriving program merges per load: [rows, chunk, D] float32 tiles of at most this many
-# elements (64 registers a thread at 4 warps), so a decode head group over many splits takes a few loads, not one
-# per split: the merge is one program's chain of dependent loads, and its length, not bandwidth, is its cost.
-_MERGE_ELEMS = 8192
+# elements (32 registers a thread at 4 warps), so a decode head group over many splits takes a few loads, not one
+# per split.
+_MERGE_ELEMS = 4096
 
 
 @triton.jit
@@ -127,28 +129,29 @@ def _merge_splits(
     HEAD_DIM: tl.constexpr,
     CHUNK: tl.constexpr,  # splits per load (a power of two)
 ):
-    """Every split's partial of R rows merged in one pass, CHUNK splits a load, each weighted by exp2(lse_split -
-    lse_max) with the running maximum rescaled as in online softmax; in split order, so the result does not
-    depend on which program merges. Reads with .cg: the partials were written by programs on other SMs and must
-    not come from this SM's L1. Returns [R, D_PAD] float32."""
+    """Every split's partial of R rows merged, each weighted by exp2(lse_split - lse_max), in split order (so the
+    sum does not depend on which program merges). Reads with .cg: the partials were written by other programs, on
+    other SMs, and must not come from this SM's L1. Returns [R, D_PAD] float32."""
     c = tl.arange(0, CHUNK)
-    m_i = tl.full(base.shape, float("-inf"), tl.float32)
+    lse_max = tl.full(base.shape, float("-inf"), tl.float32)
+    for s0 in range(0, used, CHUNK):
+        s_ok = r_ok[:, None] & (s0 + c < used)[None, :]
+        lse = tl.load(mid_lse_ptr + base[:, None] + s0 + c[None, :], mask=s_ok, other=float("-inf"),
+                      cache_modifier=".cg")
+        lse_max = tl.maximum(lse_max, tl.max(lse, 1))
+    # A row with no key anywhere is padding (every real row sees its own position's key): keep it NaN-free.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     num = tl.zeros([base.shape[0], d.shape[0]], dtype=tl.float32)
     den = tl.zeros(base.shape, dtype=tl.float32)
     for s0 in range(0, used, CHUNK):
         s_ok = r_ok[:, None] & (s0 + c < used)[None, :]
         row = base[:, None] + s0 + c[None, :]  # [R, CHUNK]
-        lse = tl.load(mid_lse_ptr + row, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp2(tl.load(mid_lse_ptr + row, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+                    - lse_max[:, None])  # 0 for splits a row saw nothing of
         part = tl.load(mid_o_ptr + row[:, :, None] * HEAD_DIM + d[None, None, :],
                        mask=s_ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_i, tl.max(lse, 1))
-        # A row that saw no key so far (padding rows never do): a finite reference keeps -inf - -inf from NaN.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        w = tl.exp2(lse - m_ref[:, None])  # 0 for splits a row saw nothing of
-        num = num * alpha[:, None] + tl.sum(part * w[:, :, None], 1)
-        den = den * alpha + tl.sum(w, 1)
-        m_i = m_new
+        num += tl.sum(part * w[:, :, None], 1)
+        den += tl.sum(w, 1)
     return num / tl.where(den > 0.0, den, 1.0)[:, None]
 
 
@@ -265,15 +268,16 @@ def _decode_split_kernel(
 
 @triton.jit
 def _extend_num_splits(q_len, kv_len, total_tokens, num_kv_heads, max_splits, target_programs,
-                       Q_PER_PROG: tl.constexpr, BLOCK_N: tl.constexpr):
+                       Q_PER_PROG: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr):
     """How many of the launched KV splits a sequence uses: enough programs with work for the whole batch to reach
     `target_programs`, estimating the batch as total_tokens / q_len sequences like this one (a CUDA graph's
-    launch is fixed for any batch it replays, so this is decided on the device), and no split shorter than a
-    key tile."""
+    launch is fixed for any batch it replays, so this is decided on the device), no split shorter than a key
+    tile, and none shorter than MIN_SPLIT_KEYS keys (rounded down: 300 keys stay one split)."""
     seqs = tl.maximum(total_tokens // q_len, 1)
     programs = seqs * num_kv_heads * ((q_len + Q_PER_PROG - 1) // Q_PER_PROG)
     splits = tl.maximum(target_programs // programs, 1)
     splits = tl.minimum(splits, (kv_len + BLOCK_N - 1) // BLOCK_N)
+    splits = tl.minimum(splits, kv_len // MIN_SPLIT_KEYS)
     return tl.maximum(tl.minimum(splits, max_splits), 1)
 
 
@@ -311,6 +315,7 @@ def _extend_kernel(
     SKIP_DECODE: tl.constexpr,  # q_len == 1 rows are left to the decode kernel (mixed batches)
     SPLIT: tl.constexpr,  # num_splits > 1: per-split partials, merged by each query tile's last split
     MERGE_CHUNK: tl.constexpr,  # splits per merge load
+    MIN_SPLIT_KEYS: tl.constexpr,  # _extend_num_splits
     PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     """Grid (B, Hkv, _extend_grid_work(...)): Q_PER_PROG new tokens x GROUP heads of one KV head, over one KV split.
@@ -340,7 +345,7 @@ def _extend_kernel(
         # as the busiest sequence has pairs (_extend_grid_work), not its longest suffix times the launched splits.
         # (a padding sequence, q_len 0, returns below: counted as one token here, so nothing divides by zero)
         used = _extend_num_splits(tl.maximum(q_len, 1), kv_len, total_tokens, tl.num_programs(1), num_splits,
-                                  target_programs, Q_PER_PROG, BLOCK_N)
+                                  target_programs, Q_PER_PROG, BLOCK_N, MIN_SPLIT_KEYS)
         split = work % used
         m_prog = work // used
     else:
@@ -516,6 +521,7 @@ class TritonAttention(AttentionBackend):
         extend_block_m: int | None = None,
         extend_block_n: int | None = None,
         num_kv_splits: int | None = None,
+        min_split_tokens: int = _MIN_TOKENS_PER_SPLIT,
     ) -> None:
         for v in (decode_block_n, extend_block_m, extend_block_n):
             if v is not None and (v < 16 or v & (v - 1)):
@@ -524,6 +530,8 @@ class TritonAttention(AttentionBackend):
         self.extend_block_m = extend_block_m
         self.extend_block_n = extend_block_n
         self.num_kv_splits = num_kv_splits
+        # The fewest keys worth a split of their own (tests lower it to split tiny contexts).
+        self.min_split_tokens = min_split_tokens
         self._num_sms: dict[torch.device, int] = {}
         # While `precompile` runs: the variants compiled so far (`_launch` compiles, launches nothing); else None.
         self._compile_only: set[tuple] | None = None
@@ -645,7 +653,7 @@ class TritonAttention(AttentionBackend):
         target = _PROGRAMS_PER_SM * self._sm_count(device)
         per_split = num_seqs * num_kv_heads
         want = target // per_split if round_down else triton.cdiv(target, per_split)
-        worth = triton.cdiv(max_kv_len, _MIN_TOKENS_PER_SPLIT)
+        worth = triton.cdiv(max_kv_len, self.min_split_tokens)
         return max(1, min(want, worth, _MAX_KV_SPLITS))
 
     def _decode_config(self, d_pad: int) -> dict[str, int]:
@@ -756,5 +764,5 @@ class TritonAttention(AttentionBackend):
             out.stride(0), out.stride(1), batch.block_tables.stride(0),
             HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, PAGE=batch.block_size,
             Q_PER_PROG=q_per_prog, SKIP_DECODE=skip_decode, SPLIT=splits > 1,
-            MERGE_CHUNK=_merge_chunk(cfg["BLOCK_M"], d_pad), **cfg,
+            MERGE_CHUNK=_merge_chunk(cfg["BLOCK_M"], d_pad), MIN_SPLIT_KEYS=self.min_split_tokens, **cfg,
         )  # fmt: skip
