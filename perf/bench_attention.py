@@ -52,9 +52,7 @@ class SweptAttention(TritonAttention):
     """The backend with the extend kernel's tile and launch shape fixed (and its split count forced)."""
 
     def __init__(self, extend_cfg: dict[str, int], splits: int) -> None:
-        # Forced means forced: no split is dropped for being short (a tree from before that rule has no such knob).
-        short = {"min_split_tokens": 1} if "min_split_tokens" in inspect.signature(super().__init__).parameters else {}
-        super().__init__(num_kv_splits=splits, **short)
+        super().__init__(num_kv_splits=splits)
         self.extend_cfg = extend_cfg
 
     def _extend_config(self, d_pad: int, elem_size: int, *_: object) -> dict[str, int]:

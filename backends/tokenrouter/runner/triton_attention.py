@@ -42,10 +42,10 @@ _EXTEND_PROGRAMS_PER_SM = 2
 _SHORT_EXTEND_TOKENS = 128
 # A target no batch reaches: every launched split is used (as far as the sequence's context has key tiles).
 _EVERY_SPLIT = 1 << 30
-# A split shorter than this does too little work to pay for its share of the merge. Extends measured it too
-# (perf/results/attention_merge_h200_2026-12-04): 10-token suffixes over 256 keys ran 12.6-15.4 us a layer on
-# one split against 16.5-20.5 on two, and over 1k keys best on 3-6 splits of 1-4 requests.
+# A split shorter than this does too little work to pay for its share of the reduction.
 _MIN_TOKENS_PER_SPLIT = 256
+# Sequences whose ends the extend reduce compares at once to find a token's sequence (one load for most batches).
+_SEQ_CHUNK = tl.constexpr(64)
 # Decode programs to aim for per SM: a few resident programs per SM hide the block-table -> K/V load latency. Also
 # the most a decode launches (rounded down): past it, measured, a partial last round of programs costs more.
 _PROGRAMS_PER_SM = 4
@@ -111,63 +111,6 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
-# Split partials a last-arriving program merges per load: [rows, chunk, D] float32 tiles of at most this many
-# elements (32 registers a thread at 4 warps), so a decode head group over many splits takes a few loads, not one
-# per split.
-_MERGE_ELEMS = 4096
-
-
-@triton.jit
-def _merge_splits(
-    mid_o_ptr,  # [..., num_splits, HEAD_DIM] float32 per-split normalised outputs
-    mid_lse_ptr,  # [..., num_splits] float32 per-split log2-sum-exp2, -inf where a row saw no key
-    base,  # [R] int64: each row's first split's row (its row index times num_splits)
-    r_ok,  # [R] real rows
-    used,  # splits written, 0..used-1
-    d,  # [D_PAD] head-dim offsets
-    d_ok,
-    HEAD_DIM: tl.constexpr,
-    CHUNK: tl.constexpr,  # splits per load (a power of two)
-):
-    """Every split's partial of R rows merged, each weighted by exp2(lse_split - lse_max), in split order (so the
-    sum does not depend on which program merges). Reads with .cg: the partials were written by other programs, on
-    other SMs, and must not come from this SM's L1. Returns [R, D_PAD] float32."""
-    c = tl.arange(0, CHUNK)
-    lse_max = tl.full(base.shape, float("-inf"), tl.float32)
-    for s0 in range(0, used, CHUNK):
-        s_ok = r_ok[:, None] & (s0 + c < used)[None, :]
-        lse = tl.load(mid_lse_ptr + base[:, None] + s0 + c[None, :], mask=s_ok, other=float("-inf"),
-                      cache_modifier=".cg")
-        lse_max = tl.maximum(lse_max, tl.max(lse, 1))
-    # A row with no key anywhere is padding (every real row sees its own position's key): keep it NaN-free.
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    num = tl.zeros([base.shape[0], d.shape[0]], dtype=tl.float32)
-    den = tl.zeros(base.shape, dtype=tl.float32)
-    for s0 in range(0, used, CHUNK):
-        s_ok = r_ok[:, None] & (s0 + c < used)[None, :]
-        row = base[:, None] + s0 + c[None, :]  # [R, CHUNK]
-        w = tl.exp2(tl.load(mid_lse_ptr + row, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-                    - lse_max[:, None])  # 0 for splits a row saw nothing of
-        part = tl.load(mid_o_ptr + row[:, :, None] * HEAD_DIM + d[None, None, :],
-                       mask=s_ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-        num += tl.sum(part * w[:, :, None], 1)
-        den += tl.sum(w, 1)
-    return num / tl.where(den > 0.0, den, 1.0)[:, None]
-
-
-@triton.jit
-def _arrive(count_ptr, expected):
-    """Count this program's partial as written; True for the program that arrives last (it merges, and leaves the
-    counter zero for the next launch, also inside a CUDA graph). The barrier puts every thread's partial store
-    before the one atomic, and the atomic's acq_rel makes the last program see every other program's partial."""
-    tl.debug_barrier()
-    done = tl.atomic_add(count_ptr, 1)
-    last = done == expected - 1
-    if last:
-        tl.atomic_xchg(count_ptr, 0)
-    return last
-
-
 # Runtime ints that change with the batch are not specialized on (Triton compiles a variant per value class:
 # 1, a multiple of 16, other), so a new batch never compiles a kernel on a request.
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
@@ -178,7 +121,6 @@ def _decode_split_kernel(
     o_ptr,  # [T, Hq, D], written directly when DIRECT_OUT
     mid_o_ptr,  # [B, Hq, num_splits, HEAD_DIM] float32, per-split normalised output
     mid_lse_ptr,  # [B, Hq, num_splits] float32, per-split log2-sum-exp2 of the scores
-    count_ptr,  # [B * Hkv] int32 zeros: splits written per (sequence, KV head), left zero again
     block_tables_ptr,  # [B, max_blocks] int32
     cu_seqlens_q_ptr,  # [B + 1] int32
     kv_lens_ptr,  # [B] int32
@@ -200,14 +142,10 @@ def _decode_split_kernel(
     GROUP_PAD: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    DIRECT_OUT: tl.constexpr,  # num_splits == 1: write the final output, no partials
-    MERGE_G: tl.constexpr,  # next power of two >= GROUP: the merge's rows
-    MERGE_CHUNK: tl.constexpr,  # splits per merge load
+    DIRECT_OUT: tl.constexpr,  # num_splits == 1: write the final output, no reduce kernel
     PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     """Grid (B, Hkv, num_splits): one sequence's single query, all GROUP query heads of one KV head, one KV split.
-    The last of a (sequence, KV head)'s splits to finish merges them all and writes the output: no reduce kernel,
-    whose launch cost as much as the merge itself (a few us a layer against a 1.4 ms Qwen3-0.6B step).
 
     In a mixed batch the sequences with q_len != 1 belong to the extend kernel and are skipped here.
     """
@@ -223,7 +161,7 @@ def _decode_split_kernel(
     start = split * split_len
     end = tl.minimum(start + split_len, kv_len)
     if (start >= end) | (q_len != 1):
-        # Empty split (short sequence; not counted in `used` below) or not a decode row.
+        # Empty split (short sequence; the reduce kernel skips it using the same formula) or not a decode row.
         return
 
     g = tl.arange(0, GROUP_PAD)  # GROUP_PAD >= 16 rows so tl.dot has a legal M; extra rows are masked
@@ -249,35 +187,69 @@ def _decode_split_kernel(
     out = acc / l_i[:, None]  # [GROUP_PAD, D_PAD]; l_i >= 1 for real rows since the split is non-empty
 
     if DIRECT_OUT:
-        # Nothing to merge: write the final output.
+        # Nothing to merge: write the final output and skip the reduce kernel.
         o_ptrs = o_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=q_mask)
     else:
         row = (seq * NUM_HEADS + head) * num_splits + split  # [GROUP_PAD]
         tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
         tl.store(mid_lse_ptr + row, m_i + tl.log2(l_i), mask=g_ok)
-        used = (kv_len + split_len - 1) // split_len  # the non-empty splits: those with start < kv_len
-        if _arrive(count_ptr + seq * tl.num_programs(1) + kv_head, used):
-            mg = tl.arange(0, MERGE_G)
-            m_head = kv_head * GROUP + mg
-            merged = _merge_splits(mid_o_ptr, mid_lse_ptr, (seq * NUM_HEADS + m_head).to(tl.int64) * num_splits,
-                                   mg < GROUP, used, d, d_ok, HEAD_DIM, MERGE_CHUNK)
-            o_ptrs = o_ptr + tok * stride_ot + m_head[:, None] * stride_oh + d[None, :]
-            tl.store(o_ptrs, merged.to(o_ptr.dtype.element_ty), mask=(mg < GROUP)[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(
+    mid_o_ptr,  # [B, Hq, num_splits, HEAD_DIM] float32
+    mid_lse_ptr,  # [B, Hq, num_splits] float32
+    o_ptr,  # [T, Hq, D]
+    cu_seqlens_q_ptr,  # [B + 1] int32
+    kv_lens_ptr,  # [B] int32
+    num_splits,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # next power of two >= num_splits
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
+):
+    """Grid (B, Hq): merge one head's split partials, weighting each by exp2(lse_split - lse_max)."""
+    wait_for_predecessor(PDL)  # first: the early returns below must have waited too
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    tok = tl.load(cu_seqlens_q_ptr + seq)
+    if tl.load(cu_seqlens_q_ptr + seq + 1) - tok != 1:
+        return  # an extend row of a mixed batch
+    kv_len = tl.load(kv_lens_ptr + seq)
+    split_len = (kv_len + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N) * BLOCK_N  # as in the split kernel
+    s = tl.arange(0, SPLITS_PAD)
+    s_ok = (s < num_splits) & (s * split_len < kv_len)  # splits the split kernel actually wrote
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    row = (seq * NUM_HEADS + head) * num_splits + s  # [SPLITS_PAD]
+    lse = tl.load(mid_lse_ptr + row, mask=s_ok, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    # Only an empty sequence (kv_len == 0) has no split; keep its output 0 instead of NaN.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max)  # [SPLITS_PAD], 0 for skipped splits
+    part = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    num = tl.sum(part * w[:, None], 0)  # [D_PAD]
+    den = tl.sum(w, 0)
+    out = num / tl.where(den > 0.0, den, 1.0)
+    tl.store(o_ptr + tok * stride_ot + head * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit
 def _extend_num_splits(q_len, kv_len, total_tokens, num_kv_heads, max_splits, target_programs,
-                       Q_PER_PROG: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr):
+                       Q_PER_PROG: tl.constexpr, BLOCK_N: tl.constexpr):
     """How many of the launched KV splits a sequence uses: enough programs with work for the whole batch to reach
     `target_programs`, estimating the batch as total_tokens / q_len sequences like this one (a CUDA graph's
-    launch is fixed for any batch it replays, so this is decided on the device), no split shorter than a key
-    tile, and none shorter than MIN_SPLIT_KEYS keys (rounded down: 300 keys stay one split)."""
+    launch is fixed for any batch it replays, so this is decided on the device), and no split shorter than a
+    key tile. The extend kernel and its reduce compute it alike."""
     seqs = tl.maximum(total_tokens // q_len, 1)
     programs = seqs * num_kv_heads * ((q_len + Q_PER_PROG - 1) // Q_PER_PROG)
     splits = tl.maximum(target_programs // programs, 1)
     splits = tl.minimum(splits, (kv_len + BLOCK_N - 1) // BLOCK_N)
-    splits = tl.minimum(splits, kv_len // MIN_SPLIT_KEYS)
     return tl.maximum(tl.minimum(splits, max_splits), 1)
 
 
@@ -289,7 +261,6 @@ def _extend_kernel(
     o_ptr,  # [T, Hq, D]
     mid_o_ptr,  # [T, Hq, num_splits, HEAD_DIM] float32, only read with SPLIT
     mid_lse_ptr,  # [T, Hq, num_splits] float32
-    count_ptr,  # [T * Hkv] int32 zeros: splits written per (query tile, KV head), by the tile's first token
     block_tables_ptr,  # [B, max_blocks] int32
     cu_seqlens_q_ptr,  # [B + 1] int32
     kv_lens_ptr,  # [B] int32
@@ -313,9 +284,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     Q_PER_PROG: tl.constexpr,  # BLOCK_M // GROUP queries per program
     SKIP_DECODE: tl.constexpr,  # q_len == 1 rows are left to the decode kernel (mixed batches)
-    SPLIT: tl.constexpr,  # num_splits > 1: per-split partials, merged by each query tile's last split
-    MERGE_CHUNK: tl.constexpr,  # splits per merge load
-    MIN_SPLIT_KEYS: tl.constexpr,  # _extend_num_splits
+    SPLIT: tl.constexpr,  # num_splits > 1: write per-split partials for _extend_reduce_kernel
     PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     """Grid (B, Hkv, _extend_grid_work(...)): Q_PER_PROG new tokens x GROUP heads of one KV head, over one KV split.
@@ -326,9 +295,7 @@ def _extend_kernel(
     A short suffix over a long prefix (a request returning from another model) has only a few such programs,
     each walking the whole prefix: with SPLIT the keys are divided among up to num_splits programs, as in
     decode; programs past a sequence's (query tile, split) pairs return at once, and a sequence that uses one
-    split writes its output directly (no partials). Of a query tile's splits, the last to finish merges them
-    all, as in decode: no reduce kernel (on Qwen3-32B, 8 requests x 10 tokens over 1k keys, the reduce took
-    0.99 ms of a 23.8 ms step, profile_32b_h200.log).
+    split writes its output directly (no partials, no reduce).
     """
     wait_for_predecessor(PDL)  # first: the early returns below must have waited too
     seq = tl.program_id(0)
@@ -345,7 +312,7 @@ def _extend_kernel(
         # as the busiest sequence has pairs (_extend_grid_work), not its longest suffix times the launched splits.
         # (a padding sequence, q_len 0, returns below: counted as one token here, so nothing divides by zero)
         used = _extend_num_splits(tl.maximum(q_len, 1), kv_len, total_tokens, tl.num_programs(1), num_splits,
-                                  target_programs, Q_PER_PROG, BLOCK_N, MIN_SPLIT_KEYS)
+                                  target_programs, Q_PER_PROG, BLOCK_N)
         split = work % used
         m_prog = work // used
     else:
@@ -388,7 +355,7 @@ def _extend_kernel(
     causal_end = prefix + m_last + 1
     if SPLIT:
         # This split's keys: a BLOCK_N-aligned share of the sequence (as in the decode kernel), so both phase
-        # boundaries below stay tile-aligned. Rows may see no key here; the merge weighs those splits 0.
+        # boundaries below stay tile-aligned. Rows may see no key here; the reduce kernel drops those splits.
         split_len = (kv_len + used * BLOCK_N - 1) // (used * BLOCK_N) * BLOCK_N
         lo = split * split_len
         hi = tl.minimum(lo + split_len, causal_end)
@@ -417,20 +384,89 @@ def _extend_kernel(
             row = (tok * (tl.num_programs(1) * GROUP) + head) * num_splits + split  # [BLOCK_M] (token, head, split)
             tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
             tl.store(mid_lse_ptr + row, lse, mask=row_ok)
-            # Every (query tile, split) pair of the sequence has its program (the grid covers them), so the tile
-            # counts `used` arrivals; its first token names its counter.
-            last = _arrive(count_ptr + (q_start + m_first) * tl.num_programs(1) + kv_head, used)
-            if last == 0:
-                return
-            out = _merge_splits(mid_o_ptr, mid_lse_ptr, row - split, row_ok, used, d, d_ok, HEAD_DIM, MERGE_CHUNK)
-        else:
-            out = acc / l_i[:, None]
-    else:
-        # Unsplit, or a sequence that uses one split (it walked every key, as unsplit): each real row saw its own
-        # key, so l_i > 0.
-        out = acc / l_i[:, None]
+            return
+    # Unsplit, or a sequence that uses one split (it walked every key, as unsplit): the output directly, and the
+    # reduce leaves its rows alone. Each real row saw its own key, so l_i > 0.
+    out = acc / l_i[:, None]
     o_ptrs = o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "target_programs"])
+def _extend_reduce_kernel(
+    mid_o_ptr,  # [T, Hq, num_splits, HEAD_DIM] float32
+    mid_lse_ptr,  # [T, Hq, num_splits] float32
+    o_ptr,  # [T, Hq, D]
+    cu_seqlens_q_ptr,  # [B + 1]
+    kv_lens_ptr,  # [B]
+    num_seqs,  # B
+    num_splits,
+    target_programs,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,  # next power of two >= GROUP
+    SPLITS_PAD: tl.constexpr,  # next power of two >= num_splits
+    Q_PER_PROG: tl.constexpr,  # the extend kernel's, for _extend_num_splits
+    BLOCK_N: tl.constexpr,
+    SKIP_DECODE: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
+):
+    """Grid (T, Hkv): one token's GROUP query heads of one KV head, every split's partial merged in one load
+    (weights exp2(lse_split - lse_max)), as the decode reduce does. Only the rows of sequences the extend kernel
+    split are touched (decode rows belong to the decode kernel; a sequence that uses one split got its output
+    from the extend kernel; a graph's padding tokens belong to no sequence).
+
+    One program per token rather than per query tile: merging the splits in a loop made each program wait for
+    one load per split, and with few sequences that latency, not bandwidth, set the kernel's time. The grid runs
+    over the batch's tokens, not (longest suffix x sequences): a graph's grid has to cover its longest possible
+    suffix for every sequence, which was mostly programs that return (64 sequences x 128 tokens for at most 128
+    tokens' work)."""
+    wait_for_predecessor(PDL)  # first: the early returns below must have waited too
+    t = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # The token's sequence: how many sequences end at or before it (cu_seqlens_q[1:] is non-decreasing).
+    seq = num_seqs * 0  # (an int32 scalar, as the loop makes it)
+    for b0 in range(0, num_seqs, _SEQ_CHUNK):
+        b = b0 + tl.arange(0, _SEQ_CHUNK)
+        ends = tl.load(cu_seqlens_q_ptr + 1 + b, mask=b < num_seqs, other=2147483647)
+        seq += tl.sum((ends <= t).to(tl.int32), 0)
+    if seq >= num_seqs:  # a padding token past every sequence
+        return
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if SKIP_DECODE:
+        if q_len == 1:
+            return
+    total_tokens = tl.load(cu_seqlens_q_ptr + num_seqs)
+    used = _extend_num_splits(q_len, tl.load(kv_lens_ptr + seq), total_tokens, tl.num_programs(1), num_splits,
+                              target_programs, Q_PER_PROG, BLOCK_N)
+    if used == 1:  # the extend kernel wrote this sequence's output itself
+        return
+    tok = t.to(tl.int64)
+    g = tl.arange(0, GROUP_PAD)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    head = kv_head * GROUP + g  # [GROUP_PAD]
+    row = (tok * (tl.num_programs(1) * GROUP) + head)[:, None] * num_splits + s[None, :]  # [GROUP_PAD, SPLITS_PAD]
+    row_ok = g_ok[:, None] & (s < used)[None, :]  # the splits the extend kernel wrote
+    # Every real row saw its own position's key in some split, so lse_max is finite; splits a row saw nothing
+    # of carry lse = -inf and weigh 0.
+    lse = tl.load(mid_lse_ptr + row, mask=row_ok, other=float("-inf"))
+    lse_max = tl.max(lse, 1)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # padding heads: keep them NaN-free
+    w = tl.exp2(lse - lse_max[:, None])  # [GROUP_PAD, SPLITS_PAD]
+    part = tl.load(mid_o_ptr + row[:, :, None] * HEAD_DIM + d[None, None, :],
+                   mask=row_ok[:, :, None] & d_ok[None, None, :], other=0.0)  # [GROUP_PAD, SPLITS_PAD, D_PAD]
+    num = tl.sum(part * w[:, :, None], 1)  # [GROUP_PAD, D_PAD]
+    den = tl.sum(w, 1)
+    out = num / tl.where(den > 0.0, den, 1.0)[:, None]
+    o_ptrs = o_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
 @dataclass
@@ -464,20 +500,6 @@ def _split_scratch(
             torch.empty(rows, num_heads, splits, dtype=torch.float32, device=device),
         )
     return state.scratch[key]
-
-
-def _split_counts(state: _TritonState, n: int, device: torch.device) -> torch.Tensor:
-    """Arrival counters of the split kernels (`_arrive`), zeroed once per step (inside a graph: by a memset node
-    of each replay) and left zero by every launch, so every layer of the step shares them."""
-    key = ("counts", device)
-    if key not in state.scratch or state.scratch[key].numel() < n:
-        state.scratch[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return state.scratch[key]
-
-
-def _merge_chunk(rows: int, d_pad: int) -> int:
-    """Splits per merge load for `rows` rows of d_pad columns: a power of two within _MERGE_ELEMS, at least 1."""
-    return 1 << max(0, (_MERGE_ELEMS // (rows * d_pad)).bit_length() - 1)
 
 
 def _next_pow2(x: int) -> int:
@@ -521,7 +543,6 @@ class TritonAttention(AttentionBackend):
         extend_block_m: int | None = None,
         extend_block_n: int | None = None,
         num_kv_splits: int | None = None,
-        min_split_tokens: int = _MIN_TOKENS_PER_SPLIT,
     ) -> None:
         for v in (decode_block_n, extend_block_m, extend_block_n):
             if v is not None and (v < 16 or v & (v - 1)):
@@ -530,8 +551,6 @@ class TritonAttention(AttentionBackend):
         self.extend_block_m = extend_block_m
         self.extend_block_n = extend_block_n
         self.num_kv_splits = num_kv_splits
-        # The fewest keys worth a split of their own (tests lower it to split tiny contexts).
-        self.min_split_tokens = min_split_tokens
         self._num_sms: dict[torch.device, int] = {}
         # While `precompile` runs: the variants compiled so far (`_launch` compiles, launches nothing); else None.
         self._compile_only: set[tuple] | None = None
@@ -594,17 +613,17 @@ class TritonAttention(AttentionBackend):
 
     def precompile(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
                    scale: float) -> int:
-        """Every variant a step can launch, compiled before serving: decode with one split (direct output) and
-        with several (partials merged in the kernel; the split count is not specialized on), extend with and
-        without decode rows beside it (SKIP_DECODE) and with and without splits. `batch` gives the tensors' types
-        and layouts (the eager path's: graphs, whose lengths are int64 and whose short extends take their own
-        tile, compile their variants when they are captured, before serving too); nothing is launched."""
+        """Every variant a step can launch, compiled before serving: decode with one split (direct output)
+        and with each power-of-two split count (the reduce's SPLITS_PAD), extend with and without decode rows
+        beside it (SKIP_DECODE) and with and without splits. `batch` gives the tensors' types and layouts (the
+        eager path's: graphs, whose lengths are int64 and whose short extends take their own tile, compile their
+        variants when they are captured, before serving too); nothing is launched."""
         # A few rows are enough (a variant does not depend on the row count) and keep the extend's split scratch
         # under its byte cap, which would otherwise hold a large batch of a wide model at one split and leave
         # the split variants uncompiled.
         q = q[:16]
         seqs, tokens = batch.num_seqs, q.shape[0]
-        counts = (1, 2)
+        counts = sorted({1} | {1 << i for i in range(1, _MAX_KV_SPLITS.bit_length())})
         forced, self.num_kv_splits = self.num_kv_splits, None
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         self._compile_only = set()
@@ -653,7 +672,7 @@ class TritonAttention(AttentionBackend):
         target = _PROGRAMS_PER_SM * self._sm_count(device)
         per_split = num_seqs * num_kv_heads
         want = target // per_split if round_down else triton.cdiv(target, per_split)
-        worth = triton.cdiv(max_kv_len, self.min_split_tokens)
+        worth = triton.cdiv(max_kv_len, _MIN_TOKENS_PER_SPLIT)
         return max(1, min(want, worth, _MAX_KV_SPLITS))
 
     def _decode_config(self, d_pad: int) -> dict[str, int]:
@@ -701,20 +720,25 @@ class TritonAttention(AttentionBackend):
         cfg = self._decode_config(d_pad)
         splits = self._pick_num_splits(q.device, state.num_decode, num_kv_heads, state.max_decode_kv_len,
                                        round_down=True)
-        mid_o = mid_lse = counts = out  # with one split the kernel writes `out` directly, never the scratch
+        mid_o = mid_lse = out  # with one split the kernel writes `out` directly, never the scratch
         if splits > 1:
             mid_o, mid_lse = _split_scratch(state, "decode", B, num_heads, splits, head_dim, q.device)
-            counts = _split_counts(state, max(B, q.shape[0]) * num_kv_heads, q.device)
         # Grid over all B sequences: in a mixed batch the extend rows' programs return at once.
         self._launch(_decode_split_kernel, (B, num_kv_heads, splits),
-            q, k_cache, v_cache, out, mid_o, mid_lse, counts, batch.block_tables, batch.cu_seqlens_q, batch.kv_lens,
+            q, k_cache, v_cache, out, mid_o, mid_lse, batch.block_tables, batch.cu_seqlens_q, batch.kv_lens,
             scale * _LOG2E, splits,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             out.stride(0), out.stride(1), batch.block_tables.stride(0),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group,
-            GROUP_PAD=max(16, _next_pow2(group)), PAGE=batch.block_size, DIRECT_OUT=splits == 1,
-            MERGE_G=_next_pow2(group), MERGE_CHUNK=_merge_chunk(_next_pow2(group), d_pad), **cfg,
+            GROUP_PAD=max(16, _next_pow2(group)), PAGE=batch.block_size, DIRECT_OUT=splits == 1, **cfg,
         )  # fmt: skip
+        if splits > 1:
+            self._launch(_decode_reduce_kernel, (B, num_heads),
+                mid_o, mid_lse, out, batch.cu_seqlens_q, batch.kv_lens, splits, out.stride(0), out.stride(1),
+                NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_N=cfg["BLOCK_N"],
+                SPLITS_PAD=_next_pow2(splits),
+                num_warps=4, num_stages=1,
+            )  # fmt: skip
 
     def _extend(
         self,
@@ -752,17 +776,26 @@ class TritonAttention(AttentionBackend):
             target = _EVERY_SPLIT
         splits = max(1, min(splits, _MAX_EXTEND_SPLITS, _MAX_EXTEND_SCRATCH_BYTES // per_split))
         skip_decode = state.num_decode > 0
-        mid_o = mid_lse = counts = out  # never read without SPLIT
+        mid_o = mid_lse = out  # never read without SPLIT
         if splits > 1:
             mid_o, mid_lse = _split_scratch(state, "extend", q.shape[0], num_heads, splits, head_dim, q.device)
-            counts = _split_counts(state, max(batch.num_seqs, q.shape[0]) * num_kv_heads, q.device)
         work = _extend_grid_work(num_m, splits, target, num_kv_heads) if splits > 1 else num_m
         self._launch(_extend_kernel, (batch.num_seqs, num_kv_heads, work),
-            q, k_cache, v_cache, out, mid_o, mid_lse, counts, batch.block_tables, batch.cu_seqlens_q, batch.kv_lens,
+            q, k_cache, v_cache, out, mid_o, mid_lse, batch.block_tables, batch.cu_seqlens_q, batch.kv_lens,
             scale * _LOG2E, splits, target,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             out.stride(0), out.stride(1), batch.block_tables.stride(0),
             HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, PAGE=batch.block_size,
-            Q_PER_PROG=q_per_prog, SKIP_DECODE=skip_decode, SPLIT=splits > 1,
-            MERGE_CHUNK=_merge_chunk(cfg["BLOCK_M"], d_pad), MIN_SPLIT_KEYS=self.min_split_tokens, **cfg,
+            Q_PER_PROG=q_per_prog, SKIP_DECODE=skip_decode, SPLIT=splits > 1, **cfg,
         )  # fmt: skip
+        if splits > 1:
+            splits_pad, group_pad = _next_pow2(splits), _next_pow2(group)
+            # One reduce program per (token, KV head); tokens on the grid's first axis, the only one without a
+            # 65,535 limit.
+            self._launch(_extend_reduce_kernel, (q.shape[0], num_kv_heads),
+                mid_o, mid_lse, out, batch.cu_seqlens_q, batch.kv_lens, batch.num_seqs, splits, target, out.stride(0),
+                out.stride(1), HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, GROUP_PAD=group_pad,
+                SPLITS_PAD=splits_pad, Q_PER_PROG=q_per_prog, BLOCK_N=cfg["BLOCK_N"], SKIP_DECODE=skip_decode,
+                # 8 warps once the merged tile has 16K elements: 64 float32 registers per thread instead of 128.
+                num_warps=8 if group_pad * splits_pad * d_pad >= 16384 else 4, num_stages=1,
+            )  # fmt: skip
