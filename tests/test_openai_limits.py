@@ -222,6 +222,31 @@ def test_long_prompts_are_tokenized_two_at_a_time_and_short_ones_pass(limited) -
     assert done == [200, 200, 200] and turns.most == 2
 
 
+def test_chat_prompts_take_turns_by_their_rendered_length(limited) -> None:
+    """The turn is decided on the text tokenized, the chat template's included: messages whose own text is short
+    (20 characters, roles counted) render into a 48-character prompt, which takes a turn like any long one."""
+    _, server, tok = limited
+    server.long_prompt_chars = 30
+    server.tokenizer = turns = _Turns(tok)
+    addr = server.server_address[:2]
+    done: list[int] = []
+    messages = [{"role": "user", "content": "SLOW"}] + [{"role": "user", "content": ""}] * 3
+    body = {"messages": messages, "max_tokens": 2}
+    assert sum(len(v) for m in messages for v in m.values()) < server.long_prompt_chars
+    threads = [threading.Thread(target=lambda: done.append(_post(addr, "/v1/chat/completions", body)[0]))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        assert turns.entered.acquire(timeout=10) and turns.entered.acquire(timeout=10)
+        assert not turns.entered.acquire(timeout=0.5)  # the third waits for a turn
+    finally:
+        tok.release.set()
+        for t in threads:
+            t.join(10)
+    assert done == [200, 200, 200] and turns.most == 2
+
+
 def test_a_real_fast_tokenizer_shared_by_threads(tiny_dir: Path) -> None:
     """The no-lock decision, on the real thing: concurrent chat and completion requests of mixed lengths through
     one HF fast tokenizer all succeed ("Already borrowed" would be a 500) with the right token counts."""

@@ -27,7 +27,6 @@ from tokenrouter.serving.openai.prompts import (
     count_tokens,
     load_frontend_tokenizer,
     prepare_prompt,
-    text_size,
     tokenizer_context_limit,
 )
 from tokenrouter.serving.openai.protocol import (
@@ -168,10 +167,12 @@ class OpenAIFrontendServer(ThreadingHTTPServer):
         return count_tokens(self.tokenizer, text)
 
     def prepare_prompt(self, req: GenerationRequest) -> tuple[str, int]:
-        if text_size(req) < self.long_prompt_chars:
-            return prepare_prompt(req, self.tokenizer, self.prompt_bound)
-        with self._long_prompts:
-            return prepare_prompt(req, self.tokenizer, self.prompt_bound)
+        return prepare_prompt(req, self.tokenizer, self.prompt_bound, turn=self._tokenizing_turn)
+
+    def _tokenizing_turn(self, chars: int) -> contextlib.AbstractContextManager:
+        """A turn among LONG_PROMPT_TOKENIZERS for a prompt of `chars` characters as tokenized (the chat
+        template's text included: many short messages can render into a long prompt); none for a short one."""
+        return self._long_prompts if chars >= self.long_prompt_chars else contextlib.nullcontext()
 
     def server_close(self) -> None:
         super().server_close()

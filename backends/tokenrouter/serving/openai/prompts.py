@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tokenrouter.serving.openai.errors import OpenAIError
@@ -62,11 +64,14 @@ def text_size(req: GenerationRequest) -> int:
     return len(req.prompt or "")
 
 
-def prepare_prompt(req: GenerationRequest, tokenizer: Any, bound: PromptCharBound | None = None) -> tuple[str, int]:
+def prepare_prompt(req: GenerationRequest, tokenizer: Any, bound: PromptCharBound | None = None,
+                   turn: Callable[[int], contextlib.AbstractContextManager] | None = None) -> tuple[str, int]:
     """(prompt text to send, prompt token count) for a parsed request.
 
     With `bound` (the router's own rule), a prompt the context cannot hold is a 400 before anything is
     tokenized: tokenizing megabytes takes seconds and gigabytes, for a request the router refuses anyway.
+    `turn(chars)`: entered around the tokenizing of the prompt text as sent (the chat template's included), for
+    that text's length.
     """
     if req.kind == "chat":
         _check_chars(bound, text_size(req), "the messages' text", "messages")
@@ -76,4 +81,5 @@ def prepare_prompt(req: GenerationRequest, tokenizer: Any, bound: PromptCharBoun
     else:
         prompt = req.prompt or ""
         _check_chars(bound, text_size(req), "prompt", "prompt")
-    return prompt, count_tokens(tokenizer, prompt)
+    with turn(len(prompt)) if turn is not None else contextlib.nullcontext():
+        return prompt, count_tokens(tokenizer, prompt)
