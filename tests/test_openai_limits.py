@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -197,54 +197,51 @@ class _Turns:
                 self.inside -= 1
 
 
-def test_long_prompts_are_tokenized_two_at_a_time_and_short_ones_pass(limited) -> None:
-    """Without the lock, a burst of prompts near the bound would all be tokenized at once (hundreds of MB each):
-    long ones take turns (LONG_PROMPT_TOKENIZERS), a short one never waits for them."""
+def _three_at_once_take_turns(limited, long_prompt_chars: int, path: str, body: dict[str, Any],
+                              meanwhile: Callable[[], None] | None = None) -> None:
+    """Three copies of a "SLOW" request at once: two are tokenized, the third waits for a turn (`meanwhile` runs
+    then, while the first two are held in the tokenizer); once released all three succeed, never more than two
+    inside the tokenizer together."""
     _, server, tok = limited
-    server.long_prompt_chars = 10
+    server.long_prompt_chars = long_prompt_chars
     server.tokenizer = turns = _Turns(tok)
     addr = server.server_address[:2]
     done: list[int] = []
-    body = {"prompt": "SLOW a b c d e f", "max_tokens": 2}
-    threads = [threading.Thread(target=lambda: done.append(_post(addr, "/v1/completions", body)[0]))
-               for _ in range(3)]
+    threads = [threading.Thread(target=lambda: done.append(_post(addr, path, body)[0])) for _ in range(3)]
     for t in threads:
         t.start()
     try:
         assert turns.entered.acquire(timeout=10) and turns.entered.acquire(timeout=10)
         assert not turns.entered.acquire(timeout=0.5)  # the third waits for a turn
-        status, _, _ = _post(addr, "/v1/completions", {"prompt": "a b", "max_tokens": 2})
-        assert status == 200 and done == []
+        if meanwhile is not None:
+            meanwhile()
+            assert done == []
     finally:
         tok.release.set()
         for t in threads:
             t.join(10)
     assert done == [200, 200, 200] and turns.most == 2
+
+
+def test_long_prompts_are_tokenized_two_at_a_time_and_short_ones_pass(limited) -> None:
+    """Without the lock, a burst of prompts near the bound would all be tokenized at once (hundreds of MB each):
+    long ones take turns (LONG_PROMPT_TOKENIZERS), a short one never waits for them."""
+    addr = limited[1].server_address[:2]
+
+    def short_one_passes() -> None:
+        status, _, _ = _post(addr, "/v1/completions", {"prompt": "a b", "max_tokens": 2})
+        assert status == 200
+
+    _three_at_once_take_turns(limited, 10, "/v1/completions", {"prompt": "SLOW a b c d e f", "max_tokens": 2},
+                              meanwhile=short_one_passes)
 
 
 def test_chat_prompts_take_turns_by_their_rendered_length(limited) -> None:
     """The turn is decided on the text tokenized, the chat template's included: messages whose own text is short
     (20 characters, roles counted) render into a 48-character prompt, which takes a turn like any long one."""
-    _, server, tok = limited
-    server.long_prompt_chars = 30
-    server.tokenizer = turns = _Turns(tok)
-    addr = server.server_address[:2]
-    done: list[int] = []
     messages = [{"role": "user", "content": "SLOW"}] + [{"role": "user", "content": ""}] * 3
-    body = {"messages": messages, "max_tokens": 2}
-    assert sum(len(v) for m in messages for v in m.values()) < server.long_prompt_chars
-    threads = [threading.Thread(target=lambda: done.append(_post(addr, "/v1/chat/completions", body)[0]))
-               for _ in range(3)]
-    for t in threads:
-        t.start()
-    try:
-        assert turns.entered.acquire(timeout=10) and turns.entered.acquire(timeout=10)
-        assert not turns.entered.acquire(timeout=0.5)  # the third waits for a turn
-    finally:
-        tok.release.set()
-        for t in threads:
-            t.join(10)
-    assert done == [200, 200, 200] and turns.most == 2
+    assert sum(len(v) for m in messages for v in m.values()) < 30
+    _three_at_once_take_turns(limited, 30, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
 
 
 def test_a_real_fast_tokenizer_shared_by_threads(tiny_dir: Path) -> None:
