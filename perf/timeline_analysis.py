@@ -4,10 +4,13 @@
 Summary, per model, over the window from the first step's start to the last step's end (all models):
 - busy fraction: time inside its steps / window; of a step, `forward` is the forward pass up to its tokens
   (and the policy's values) on the host, `route+commit` the routing, commit and handoffs after it;
-- the step's phases, mean ms per step: `schedule` (choosing the batch), `prepare+launch` (the host builds the
-  inputs and launches the kernels or the graph), `GPU wait` (from the launch until tokens and values are on
-  the host: the GPU's work not hidden behind the host's, and the other model's kernels when they share the
-  GPU), `route+commit`; the host's share of a step is everything but `GPU wait`;
+- the step's phases, mean and median ms per step: `schedule` (choosing the batch), `prepare` (the host builds the
+  inputs, up to the graph's replay or the first kernel's call), `launch` (that call until it returned: the
+  launches, and the loop waiting for the GIL back from its process's other threads; the GPU is already working),
+  `GPU wait` (from the launch until tokens and values are on the host: the GPU's work not hidden behind the
+  host's, and the other model's kernels when they share the GPU), `route+commit`; the host's share of a step is
+  everything but `GPU wait`. Events recorded before `prepare` and `launch` were told apart have one phase
+  `prepare+launch`;
 - batch histogram, mean batch, tokens per step, steps with an extend or prefill, step time by batch size;
 - idle gaps between its consecutive steps, split by cause: `no request ready` (until the first of the next
   step's rows became ready); `waiting below threshold` (delayed batching, threshold > 1: from then until the
@@ -76,17 +79,24 @@ def _gaps(steps: list[Event]) -> dict[str, float]:
     return causes
 
 
-PHASES = (("schedule", "schedule_start", "start"), ("prepare+launch", "start", "launched"),
-          ("GPU wait", "launched", "forward_end"), ("route+commit", "forward_end", "end"))
+PHASES = (("schedule", "schedule_start", "start"), ("prepare", "start", "submitted"),
+          ("launch", "submitted", "launched"), ("GPU wait", "launched", "forward_end"),
+          ("route+commit", "forward_end", "end"))
+# Events recorded before `submitted` was: preparing and launching in one phase.
+PHASES_UNSPLIT = (("schedule", "schedule_start", "start"), ("prepare+launch", "start", "launched"),
+                  ("GPU wait", "launched", "forward_end"), ("route+commit", "forward_end", "end"))
 
 
-def _phases(steps: list[Event]) -> dict[str, float] | None:
-    """Mean milliseconds per step in each phase (see the module docstring); None for events recorded before
-    the phases were (no `launched` time)."""
-    timed = [e for e in steps if e.get("launched") and e.get("schedule_start") and e.get("forward_end")]
-    if not timed:
-        return None
-    return {name: 1000 * statistics.fmean(e[b] - e[a] for e in timed) for name, a, b in PHASES}
+def _phases(steps: list[Event]) -> tuple[dict[str, float], dict[str, float]] | None:
+    """Mean and median milliseconds per step in each phase (see the module docstring), over the steps that
+    recorded every stamp of PHASES (or, where none did, of PHASES_UNSPLIT); None for events recorded before the
+    phases were (no `launched` time)."""
+    for phases in (PHASES, PHASES_UNSPLIT):
+        timed = [e for e in steps if all(e.get(k) is not None for _, a, b in phases for k in (a, b))]
+        if timed:
+            ms = {name: [1000 * (e[b] - e[a]) for e in timed] for name, a, b in phases}
+            return ({n: statistics.fmean(v) for n, v in ms.items()}, {n: statistics.median(v) for n, v in ms.items()})
+    return None
 
 
 def _overlap(intervals_by_model: dict[str, list[tuple[float, float]]]) -> float:
@@ -163,6 +173,7 @@ def summarize(events: list[Event]) -> dict[str, Any]:
         busy = sum(e["end"] - e["start"] for e in steps)
         forward = sum(e["forward_end"] - e["start"] for e in steps if e.get("forward_end"))
         phases = _phases(steps)
+        phase_ms, phase_ms_p50 = phases if phases is not None else (None, None)
         by_batch: dict[int, list[float]] = defaultdict(list)
         for e in steps:
             by_batch[e["batch"]].append(e["end"] - e["start"])
@@ -175,7 +186,8 @@ def summarize(events: list[Event]) -> dict[str, Any]:
             "steps_with_extend": sum(1 for e in steps if e.get("extends")),
             "batch_histogram": dict(sorted(Counter(e["batch"] for e in steps).items())),
             "step_ms_by_batch": {b: 1000 * statistics.fmean(v) for b, v in sorted(by_batch.items())},
-            "phase_ms": phases,
+            "phase_ms": phase_ms,
+            "phase_ms_p50": phase_ms_p50,
             "idle_s": _gaps(steps),
             # Per step, the longest a row waited since it became ready; the median over steps.
             "longest_wait_ms_p50": _ms(_pct([e["queue_wait_max"] for e in steps], 0.5)),
@@ -245,8 +257,12 @@ def chrome_trace(events: list[Event]) -> dict[str, Any]:
                 out.append({"ph": "X", "pid": 1, "tid": tid, "name": "route+commit", "cat": "step",
                             "ts": us(e["forward_end"]), "dur": us(e["end"]) - us(e["forward_end"])})
                 if e.get("launched"):  # inside `forward`: the host's part before the GPU's work is waited on
-                    out.append({"ph": "X", "pid": 1, "tid": tid, "name": "prepare+launch", "cat": "step",
-                                "ts": us(e["start"]), "dur": us(e["launched"]) - us(e["start"])})
+                    split = e.get("submitted")
+                    parts = ((("prepare", e["start"], split), ("launch", split, e["launched"])) if split is not None
+                             else (("prepare+launch", e["start"], e["launched"]),))
+                    for name, a, b in parts:
+                        out.append({"ph": "X", "pid": 1, "tid": tid, "name": name, "cat": "step", "ts": us(a),
+                                    "dur": us(b) - us(a)})
             if e.get("schedule_start"):
                 out.append({"ph": "X", "pid": 1, "tid": tid, "name": "schedule", "cat": "host",
                             "ts": us(e["schedule_start"]), "dur": us(e["start"]) - us(e["schedule_start"])})
@@ -294,15 +310,17 @@ def markdown(summary: dict[str, Any], title: str) -> str:
     if router:
         lines += ["", f"Router loop: {router['batches']} event batches, busy {100 * router['busy_fraction']:.1f} % of "
                   f"the window, {router['mean_ms']:.3f} ms per batch (p99 {router['p99_ms']:.3f})."]
-    phased = {m: s["phase_ms"] for m, s in summary["models"].items() if s.get("phase_ms")}
+    phased = {m: s for m, s in summary["models"].items() if s.get("phase_ms")}
     if phased:
-        names = [name for name, _, _ in PHASES]
-        lines += ["", "Phases of a step, mean ms (host: all but `GPU wait`):", "",
+        names = list(next(iter(phased.values()))["phase_ms"])
+        lines += ["", "Phases of a step, mean / median ms (host share of the means: all but `GPU wait`):", "",
                   "| model | " + " | ".join(names) + " | host share |", "|---|" + "---:|" * (len(names) + 1)]
-        for m, ph in phased.items():
+        for m, s in phased.items():
+            ph, p50 = s["phase_ms"], s.get("phase_ms_p50") or {}
             total = sum(ph.values())
             host = (total - ph["GPU wait"]) / total if total else 0.0
-            lines.append(f"| {m} | " + " | ".join(f"{ph[n]:.3f}" for n in names) + f" | {100 * host:.1f} % |")
+            cells = [f"{ph[n]:.3f} / {p50[n]:.3f}" if n in p50 else f"{ph[n]:.3f}" for n in ph]
+            lines.append(f"| {m} | " + " | ".join(cells) + f" | {100 * host:.1f} % |")
     lines += ["", "Batch sizes (steps per batch size) and mean step time by batch size:", ""]
     for m, s in summary["models"].items():
         hist = ", ".join(f"{b}: {n}" for b, n in s["batch_histogram"].items())

@@ -101,12 +101,40 @@ def test_summary_of_known_events() -> None:
     assert all(ends[i]["tid"] != starts[i]["tid"] for i in starts) and set(names) == {"small", "large"}
 
 
+def test_step_phases() -> None:
+    """The phases of a step (mean and median ms) from its stamps; events recorded before the launch was told
+    apart from the preparation get one `prepare+launch` phase."""
+    def stamped(start: float, prepare: float, launch: float, wait: float) -> dict:
+        e = step("small", start, start + 0.001 + prepare + launch + wait + 0.002, 1)
+        e.update(schedule_start=start - 0.001, submitted=start + prepare, launched=start + prepare + launch,
+                 forward_end=start + prepare + launch + wait)
+        return e
+
+    events = [stamped(0.0, 0.001, 0.001, 0.010), stamped(1.0, 0.001, 0.002, 0.010),
+              stamped(2.0, 0.004, 0.006, 0.010)]
+    small = summarize(events)["models"]["small"]
+    assert list(small["phase_ms"]) == ["schedule", "prepare", "launch", "GPU wait", "route+commit"]
+    assert small["phase_ms"]["prepare"] == pytest.approx(2.0) and small["phase_ms_p50"]["prepare"] == pytest.approx(1.0)
+    assert small["phase_ms"]["launch"] == pytest.approx(3.0) and small["phase_ms_p50"]["launch"] == pytest.approx(2.0)
+    assert small["phase_ms"]["GPU wait"] == pytest.approx(10.0)
+    slices = {e["name"]: e["dur"] for e in chrome_trace(events[:1])["traceEvents"] if e["ph"] == "X"}
+    assert round(slices["prepare"]) == 1000 and round(slices["launch"]) == 1000 and "prepare+launch" not in slices
+    for e in events:
+        del e["submitted"]
+    old = summarize(events)["models"]["small"]
+    assert list(old["phase_ms"]) == ["schedule", "prepare+launch", "GPU wait", "route+commit"]
+    assert old["phase_ms"]["prepare+launch"] == pytest.approx(5.0)
+    assert "prepare+launch" in {e["name"] for e in chrome_trace(events)["traceEvents"] if e["ph"] == "X"}
+
+
 def check_recording(events: list[dict], models: set[str], cancelled: int = 0) -> None:
     """Every model stepped; every arrival from another model follows exactly one handoff to it, and every
     handoff arrives unless a cancel overtook it (at most one per cancelled request)."""
     steps = [e for e in events if e["kind"] == "step"]
     assert {e["model"] for e in steps} == models
     assert all(e["start"] <= e["forward_end"] <= e["end"] for e in steps)
+    # The host's part of a step: its batch chosen, its inputs prepared, its launch returned, its tokens back.
+    assert all(e["schedule_start"] <= e["start"] <= e["submitted"] <= e["launched"] <= e["forward_end"] for e in steps)
     handoffs = [e for e in events if e["kind"] == "handoff"]
     arrivals = [e for e in events if e["kind"] == "arrive" and e["source"] is not None]
     assert handoffs, "a routed run at p=0.3 hands off"

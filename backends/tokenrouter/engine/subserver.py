@@ -377,7 +377,7 @@ class Subserver:
             for c, i in zip(chunks, keep):
                 c.seq.num_forwarded_tokens += ahead.rows[i].num_forwarded_tokens
             out, t0, start = ahead.out, ahead.t0, ahead.start
-            scheduled = launched = start
+            scheduled = submitted = launched = start
         else:
             chunks = self.scheduler.schedule()
             if not chunks:
@@ -390,6 +390,7 @@ class Subserver:
             if ahead is None:
                 out = self.runner.forward(chunks)
                 launched = time.monotonic() if timeline is not None else 0.0
+                submitted = self.runner.submitted_at
             self.flush_events()  # the last step's events leave while this one runs (defer_events)
             tokens_dev, results = self._sample_async(out, sampling)
             # Held from its launch: should this step fail, the next takes it and finds every row void (`safe_step`
@@ -430,7 +431,7 @@ class Subserver:
             timeline.step(
                 start, forward_end, time.monotonic(), len(chunks), sum(c.num_new_tokens for c in chunks),
                 sum(c.num_new_tokens > 1 for c in chunks), self.threshold, first_ready, last_ready, wait_max,
-                schedule_start=scheduled, launched=launched, void=void,
+                schedule_start=scheduled, submitted=submitted, launched=launched, void=void,
             )
         return len(chunks)
 

@@ -11,8 +11,9 @@ Times are `time.monotonic()` seconds: CLOCK_MONOTONIC is one clock for every pro
 files of a served deployment's processes merge into one trace.
 
 Events (plain dicts, JSON-safe):
-- step: model, schedule_start (the scheduler starts choosing the batch), start (batch chosen), launched (the
-  forward pass's inputs prepared and its kernels or graph launched: the host's part of the step so far),
+- step: model, schedule_start (the scheduler starts choosing the batch), start (batch chosen), submitted (the
+  forward pass's inputs prepared: its graph's replay or its first kernel called), launched (the call returned: its
+  kernels or graph launched, and the GIL back from the process's other threads),
   forward_end (tokens and the policy's values on the host), end (routed and committed),
   batch, tokens (new tokens computed), extends (rows computing more than one token: prefills and extends),
   threshold (the delayed-batching threshold at the time), first_ready / last_ready (when the first and the
@@ -82,11 +83,12 @@ class Timeline:
 
     def step(self, start: float, forward_end: float, end: float, batch: int, tokens: int, extends: int,
              threshold: int, first_ready: float | None, last_ready: float | None, queue_wait_max: float,
-             schedule_start: float | None = None, launched: float | None = None, void: int = 0) -> None:
+             schedule_start: float | None = None, launched: float | None = None, void: int = 0,
+             submitted: float | None = None) -> None:
         # batch: the rows the step committed or routed; void: rows of a step launched ahead that ran and were dropped
         self.record({
             "kind": "step", "model": self.model, "schedule_start": schedule_start, "start": start,
-            "launched": launched, "forward_end": forward_end, "end": end,
+            "submitted": submitted, "launched": launched, "forward_end": forward_end, "end": end,
             "batch": batch, "void": void, "tokens": tokens, "extends": extends, "threshold": threshold,
             "first_ready": first_ready, "last_ready": last_ready, "queue_wait_max": queue_wait_max,
         })

@@ -232,6 +232,9 @@ class CudaGraphRunner:
         self.outputs: dict[GraphShape, GraphOutputs] = {}
         self.batches: dict[GraphShape, ForwardBatch] = {}
         self.num_replays = 0
+        # time.monotonic() when the last run's inputs were ready and its replay was called: the host's preparation
+        # ends here; what `run`'s caller waits for after it is the launch, and the GIL back from other threads.
+        self.replayed_at = 0.0
 
     def _step(self, batch: ForwardBatch) -> GraphOutputs:
         hidden = self.model(batch, self.backend)
@@ -301,6 +304,7 @@ class CudaGraphRunner:
         self.inputs.fill(chunks, shape, self.block_size)
         if fed is not None:
             self.inputs.feed(fed[: len(chunks)])
+        self.replayed_at = time.monotonic()
         if shape in self.graphs:
             self.graphs[shape].replay()
             out = self.outputs[shape]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,9 @@ class ModelRunner:
         # The pool bounds a single sequence's length too.
         self.max_model_len = min(self.max_model_len, self.num_blocks * self.block_size)
         self.num_forwarded_tokens = 0
+        # time.monotonic() when the last forward's inputs were ready and its kernels (or graph) started going to the
+        # GPU: the end of the host's preparation, for the timeline (engine/timeline.py).
+        self.submitted_at = 0.0
         self.step_hook: StepHook | None = None
         self.graphs: CudaGraphRunner | None = None
         # Each model steps on its own stream: models sharing a GPU (threads of one process) then overlap on
@@ -222,11 +226,13 @@ class ModelRunner:
         shape = self.graphs.fits(chunks) if self.graphs is not None and not eager else None
         if shape is not None:
             out = self.graphs.run(chunks, shape, fed)
+            self.submitted_at = self.graphs.replayed_at
             return ForwardOutput(out.logits, out.hidden, out.greedy, out.step_values, out.finite)
         batch = self.prepare(chunks)
         if fed is not None:
             batch.input_ids[: len(chunks)].copy_(fed[: len(chunks)])
         self.attn_backend.prepare(batch)
+        self.submitted_at = time.monotonic()
         hidden = self.model(batch, self.attn_backend)
         last = hidden[batch.logits_indices]
         logits = self.model.compute_logits(last)
