@@ -47,6 +47,18 @@ def bad_prompts(vocab: int) -> list[tuple[object, str]]:
     ]
 
 
+def test_too_long_prompt_is_refused_without_a_tokenizer_warning(engine: Engine, capfd: pytest.CaptureFixture,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A text prompt over the context is refused with our message alone: transformers' warning that the ids are
+    longer than the model takes ("... will result in indexing errors") would say the opposite of what happened."""
+    monkeypatch.setattr(engine.tokenizer, "model_max_length", CONTEXT)
+    monkeypatch.setattr(engine.tokenizer, "deprecation_warnings", {})  # (transformers warns once per tokenizer)
+    capfd.readouterr()
+    with pytest.raises(ValueError, match=rf"prompt has \d+ tokens, but the context limit is {CONTEXT}"):
+        engine.add_request("ab " * CONTEXT, GREEDY)
+    assert "sequence length is longer" not in capfd.readouterr().err
+
+
 BAD_PARAMS = [
     (dict(max_new_tokens=-1), "max_new_tokens must be an integer >= 1, got -1"),
     (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),

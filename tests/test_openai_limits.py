@@ -40,7 +40,7 @@ class CountingTokenizer(WordTokenizer):
     def get_vocab(self) -> dict[str, int]:
         return {"a": 0, "b c": 1, "x" * LONGEST_ENTRY: 2}
 
-    def __call__(self, text: str) -> dict[str, list[int]]:
+    def __call__(self, text: str, verbose: bool = True) -> dict[str, list[int]]:
         self.calls.append(len(text))
         if "SLOW" in text:
             self.slow_entered.set()
@@ -183,15 +183,15 @@ class _Turns:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.tok, name)
 
-    def __call__(self, text: str) -> dict[str, list[int]]:
+    def __call__(self, text: str, verbose: bool = True) -> dict[str, list[int]]:
         if "SLOW" not in text:
-            return self.tok(text)
+            return self.tok(text, verbose=verbose)
         with self.lock:
             self.inside += 1
             self.most = max(self.most, self.inside)
         self.entered.release()
         try:
-            return self.tok(text)
+            return self.tok(text, verbose=verbose)
         finally:
             with self.lock:
                 self.inside -= 1

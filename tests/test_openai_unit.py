@@ -51,7 +51,7 @@ class WordTokenizer:
 
     chat_template = "chatml"
 
-    def __call__(self, text: str) -> dict[str, list[int]]:
+    def __call__(self, text: str, verbose: bool = True) -> dict[str, list[int]]:  # (transformers' signature)
         return {"input_ids": list(range(len(text.split())))}
 
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):

@@ -17,6 +17,13 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
     return AutoTokenizer.from_pretrained(path)
 
 
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """A text prompt's token ids, as the engine (and the OpenAI frontend's counts) take them. Not verbose: a prompt
+    over the context is refused by the caller with its own message, not logged by transformers as one that
+    "will result in indexing errors"."""
+    return tokenizer(text, verbose=False)["input_ids"]
+
+
 @dataclass(frozen=True)
 class PromptCharBound:
     """The most characters a text prompt may have to fit a context of `max_model_len` tokens: no token covers

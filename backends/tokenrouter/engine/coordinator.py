@@ -21,7 +21,7 @@ from tokenrouter.engine.autotune import EARLY_SOLVES, LoadMeter
 from tokenrouter.engine.outputs import RequestOutput, RequestState
 from tokenrouter.routing.policy import Policy
 from tokenrouter.sampling_params import SamplingParams
-from tokenrouter.tokenizer import PromptCharBound
+from tokenrouter.tokenizer import PromptCharBound, encode_prompt
 from tokenrouter.transport.base import Transport
 from tokenrouter.transport.messages import Append, Arrive, Commit, Event, Failed, Handoff, Release, Released
 from tokenrouter.tuning.system import clamp_thresholds
@@ -77,7 +77,7 @@ class Coordinator:
                 raise ValueError("this model has no tokenizer: pass the prompt as a list of token ids")
             # Refused before tokenizing: tokenizing megabytes stalls every other request on this thread.
             self._prompt_bound().check(len(prompt))
-            ids = self.tokenizer(prompt)["input_ids"]
+            ids = encode_prompt(self.tokenizer, prompt)
         elif isinstance(prompt, list | tuple):
             ids = list(prompt)
             if not ids:

@@ -43,8 +43,10 @@ def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
 
 
 def count_tokens(tokenizer: Any, text: str) -> int:
-    """Token count the same way the engine tokenizes string prompts (`tokenizer(text)["input_ids"]`)."""
-    return len(tokenizer(text)["input_ids"])
+    """Token count the same way the engine tokenizes string prompts."""
+    from tokenrouter.tokenizer import encode_prompt  # (loaded with the tokenizer: load_frontend_tokenizer)
+
+    return len(encode_prompt(tokenizer, text))
 
 
 def _check_chars(bound: PromptCharBound | None, num_chars: int, what: str, param: str) -> None:
