@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -44,6 +45,7 @@ from tokenrouter.serving.openai import (
     triton_error_status,
     triton_input_arrays,
 )
+from tokenrouter.serving.openai.errors import UNREACHABLE_MESSAGE
 
 
 class WordTokenizer:
@@ -418,7 +420,8 @@ def test_sse_and_error_bodies() -> None:
         ("anything", "StatusCode.INVALID_ARGUMENT", 400),
         ("request unfinished after request_timeout_s (2 s): aborted", None, 504),
         ("CUDA out of memory", None, 500),
-        ("failed to connect to all addresses", "StatusCode.UNAVAILABLE", 500),
+        ("failed to connect to all addresses", "StatusCode.UNAVAILABLE", 503),
+        ("model 'large' is unavailable: its process exited and is being restarted; retry shortly", None, 503),
         ("Request for unknown model: 'tokenrouter' is not found", None, 500),
     ],
 )
@@ -653,6 +656,35 @@ def test_http_health_503_when_model_missing() -> None:
         server.shutdown()
         server.server_close()
         fake.stop()
+
+
+def test_http_503_when_triton_is_unreachable(frontend, caplog: pytest.LogCaptureFixture) -> None:
+    """Triton gone (stopped, restarting): a request is a 503 saying the server is unavailable, streamed or not,
+    with gRPC's channel details (addresses, resolver) in the front end's log rather than in the client's body;
+    a model the router reports down ("... is unavailable ...; retry shortly") is a 503 too."""
+    fake, addr = frontend
+    fake.stop()
+    for stream in (False, True):
+        status, _, body = _post(addr, "/v1/completions", {"prompt": "a b", "max_tokens": 2, "stream": stream})
+        err = json.loads(body)["error"]
+        assert (status, err["message"], err["type"]) == (503, UNREACHABLE_MESSAGE, "server_error"), body
+    assert any("request failed with 503" in r.getMessage() and fake.url.rsplit(":", 1)[1] in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_client_reset_is_no_traceback(frontend, capfd: pytest.CaptureFixture) -> None:
+    """A client that resets its connection before its request line (a load generator's, a cancelled one's) is
+    routine: no traceback on the front end's stderr, and it goes on serving."""
+    _, addr = frontend
+    capfd.readouterr()
+    for _ in range(3):
+        s = socket.create_connection(addr)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close -> RST
+        s.send(b"POST /v1/compl")
+        s.close()
+    status, _, _ = _post(addr, "/v1/completions", {"prompt": "a b", "max_tokens": 2})
+    assert status == 200
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_http_completion(frontend) -> None:

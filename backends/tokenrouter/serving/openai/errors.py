@@ -77,11 +77,21 @@ def error_body(
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
+# gRPC's status when the Triton server cannot be reached (down, restarting, wrong address).
+_UNREACHABLE_STATUSES = {"StatusCode.UNAVAILABLE"}
+# The router's refusal while a model is down ("model 'large' is unavailable: ... retry shortly").
+_UNAVAILABLE_MARKER = "is unavailable"
+UNREACHABLE_MESSAGE = "the inference server is unavailable; retry shortly"
+
+
 def triton_error_status(message: str, status: str | None = None) -> int:
-    """HTTP status for a Triton error: 400 when it reports bad input, 504 when the deployment's
+    """HTTP status for a Triton error: 400 when it reports bad input, 503 when the server or one of its models
+    is unavailable (a client or load balancer may retry, or go elsewhere), 504 when the deployment's
     request_timeout_s cut the request off, else 500."""
     if status in _BAD_INPUT_STATUSES:
         return 400
+    if status in _UNREACHABLE_STATUSES or _UNAVAILABLE_MARKER in message:
+        return 503
     if TIMEOUT_ERROR in message:
         return 504
     lowered = message.lower()
@@ -89,7 +99,11 @@ def triton_error_status(message: str, status: str | None = None) -> int:
 
 
 def to_openai_error(err: OpenAIError | TritonRequestError) -> OpenAIError:
-    """The error to report for `err`: itself, or for a Triton error the 400/500 its message calls for."""
+    """The error to report for `err`: itself, or for a Triton error the status its message calls for. A server
+    that cannot be reached is said so in one sentence: gRPC's own message names the channel's addresses and
+    resolver, which are the operator's business (the front end logs them), not the client's."""
     if isinstance(err, OpenAIError):
         return err
+    if err.status in _UNREACHABLE_STATUSES:
+        return OpenAIError(UNREACHABLE_MESSAGE, 503)
     return OpenAIError(err.message or "inference failed", triton_error_status(err.message, err.status))

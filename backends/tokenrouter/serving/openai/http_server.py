@@ -16,6 +16,7 @@ import os
 import select
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -109,6 +110,15 @@ class OpenAIFrontendServer(ThreadingHTTPServer):
     daemon_threads = True
     # Many short-lived connections from load generators; the default backlog of 5 drops some.
     request_queue_size = 128
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """An exception that left a connection's handler: a client that reset or closed its connection is
+        routine (a load generator's, a cancelled request's), not a traceback on stderr as socketserver prints
+        it; anything else goes to the log with its traceback."""
+        if isinstance(sys.exc_info()[1], ConnectionResetError | BrokenPipeError):
+            logger.debug("client %s closed its connection mid-request", client_address)
+            return
+        logger.exception("error while serving %s", client_address)
 
     def __init__(
         self,
@@ -348,7 +358,10 @@ class _Handler(BaseHTTPRequestHandler):
                 stream.cancel()
             self.close_connection = True
         except (TritonRequestError, OpenAIError) as e:
-            self._fail(to_openai_error(e))
+            err = to_openai_error(e)
+            if err.status >= 500:  # the server's side: the full cause for the operator (the client gets err)
+                logger.warning("request failed with %d: %s", err.status, e.message)
+            self._fail(err)
         except Exception as e:
             logger.exception("unexpected error while serving %s", self.path)
             self._fail(OpenAIError(f"internal error: {e}", 500))
@@ -388,7 +401,7 @@ class _Handler(BaseHTTPRequestHandler):
             # Too late for a status code: report it in-band, the way OpenAI-compatible servers do.
             err = to_openai_error(e)
             if err.status >= 500:
-                logger.warning("stream failed: %s", err.message)
+                logger.warning("stream failed: %s", e.message)
             self._write_chunk(sse_event(err.body()))
         self._write_chunk(SSE_DONE)
         self._write_chunk(b"")  # zero-length chunk: end of the chunked body
