@@ -13,6 +13,7 @@ from tokenrouter.serving.model_control import (
     REVIVE_BACKOFF_MAX_S,
     REVIVE_BACKOFF_S,
     ReviveAttempts,
+    UnloadedOnPurpose,
     reload_failure,
     reload_model,
 )
@@ -50,11 +51,15 @@ def test_revive_attempts_back_off_and_log_each_cause_once(caplog: pytest.LogCapt
     waits = [attempts.wait() for _ in range(8)]
     assert waits[0] == REVIVE_BACKOFF_S and max(waits) == REVIVE_BACKOFF_MAX_S
     assert all(b == min(2 * a, REVIVE_BACKOFF_MAX_S) for a, b in zip(waits, waits[1:]))
-    with caplog.at_level(logging.WARNING, logger="test-revive"):
-        for e in (RuntimeError("refused"), RuntimeError("refused"), OSError("gone"), RuntimeError("refused")):
+    unloaded = UnloadedOnPurpose("Triton unloaded 'large' on request: it is not reloaded, and serves again once loaded")
+    with caplog.at_level(logging.INFO, logger="test-revive"):
+        for e in (RuntimeError("refused"), RuntimeError("refused"), OSError("gone"), RuntimeError("refused"),
+                  unloaded, unloaded):
             attempts.failed(e)
-    assert [r.getMessage() for r in caplog.records if r.name == "test-revive"] == [
-        "model 'large': reload failed (RuntimeError: refused); retrying",
-        "model 'large': reload failed (OSError: gone); retrying",
-        "model 'large': reload failed (RuntimeError: refused); retrying",
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "test-revive"] == [
+        ("WARNING", "model 'large': reload failed (RuntimeError: refused); retrying"),
+        ("WARNING", "model 'large': reload failed (OSError: gone); retrying"),
+        ("WARNING", "model 'large': reload failed (RuntimeError: refused); retrying"),
+        # A model unloaded on request (an admin's, or a stopping server's): no failure, no retry; said once.
+        ("INFO", "model 'large': Triton unloaded 'large' on request: it is not reloaded, and serves again once loaded"),
     ]

@@ -67,7 +67,10 @@ class ReviveAttempts:
 
     def failed(self, error: Exception) -> None:
         if (why := reload_failure(error)) != self.failure:
-            self.logger.warning("%s: reload failed (%s); retrying", self.who, why)
+            if isinstance(error, UnloadedOnPurpose):  # nothing failed: the reviver waits until it is loaded
+                self.logger.info("%s: %s", self.who, error)
+            else:
+                self.logger.warning("%s: reload failed (%s); retrying", self.who, why)
             self.failure = why
 
     def wait(self) -> float:
