@@ -111,15 +111,6 @@ class OpenAIFrontendServer(ThreadingHTTPServer):
     # Many short-lived connections from load generators; the default backlog of 5 drops some.
     request_queue_size = 128
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """An exception that left a connection's handler: a client that reset or closed its connection is
-        routine (a load generator's, a cancelled request's), not a traceback on stderr as socketserver prints
-        it; anything else goes to the log with its traceback."""
-        if isinstance(sys.exc_info()[1], ConnectionResetError | BrokenPipeError):
-            logger.debug("client %s closed its connection mid-request", client_address)
-            return
-        logger.exception("error while serving %s", client_address)
-
     def __init__(
         self,
         address: tuple[str, int],
@@ -183,6 +174,15 @@ class OpenAIFrontendServer(ThreadingHTTPServer):
         """A turn among LONG_PROMPT_TOKENIZERS for a prompt of `chars` characters as tokenized (the chat
         template's text included: many short messages can render into a long prompt); none for a short one."""
         return self._long_prompts if chars >= self.long_prompt_chars else contextlib.nullcontext()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """An exception that left a connection's handler: a client that reset or closed its connection is
+        routine (a load generator's, a cancelled request's), not a traceback on stderr as socketserver prints
+        it; anything else goes to the log with its traceback."""
+        if isinstance(sys.exc_info()[1], ConnectionResetError | BrokenPipeError):
+            logger.debug("client %s closed its connection mid-request", client_address)
+            return
+        logger.exception("error while serving %s", client_address)
 
     def server_close(self) -> None:
         super().server_close()
