@@ -259,7 +259,7 @@ def test_cli_bad_values_fail_before_loading(two: dict, tmp_path: Path, capsys: p
 
 def test_models_with_different_vocabularies_are_refused_before_loading(tiny_dir: Path, tmp_path: Path) -> None:
     """Routed models hand each other token ids: the engine refuses a pair whose vocabularies differ, and
-    does so from their configs, before it loads any weights (the odd model here has none to load)."""
+    does so from their configs, before it builds any model (the odd model here has only a config.json)."""
     import json
 
     from tokenrouter import Engine
@@ -268,10 +268,57 @@ def test_models_with_different_vocabularies_are_refused_before_loading(tiny_dir:
     odd.mkdir()
     arch = json.loads((tiny_dir / "large" / "config.json").read_text())
     (odd / "config.json").write_text(json.dumps({**arch, "vocab_size": arch["vocab_size"] + 8}))
-    cfg = {"models": {"small": {"path": str(tiny_dir / "small")}, "large": {"path": str(odd)}}, "entry": "small",
-           "tokenizer": str(tiny_dir / "tokenizer")}
+    cfg = {"models": {"small": {"path": str(tiny_dir / "small")}, "large": {"path": str(odd), "load_format": "dummy"}},
+           "entry": "small", "tokenizer": str(tiny_dir / "tokenizer")}
     with pytest.raises(ValueError, match=r"routed models must share one vocabulary; vocab sizes: .*'large': 1032"):
         Engine.from_config(cfg)
+
+
+def test_model_folders_are_checked_before_models_load(two: dict, tiny_dir: Path, tmp_path: Path) -> None:
+    """What a model folder must hold, refused by load_config with the key named (found by a pass as a new
+    operator): weights where load_format is auto, a config.json that is JSON, and a context within the model's
+    positions (a billion asked the RoPE tables for 32 GB before failing); a model entry without its path."""
+    import json
+
+    arch = json.loads((tiny_dir / "small" / "config.json").read_text())
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps(arch))
+    with pytest.raises(ConfigError, match=r"^models\.small\.path: no \*\.safetensors weights in '.*bare' \(use "
+                       r"load_format: dummy for random\)$"):
+        load_config(with_model(two, path=str(bare)))
+    assert load_config(with_model(two, path=str(bare), load_format="dummy")).models["small"].path == str(bare)
+    (bare / "config.json").write_text("{'not': json}")
+    with pytest.raises(ConfigError, match=r"^models\.small\.path: '.*bare/config\.json' is not a readable JSON file "
+                       r"\(Expecting property name"):
+        load_config(with_model(two, path=str(bare), load_format="dummy"))
+    limit = arch["max_position_embeddings"]
+    with pytest.raises(ConfigError, match=rf"^models\.small\.max_model_len must be at most the model's "
+                       rf"max_position_embeddings \({limit}\), got 1000000000$"):
+        load_config(with_model(two, max_model_len=10**9))
+    assert load_config(with_model(two, max_model_len=limit)).models["small"].max_model_len == limit
+    cfg = copy.deepcopy(two)
+    del cfg["models"]["small"]["path"]
+    with pytest.raises(ConfigError, match=r"^models\.small: missing required key\(s\) \['path'\]$"):
+        load_config(cfg)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.device_count() > 8, reason="a machine with more than 8 GPUs")
+def test_cli_refuses_a_gpu_this_machine_lacks(two: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A model on a GPU the machine does not have is one line and exit 2 from the commands that serve, before
+    any model loads or tritonserver starts (it was a traceback, or ~70 lines of tritonserver's log); writing the
+    config is fine (load_config: a build host has no GPU)."""
+    cfg = with_model(two, device="cuda:8")
+    assert load_config(cfg).models["small"].device == "cuda:8"
+    path = tmp_path / "gpu.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    ports = [str(p) for p in free_ports(3)]
+    for argv in (["generate", "--config", str(path), "--prompt", "x"],
+                 ["serve", "--config", str(path), "--http-port", ports[0], "--grpc-port", ports[1],
+                  "--metrics-port", ports[2], "--model-repository", str(tmp_path / "repo")]):
+        assert main(argv) == 2
+        assert re.fullmatch(r"error: models\.small\.device is 'cuda:8', but this machine has (no CUDA device|\d "
+                            r"CUDA device\(s\))\n", capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("url", ["fe80::1", "host", "host:0", "host:99999", "[:8001", "h:80/x"])

@@ -31,6 +31,7 @@ def _make_bench_tokenizer(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from tokenrouter import Engine, SamplingParams
+    from tokenrouter.config import load_config
 
     params = SamplingParams(
         max_new_tokens=args.max_tokens,
@@ -43,7 +44,9 @@ def _generate(args: argparse.Namespace) -> int:
     )
     try:
         params.validate()  # before the models load
-        engine = Engine.from_config(args.config)
+        config = load_config(args.config)
+        config.check_devices()
+        engine = Engine.from_config(config)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

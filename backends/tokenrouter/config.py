@@ -13,6 +13,7 @@ Relative model paths, the tokenizer's and a policy's file arguments (a router `c
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -144,8 +145,26 @@ class ModelConfig:
             raise ConfigError(f"{where}.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not os.path.isdir(self.path):
             raise ConfigError(f"{where}.path: model directory {self.path!r} does not exist")
-        if not os.path.isfile(os.path.join(self.path, "config.json")):
+        arch_file = os.path.join(self.path, "config.json")
+        if not os.path.isfile(arch_file):
             raise ConfigError(f"{where}.path: {self.path!r} has no config.json")
+        try:
+            with open(arch_file) as f:
+                arch = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{where}.path: {arch_file!r} is not a readable JSON file ({e})") from None
+        limit = arch.get("max_position_embeddings") if isinstance(arch, dict) else None
+        if self.max_model_len is not None and isinstance(limit, int) and self.max_model_len > limit:
+            # (the RoPE tables are sized by it: a billion positions asked for 32 GB before failing)
+            raise ConfigError(f"{where}.max_model_len must be at most the model's max_position_embeddings ({limit}), "
+                              f"got {self.max_model_len}")
+        if self.url is None and self.load_format == "auto":
+            from tokenrouter.runner.weights import checkpoint_files  # (torch: only where a model is local)
+
+            try:
+                checkpoint_files(self.path)
+            except (OSError, ValueError, KeyError) as e:
+                raise ConfigError(f"{where}.path: {e}") from None
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ConfigError(
                 f"{where}.kv_cache_tokens must hold at least one block ({self.block_size}), got {self.kv_cache_tokens}"
@@ -259,6 +278,22 @@ class EngineConfig:
                     f"models on {device} claim kv_memory_fraction {total:g} of it in total ({parts}); "
                     "the fractions of models sharing a GPU must sum to <= 1"
                 )
+
+    def check_devices(self) -> None:
+        """ConfigError unless every GPU a model served here names exists on this machine. Not part of `validate`:
+        a host that only writes a deployment's repository (a Docker build) has no GPU to see. The commands that
+        serve call it before anything starts: a `cuda` model on a machine without one was a traceback from the
+        in-process engine, and ~70 lines of tritonserver's log from `serve`."""
+        wanted = {name: m.gpu for name, m in self.models.items() if m.url is None and m.gpu is not None}
+        if not wanted:
+            return
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        for name, gpu in wanted.items():
+            if gpu >= count:
+                have = "no CUDA device" if count == 0 else f"{count} CUDA device(s)"
+                raise ConfigError(f"models.{name}.device is {self.models[name].device!r}, but this machine has {have}")
 
     def policy_spec(self) -> tuple[str, dict[str, Any]]:
         """(policy name, its arguments); `always` without a model keeps everything on the entry model."""
@@ -396,7 +431,8 @@ def _build(cls: type, data: dict[str, Any], where: str, **fixed: Any) -> Any:
     try:
         return cls(**fixed, **data)
     except TypeError as e:  # missing required key
-        raise ConfigError(f"{where}: {e}") from None
+        missing = re.findall(r"'(\w+)'", str(e).partition("missing")[2])
+        raise ConfigError(f"{where}: missing required key(s) {missing}" if missing else f"{where}: {e}") from None
 
 
 def read_config_file(path: str | os.PathLike) -> Any:

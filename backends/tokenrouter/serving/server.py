@@ -455,6 +455,7 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         ensure_models(config_path)
         config = load_config(config_path)  # fail fast, with the config's own error message
+        config.check_devices()
         backends = triton_install.prepare_backends()
     except (ConfigError, FileNotFoundError, yaml.YAMLError) as e:
         print(f"error: {e}", file=sys.stderr)
