@@ -12,9 +12,13 @@ import json
 import queue
 import sys
 
-import numpy as np
-import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
+try:
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+except ImportError as e:  # one line, not a traceback: the stdlib-only HTTP clients run with any Python
+    sys.exit(f"this client needs tritonclient[grpc] ({e.name} is missing): run it with the project's "
+             ".venv/bin/python, or pip install 'tritonclient[grpc]'")
 
 
 def make_input(name: str, value: str | bool) -> grpcclient.InferInput:

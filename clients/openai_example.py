@@ -6,13 +6,17 @@ non-streaming and streaming. The `routing` extension field shows how tokens were
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.strip())
     p.add_argument("--url", default="http://localhost:9000/v1", help="base URL of the OpenAI-compatible server")
+    p.add_argument("--api-key", default=os.environ.get("TOKENROUTER_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                   help="the key of a frontend started with --api-key (default: $TOKENROUTER_API_KEY, then "
+                        "$OPENAI_API_KEY; none needed otherwise)")
     p.add_argument("--model", default="tokenrouter")
     p.add_argument("--prompt", default="def fibonacci(n):")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -25,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         print("this example needs the openai package: pip install openai", file=sys.stderr)
         return 1
 
-    client = OpenAI(base_url=args.url, api_key="not-needed")  # the server checks no key; the client wants one
+    # The package insists on a key; a frontend started without --api-key checks none.
+    client = OpenAI(base_url=args.url, api_key=args.api_key or "not-needed")
     try:
         demo(client, args)
     except APIConnectionError as e:
