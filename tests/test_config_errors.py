@@ -254,7 +254,7 @@ def test_cli_bad_values_fail_before_loading(two: dict, tmp_path: Path, capsys: p
     assert capsys.readouterr().err.startswith("error: unknown routing policy 'nope'; available: [")
     path.write_text(yaml.safe_dump(two, sort_keys=False))
     assert main(["generate", "--config", str(path), "--prompt", "x", "--max-tokens", "0"]) == 2
-    assert capsys.readouterr().err == "error: max_new_tokens must be an integer >= 1, got 0\n"
+    assert capsys.readouterr().err == "error: --max-tokens must be an integer >= 1, got 0\n"  # the flag's name
 
 
 def test_models_with_different_vocabularies_are_refused_before_loading(tiny_dir: Path, tmp_path: Path) -> None:

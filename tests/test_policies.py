@@ -6,6 +6,7 @@ for the learned routers, the network's architecture, seeding and checkpoint load
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from pathlib import Path
@@ -349,6 +350,22 @@ def test_r2r_decisions_seeding_and_thresholds() -> None:
     assert a.send(req([1]), L, 9) is False
     assert built(R2RPolicy, model=L).receive(req([1]), S) == Lease(return_to=S, max_tokens=1)
     assert a.receive(req([1]), L) == Lease(until_route=True)
+
+
+def test_a_router_without_checkpoint_is_said_to_be_random(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A learned router without its checkpoint routes arbitrarily (fine for dummy-weight benchmarks): the log
+    says so once, at set-up, and says nothing when a checkpoint is given."""
+    with caplog.at_level(logging.WARNING):
+        ref = built(R2RPolicy, hidden_dim=16)
+    assert [r.getMessage() for r in caplog.records] == [
+        "policy 'r2r' has no checkpoint: its router network is randomly initialised (seed 0), so its routing "
+        "decisions are arbitrary; give the policy a trained `checkpoint`"]
+    path = tmp_path / "router.safetensors"
+    save_file(ref.net.state_dict(), str(path))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        built(R2RPolicy, hidden_dim=16, checkpoint=str(path))
+    assert caplog.records == []
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])

@@ -29,9 +29,15 @@ def _make_bench_tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
+# `generate`'s flags by the SamplingParams field each one sets.
+_FLAGS = {"max_new_tokens": "--max-tokens", "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+          "seed": "--seed", "stop": "--stop"}
+
+
 def _generate(args: argparse.Namespace) -> int:
     from tokenrouter import Engine, SamplingParams
     from tokenrouter.config import load_config
+    from tokenrouter.sampling_params import SamplingParamsError
 
     params = SamplingParams(
         max_new_tokens=args.max_tokens,
@@ -44,6 +50,10 @@ def _generate(args: argparse.Namespace) -> int:
     )
     try:
         params.validate()  # before the models load
+    except SamplingParamsError as e:  # named by the flag that set it
+        print(f"error: {_FLAGS.get(e.field, e.field)} {e.rule}, got {e.shown}", file=sys.stderr)
+        return 2
+    try:
         config = load_config(args.config)
         config.check_devices()
         engine = Engine.from_config(config)

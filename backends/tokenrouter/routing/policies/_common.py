@@ -6,6 +6,7 @@ interface a policy author must know.
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 import os
@@ -17,6 +18,8 @@ import torch
 from torch import nn
 
 from tokenrouter.routing.policy import Lease, Policy, RouteRequest
+
+log = logging.getLogger(__name__)
 
 
 def check_models(policy: Policy, *, exactly: int | None = None, at_least: int | None = None) -> None:
@@ -201,6 +204,11 @@ def build_router(
                 f"(check the model's hidden size and the policy's size arguments): {e}"
             ) from e
     else:
+        # Legitimate for benchmarks with dummy weights (which model produces a token only changes the figures
+        # through the share routed), but a deployment that forgot its checkpoint would route arbitrarily.
+        log.warning("policy %r has no checkpoint: its router network is randomly initialised (seed %s), so its "
+                    "routing decisions are arbitrary; give the policy a trained `checkpoint`", policy.name,
+                    policy.seed)
         seeded_init_(net, policy.seed)
     net = net.to(device=device, dtype=torch.float32).eval()
     net.requires_grad_(False)
