@@ -348,3 +348,43 @@ def test_openai_frontend_api_key_in_front_of_the_server(served: Served, tiny_dir
     finally:
         http.shutdown()
         http.server_close()
+
+
+def _router_stub(served: Served) -> tuple[int, str] | None:
+    """(pid, shared-memory region) of the router model's Python-backend stub, or None."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
+    where = f"{served.probe.repo.resolve()}/tokenrouter/"
+    for line in out.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        argv = args.split()
+        if len(argv) > 2 and argv[0].endswith("triton_python_backend_stub") and argv[1].startswith(where):
+            return int(pid), argv[2]
+    return None
+
+
+def test_a_router_whose_process_died_is_reloaded(served: Served) -> None:
+    """Triton 2.51 neither restarts a dead Python-backend stub nor stops calling its model ready: a killed router
+    stub answered every request with "Stub process ... is not healthy" while health checks passed (found by a
+    fault-injection pass). `tokenrouter serve` reloads it within seconds, says so, and removes the dead stub's
+    shared memory. (Runs last here: the server serves again afterwards all the same.)"""
+    body = {"text_input": "def main():", "stream": True,
+            "sampling_parameters": json.dumps({"max_tokens": 4, "temperature": 0})}
+    status, before = generate_stream(served.probe, body)
+    assert status == 200 and before[-1].get("text_output") is not None, before
+    stub = _router_stub(served)
+    time.sleep(2.5)  # one check of the router's process beside it, which notes its shared memory
+    assert stub is not None and Path(f"/dev/shm/{stub[1]}").exists()
+    os.kill(stub[0], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while True:
+        status, events = generate_stream(served.probe, body)
+        if status == 200 and not any("error" in e for e in events):
+            break
+        assert time.monotonic() < deadline, events
+        time.sleep(0.5)
+    assert [e.get("text_output") for e in events] == [e.get("text_output") for e in before]  # the same greedy text
+    log = served.log.read_text()
+    assert "warning: the router model's process exited; reloading it" in log and "the router model is back" in log
+    assert not Path(f"/dev/shm/{stub[1]}").exists(), "the dead router stub's shared memory was left behind"
+    new = _router_stub(served)
+    assert new is not None and new[0] != stub[0]

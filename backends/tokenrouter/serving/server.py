@@ -56,6 +56,8 @@ DRAIN_S = 20.0
 DRAIN_ROUTER_S = 5.0
 DRAINED_EXIT_S = 5.0
 STUB = "triton_python_backend_stub"
+# How often `tokenrouter serve` checks that the router model's process is alive (its only reviver).
+ROUTER_CHECK_S = 2.0
 GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # Triton prefixes the key of a gRPC restriction
 ADMIN_KEY_ENV = "TOKENROUTER_ADMIN_KEY"
 _KEY_CHARS = re.compile(r"[\x21-\x7e]+")  # visible ASCII: a valid HTTP header and gRPC metadata value
@@ -170,6 +172,7 @@ class TritonServer:
         self.admin_key = (admin_key or secrets.token_urlsafe(32)) if self.restricted_apis else None
         self._restriction = restriction_args(self.admin_key, self.restricted_apis) if self.admin_key else []
         self.proc: subprocess.Popen | None = None
+        self._router_region: str | None = None  # the router stub's shared memory, as last seen alive
         # Where this process reaches the server (it listens on every interface).
         self.host = "127.0.0.1"
 
@@ -244,6 +247,31 @@ class TritonServer:
                 return True
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s{where}")
+
+    def router_alive(self) -> bool:
+        """Whether the router model's stub process runs. Triton 2.51's Python backend neither restarts a stub that
+        died nor stops calling its model ready: every request then fails with "Stub process ... is not healthy",
+        and health checks pass. (The router revives the subservers; this process is the router's reviver.)"""
+        if self.proc is None:
+            return False
+        where = f"{self.repo.resolve()}/{ROUTER}/".encode()
+        for argv in _stubs(self.proc.pid):
+            if argv[1].startswith(where):
+                self._router_region = argv[2].decode(errors="replace")
+                return True
+        return False
+
+    def reload_router(self, timeout: float = 300.0) -> None:
+        """Unload and load the router model through the model-control API (explicit model control), then remove
+        the shared memory of the stub that died (the server removes a region only when its stub exits through
+        it, and a revived router would leave one behind each time)."""
+        url = f"http://{self.host}:{self.http_port}"
+        for action in ("unload", "load"):
+            control_request(url, f"/v2/repository/models/{ROUTER}/{action}", self.admin_key, timeout=timeout)
+        dead, self._router_region = self._router_region, None
+        if dead and "/" not in dead:
+            with contextlib.suppress(OSError):
+                os.unlink(f"/dev/shm/{dead}")
 
     def stop(self) -> None:
         """Unload the models (`drain`), then stop tritonserver. Once they are unloaded nothing is lost by
@@ -393,10 +421,10 @@ def model_states(url: str, key: str | None, timeout: float = 10.0) -> dict[str, 
     return {m["name"]: (m.get("state", ""), m.get("reason", "")) for m in index}
 
 
-def _stub_regions(group: int) -> list[str]:
-    """The shared-memory regions (/dev/shm names) of the Python-backend stubs in process group `group`: a stub's
-    second argument names its region."""
-    regions = []
+def _stubs(group: int) -> list[list[bytes]]:
+    """The command lines of the live Python-backend stubs in process group `group`: the model.py each one serves,
+    then its shared-memory region (a /dev/shm name). An exited stub its server has not reaped has no command line."""
+    stubs = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             if int(stat.read_text().rsplit(")", 1)[1].split()[2]) != group:
@@ -404,9 +432,14 @@ def _stub_regions(group: int) -> list[str]:
             argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile
-        if len(argv) > 2 and argv[0].endswith(STUB.encode()) and b"/" not in argv[2]:
-            regions.append(argv[2].decode(errors="replace"))
-    return regions
+        if len(argv) > 2 and argv[0].endswith(STUB.encode()):
+            stubs.append(argv)
+    return stubs
+
+
+def _stub_regions(group: int) -> list[str]:
+    """The shared-memory regions (/dev/shm names) of the Python-backend stubs in process group `group`."""
+    return [argv[2].decode(errors="replace") for argv in _stubs(group) if b"/" not in argv[2]]
 
 
 def _port_problem(ports: list[int]) -> str | None:
@@ -536,8 +569,12 @@ def _serve(args: argparse.Namespace, config_path: Path, config: EngineConfig, en
         if server.wait_ready(cancelled=lambda: stop):
             print(f"ready: try `python clients/grpc_stream.py --url localhost:{args.grpc_port} "
                   "--prompt 'def main():'`", flush=True)
+        checked = time.monotonic()
         while not stop and server.proc.poll() is None:
             time.sleep(0.5)
+            if not stop and time.monotonic() - checked >= ROUTER_CHECK_S:
+                checked = time.monotonic()
+                _revive_router_if_dead(server)
     except (RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
     finally:
@@ -548,6 +585,27 @@ def _serve(args: argparse.Namespace, config_path: Path, config: EngineConfig, en
             print("warning: the CUDA MPS daemon did not quit within 30 s; stop it with "
                   "`echo quit | nvidia-cuda-mps-control`", file=sys.stderr)
     return 0 if stop else (server.proc.returncode or 0)
+
+
+def _revive_router_if_dead(server: TritonServer) -> None:
+    """Reload the router model when its process died (`TritonServer.router_alive`); said on stderr either way."""
+    if server.router_alive():
+        return
+    url = f"http://{server.host}:{server.http_port}"
+    try:
+        # A dead stub's model stays READY to Triton 2.51; any other state is an unload or load under way (an
+        # admin's, or the stop's drain): not the reviver's to undo.
+        if model_states(url, server.admin_key, timeout=5).get(ROUTER, ("",))[0] != "READY":
+            return
+    except (OSError, ValueError):
+        return  # the server is going away, or busy: the next check sees
+    print("warning: the router model's process exited; reloading it", file=sys.stderr, flush=True)
+    try:
+        server.reload_router()
+    except (OSError, ValueError) as e:  # the next check tries again
+        print(f"warning: reloading the router failed: {e}", file=sys.stderr, flush=True)
+        return
+    print("the router model is back", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
