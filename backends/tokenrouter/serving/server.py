@@ -588,7 +588,7 @@ def _serve(args: argparse.Namespace, config_path: Path, config: EngineConfig, en
 
 
 def _revive_router_if_dead(server: TritonServer) -> None:
-    """Reload the router model when its process died (`TritonServer.router_alive`); said on stderr either way."""
+    """Reload the router model when its process died (`TritonServer.router_alive`), saying so on stderr."""
     if server.router_alive():
         return
     url = f"http://{server.host}:{server.http_port}"
