@@ -350,10 +350,10 @@ def test_openai_frontend_api_key_in_front_of_the_server(served: Served, tiny_dir
         http.server_close()
 
 
-def _router_stub(served: Served) -> tuple[int, str] | None:
-    """(pid, shared-memory region) of the router model's Python-backend stub, or None."""
+def _router_stub(served: Served, model: str = "tokenrouter") -> tuple[int, str] | None:
+    """(pid, shared-memory region) of a model's Python-backend stub (the router's by default), or None."""
     out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
-    where = f"{served.probe.repo.resolve()}/tokenrouter/"
+    where = f"{served.probe.repo.resolve()}/{model}/"
     for line in out.splitlines():
         pid, _, args = line.strip().partition(" ")
         argv = args.split()
@@ -366,7 +366,8 @@ def test_a_router_whose_process_died_is_reloaded(served: Served) -> None:
     """Triton 2.51 neither restarts a dead Python-backend stub nor stops calling its model ready: a killed router
     stub answered every request with "Stub process ... is not healthy" while health checks passed (found by a
     fault-injection pass). `tokenrouter serve` reloads it within seconds, says so, and removes the dead stub's
-    shared memory. (Runs last here: the server serves again afterwards all the same.)"""
+    shared memory; also a subserver's, revived by the router. (Runs last here: the server serves again afterwards
+    all the same.)"""
     body = {"text_input": "def main():", "stream": True,
             "sampling_parameters": json.dumps({"max_tokens": 4, "temperature": 0})}
     status, before = generate_stream(served.probe, body)
@@ -385,6 +386,25 @@ def test_a_router_whose_process_died_is_reloaded(served: Served) -> None:
     assert [e.get("text_output") for e in events] == [e.get("text_output") for e in before]  # the same greedy text
     log = served.log.read_text()
     assert "warning: the router model's process exited; reloading it" in log and "the router model is back" in log
-    assert not Path(f"/dev/shm/{stub[1]}").exists(), "the dead router stub's shared memory was left behind"
     new = _router_stub(served)
     assert new is not None and new[0] != stub[0]
+    _gone(Path(f"/dev/shm/{stub[1]}"), "the dead router stub's shared memory")
+    # A subserver killed: the router reloads it once a request finds it gone (the router reaches a model when a
+    # request needs it); the dead stub's shared memory goes too.
+    large = _router_stub(served, "large")
+    assert large is not None
+    os.kill(large[0], signal.SIGKILL)
+    longer = {**body, "sampling_parameters": json.dumps({"max_tokens": 48, "temperature": 0, "ignore_eos": True})}
+    deadline = time.monotonic() + 60
+    while (now := _router_stub(served, "large")) is None or now[0] == large[0]:
+        assert time.monotonic() < deadline, "large was not reloaded"
+        generate_stream(served.probe, longer)  # (refused while large is down)
+        time.sleep(0.2)
+    _gone(Path(f"/dev/shm/{large[1]}"), "the dead subserver stub's shared memory")
+
+
+def _gone(path: Path, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while path.exists():
+        assert time.monotonic() < deadline, f"{what} ({path}) was left behind"
+        time.sleep(0.2)

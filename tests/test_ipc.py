@@ -85,7 +85,10 @@ def test_malformed_batch_is_dropped_and_the_connection_keeps_working() -> None:
 
 
 def test_unreachable_model_fails_fast_after_the_first_try() -> None:
-    link = ipc.ModelLink("gone", lambda evs: None, lambda: None, addr=_addr(), connect_timeout=0.3)
+    """...and is reported lost once, so that the router has it revived: a model whose process died while no link
+    was connected to it (a router revived after it died) answered every request "not reachable", for ever."""
+    lost: list[int] = []
+    link = ipc.ModelLink("gone", lambda evs: None, lambda: lost.append(1), addr=_addr(), connect_timeout=0.3)
     start = time.monotonic()
     with pytest.raises(ConnectionError, match="'gone' is not reachable"):
         link.send([Release("a")])
@@ -94,6 +97,10 @@ def test_unreachable_model_fails_fast_after_the_first_try() -> None:
     with pytest.raises(ConnectionError):
         link.send([Release("b")])  # within RETRY_AFTER_S: no second wait
     assert time.monotonic() - start < 0.1
+    time.sleep(ipc.RETRY_AFTER_S)
+    with pytest.raises(ConnectionError, match="'gone' is not reachable"):
+        link.send([Release("c")])  # tried again, refused again: the same outage
+    assert lost == [1]
 
 
 def test_a_lost_model_fails_sends_at_once_until_it_is_reconnected() -> None:

@@ -56,7 +56,8 @@ DRAIN_S = 20.0
 DRAIN_ROUTER_S = 5.0
 DRAINED_EXIT_S = 5.0
 STUB = "triton_python_backend_stub"
-# How often `tokenrouter serve` checks that the router model's process is alive (its only reviver).
+# How often `tokenrouter serve` checks that the router model's process is alive (its only reviver), and sweeps the
+# shared memory of revived models' dead stubs.
 ROUTER_CHECK_S = 2.0
 GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # Triton prefixes the key of a gRPC restriction
 ADMIN_KEY_ENV = "TOKENROUTER_ADMIN_KEY"
@@ -172,7 +173,7 @@ class TritonServer:
         self.admin_key = (admin_key or secrets.token_urlsafe(32)) if self.restricted_apis else None
         self._restriction = restriction_args(self.admin_key, self.restricted_apis) if self.admin_key else []
         self.proc: subprocess.Popen | None = None
-        self._router_region: str | None = None  # the router stub's shared memory, as last seen alive
+        self._regions: dict[str, str] = {}  # each model's stub's shared memory, as last seen alive
         # Where this process reaches the server (it listens on every interface).
         self.host = "127.0.0.1"
 
@@ -252,26 +253,41 @@ class TritonServer:
         """Whether the router model's stub process runs. Triton 2.51's Python backend neither restarts a stub that
         died nor stops calling its model ready: every request then fails with "Stub process ... is not healthy",
         and health checks pass. (The router revives the subservers; this process is the router's reviver.)"""
-        if self.proc is None:
-            return False
-        where = f"{self.repo.resolve()}/{ROUTER}/".encode()
-        for argv in _stubs(self.proc.pid):
-            if argv[1].startswith(where):
-                self._router_region = argv[2].decode(errors="replace")
-                return True
-        return False
+        return ROUTER in self._stub_regions_by_model()
 
     def reload_router(self, timeout: float = 300.0) -> None:
-        """Unload and load the router model through the model-control API (explicit model control), then remove
-        the shared memory of the stub that died (the server removes a region only when its stub exits through
-        it, and a revived router would leave one behind each time)."""
+        """Unload and load the router model through the model-control API (explicit model control)."""
         url = f"http://{self.host}:{self.http_port}"
         for action in ("unload", "load"):
             control_request(url, f"/v2/repository/models/{ROUTER}/{action}", self.admin_key, timeout=timeout)
-        dead, self._router_region = self._router_region, None
-        if dead and "/" not in dead:
-            with contextlib.suppress(OSError):
-                os.unlink(f"/dev/shm/{dead}")
+
+    def sweep_replaced_regions(self) -> list[str]:
+        """Remove the shared memory of stubs that died and were replaced (a model revived: the router's by `serve`,
+        a subserver's by the router): the server removes a stub's region only when the stub exits through it,
+        so each revival left 1-4 MB in /dev/shm. A region goes once its model runs a stub with another one; the
+        names removed."""
+        live = self._stub_regions_by_model()
+        removed = []
+        for model, old in self._regions.items():
+            new = live.get(model)
+            if new is not None and new != old and os.path.exists(f"/dev/shm/{old}"):
+                with contextlib.suppress(OSError):
+                    os.unlink(f"/dev/shm/{old}")
+                    removed.append(old)
+        self._regions.update(live)  # a model without a live stub keeps its last region until one replaces it
+        return removed
+
+    def _stub_regions_by_model(self) -> dict[str, str]:
+        """Each model's live stub's shared-memory region (one instance per model, as this repository has)."""
+        if self.proc is None:
+            return {}
+        roots = {f"{root}/".encode() for root in (self.repo, self.repo.resolve())}  # (as given to tritonserver)
+        out = {}
+        for argv in _stubs(self.proc.pid):
+            root = next((r for r in roots if argv[1].startswith(r)), None)
+            if root is not None and b"/" not in argv[2]:
+                out[argv[1][len(root):].split(b"/")[0].decode(errors="replace")] = argv[2].decode(errors="replace")
+        return out
 
     def stop(self) -> None:
         """Unload the models (`drain`), then stop tritonserver. Once they are unloaded nothing is lost by
@@ -575,6 +591,7 @@ def _serve(args: argparse.Namespace, config_path: Path, config: EngineConfig, en
             if not stop and time.monotonic() - checked >= ROUTER_CHECK_S:
                 checked = time.monotonic()
                 _revive_router_if_dead(server)
+                server.sweep_replaced_regions()
     except (RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
     finally:

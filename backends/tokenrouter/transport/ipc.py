@@ -177,6 +177,8 @@ class ModelLink:
         # which must not wait connect_timeout per message for a model that is gone.
         self._down_until = 0.0
         self._down_error = ""
+        # `on_lost` called for the current outage (its connection closing, or a connect refused): once per outage.
+        self._lost_told = False
 
     @property
     def connected(self) -> bool:
@@ -207,6 +209,7 @@ class ModelLink:
                 self._peer = None
                 self._down_until = float("inf")  # until connect() succeeds again
                 self._down_error = f"model {self.model!r} is unavailable: its process exited"
+            self._lost_told = True
         self._on_lost()
 
     def connect(self, timeout: float | None = None) -> None:
@@ -219,10 +222,13 @@ class ModelLink:
             if self.connected:  # another thread won the race
                 peer.close()
                 return
-            self._peer, self._ever_connected, self._down_until = peer, True, 0.0
+            self._peer, self._ever_connected, self._down_until, self._lost_told = peer, True, 0.0, False
 
     def send(self, messages: list[Any]) -> None:
-        """Send a batch of messages; ConnectionError when the model cannot be reached."""
+        """Send a batch of messages; ConnectionError when the model cannot be reached. A model this link cannot
+        connect to is reported lost (`on_lost`, once): its process may have died while nothing was connected (a
+        router revived after it, or not yet sent anything there), and nothing else would have it revived."""
+        refused: ConnectionError | None = None
         with self._lock:
             if self._peer is None or self._peer.closed:
                 if time.monotonic() < self._down_until:
@@ -230,11 +236,15 @@ class ModelLink:
                 try:
                     # Only the first connection waits for the model to come up (the server is starting).
                     self._peer = self._open(0.0 if self._ever_connected else self.connect_timeout)
-                    self._ever_connected = True
+                    self._ever_connected, self._lost_told = True, False
                 except ConnectionError as e:
                     self._down_until, self._down_error = time.monotonic() + RETRY_AFTER_S, str(e)
-                    raise
+                    refused, tell, self._lost_told = e, not self._lost_told, True
             peer = self._peer
+        if refused is not None:
+            if tell:
+                self._on_lost()
+            raise refused
         try:
             peer.send(messages)
         except OSError as e:
