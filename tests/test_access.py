@@ -36,7 +36,7 @@ from tokenrouter.serving.server import (
     restriction_args,
     write_secret,
 )
-from triton_harness import generate_stream
+from triton_harness import generate_stream, stub_regions_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -352,14 +352,8 @@ def test_openai_frontend_api_key_in_front_of_the_server(served: Served, tiny_dir
 
 def _router_stub(served: Served, model: str = "tokenrouter") -> tuple[int, str] | None:
     """(pid, shared-memory region) of a model's Python-backend stub (the router's by default), or None."""
-    out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
-    where = f"{served.probe.repo.resolve()}/{model}/"
-    for line in out.splitlines():
-        pid, _, args = line.strip().partition(" ")
-        argv = args.split()
-        if len(argv) > 2 and argv[0].endswith("triton_python_backend_stub") and argv[1].startswith(where):
-            return int(pid), argv[2]
-    return None
+    stubs = stub_regions_of(served.probe.repo, model)
+    return stubs[0] if stubs else None
 
 
 def test_a_router_whose_process_died_is_reloaded(served: Served) -> None:

@@ -92,7 +92,18 @@ def wait_metric(server: TritonServer, key: str, want: float, timeout: float = 30
 def stubs_of(repo: Path, model: str = "") -> list[int]:
     """Python-backend stub processes of the repository at `repo` (their command line names the model.py
     they serve), of one model if given."""
+    return [pid for pid, _ in stub_regions_of(repo, model)]
+
+
+def stub_regions_of(repo: Path, model: str = "") -> list[tuple[int, str]]:
+    """(pid, shared-memory region) of each Python-backend stub of `repo` (of one model if given): a stub's
+    command line is the model.py it serves, then its /dev/shm region."""
     out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
     where = f"{repo}/{model}/" if model else f"{repo}/"
-    lines = [line for line in out.splitlines() if "triton_python_backend_stub" in line and where in line]
-    return [int(line.split()[0]) for line in lines]
+    stubs = []
+    for line in out.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        argv = args.split()
+        if len(argv) > 2 and argv[0].endswith("triton_python_backend_stub") and argv[1].startswith(where):
+            stubs.append((int(pid), argv[2]))
+    return stubs
