@@ -27,12 +27,13 @@ from soak import run_soak, wait_idle  # noqa: E402
 LONG = {"max_tokens": 3000, "ignore_eos": True}
 
 
-def _config(tmp: Path, tiny_dir: Path, kv_cache_tokens: int = 4096, p: float = 0.3) -> Path:
+def _config(tmp: Path, tiny_dir: Path, kv_cache_tokens: int = 4096, p: float = 0.3, **top) -> Path:
     cfg = yaml.safe_load((REPO / "config" / "r2r" / "tiny-small_tiny-large.yaml").read_text())
     for name, m in cfg["models"].items():
         m["path"] = str(tiny_dir / name)
         m["kv_cache_tokens"] = kv_cache_tokens
     cfg["policy"] = {"name": "random", "p": p, "seed": 0}
+    cfg.update(top)
     path = tmp / "faults.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -40,6 +41,87 @@ def _config(tmp: Path, tiny_dir: Path, kv_cache_tokens: int = 4096, p: float = 0
 
 def _body(prompt: str, params: dict) -> dict:
     return {"text_input": prompt, "sampling_parameters": json.dumps(params), "stream": True}
+
+
+@pytest.mark.slow
+def test_a_stopped_subserver_is_killed_by_the_watchdog_and_reloaded(tiny_dir: Path, tmp_path: Path) -> None:
+    """A model process that stands still without exiting (stopped here; a thread holding Python's lock alike)
+    closes no socket: its requests waited for ever (found by a fault-injection pass). The router kills a model
+    that sent nothing, not even its heartbeat, for watchdog_timeout_s; its requests fail saying so, and it is
+    reloaded."""
+    with running_server(_config(tmp_path, tiny_dir, watchdog_timeout_s=3), tmp_path) as server:
+        results: list[tuple[int, list[dict]]] = []
+        streams = [
+            threading.Thread(target=lambda i=i: results.append(generate_stream(server, _body(f"x{i}", LONG))))
+            for i in range(4)
+        ]
+        for t in streams:
+            t.start()
+        time.sleep(1.0)  # mid-request
+        (large,) = stubs_of(tmp_path / "model_repository", "large")
+        os.kill(large, signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            for t in streams:
+                t.join(timeout=60)
+            assert not any(t.is_alive() for t in streams), "a stream hung on a stopped model"
+            assert time.monotonic() - stopped < 30
+            for status, events in results:
+                errors = [e["error"] for e in events if "error" in e]
+                assert status == 200 and len(errors) == 1 and events[-1] == {"error": errors[0]}, events[-3:]
+                assert "'large' went away during the request (its process made no progress for 3 s" in errors[0]
+            assert wait_metric(server, 'tokenrouter_model_up{model="large"}', 1.0, 180) == 1.0
+            assert stubs_of(tmp_path / "model_repository", "large") != [large]
+            result = run_soak(server.grpc_url, requests=24, concurrency=4, cancel_fraction=0.0, max_tokens=24,
+                              metrics_url=server.metrics_url, seed=5)
+            assert result.problems() == [], result
+            assert server.proc.poll() is None
+        finally:
+            try:  # the watchdog did not kill it: let the server stop
+                os.kill(large, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.slow
+def test_a_subserver_whose_loop_is_stuck_exits_and_is_reloaded(tiny_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """A decoding loop stuck inside a step (a hung GPU kernel, a deadlock) while the process's other threads run
+    on: its heartbeats satisfy the router. The process watches its own loop and exits, with the loop's stack in
+    the log; the router fails what it held and reloads it."""
+    flag = tmp_path / "stall"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(Path(__file__).parent),
+                                                                 os.environ.get("PYTHONPATH")) if p))
+    policy = {"name": "test_stall", "module": "stall_policy", "p": 0.3, "seed": 0, "stall_model": "large",
+              "stall_file": str(flag)}
+    with running_server(_config(tmp_path, tiny_dir, watchdog_timeout_s=3, policy=policy), tmp_path) as server:
+        results: list[tuple[int, list[dict]]] = []
+        streams = [
+            threading.Thread(target=lambda i=i: results.append(generate_stream(server, _body(f"x{i}", LONG))))
+            for i in range(4)
+        ]
+        for t in streams:
+            t.start()
+        time.sleep(1.0)  # mid-request
+        (large,) = stubs_of(tmp_path / "model_repository", "large")
+        flag.touch()
+        stuck = time.monotonic()
+        for t in streams:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in streams), "a stream hung on a stuck model"
+        assert time.monotonic() - stuck < 30
+        for status, events in results:
+            errors = [e["error"] for e in events if "error" in e]
+            assert status == 200 and len(errors) == 1 and events[-1] == {"error": errors[0]}, events[-3:]
+            assert "'large' went away during the request (its process exited" in errors[0]
+        log = (tmp_path / "tritonserver.log").read_text()
+        assert "large: the decoding loop has not gone round for" in log and "in route" in log, log[-3000:]
+        flag.unlink()
+        assert wait_metric(server, 'tokenrouter_model_up{model="large"}', 1.0, 180) == 1.0
+        assert stubs_of(tmp_path / "model_repository", "large") != [large]
+        result = run_soak(server.grpc_url, requests=24, concurrency=4, cancel_fraction=0.0, max_tokens=24,
+                          metrics_url=server.metrics_url, seed=5)
+        assert result.problems() == [], result
+        assert server.proc.poll() is None
 
 
 @pytest.mark.slow

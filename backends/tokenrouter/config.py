@@ -25,6 +25,9 @@ from typing import Any, Literal, Union
 
 import yaml
 
+# The shortest watchdog_timeout_s: two of a subserver's heartbeats (serving/watchdog.HEARTBEAT_S).
+WATCHDOG_MIN_S = 2.0
+
 
 class ConfigError(ValueError):
     """A deployment config that cannot be served: the message names the offending key."""
@@ -221,6 +224,11 @@ class EngineConfig:
     # model (its KV freed) and answered with an error. Bounds the work of clients that went away unnoticed
     # (Triton 2.51 reports no disconnect of a non-streaming HTTP request). None: no limit.
     request_timeout_s: float | None = _spec(None, gt=0.0)
+    # Served deployments: a model's process whose decoding loop has not gone round for this many seconds (a hung
+    # GPU, a deadlock), or that sent the router nothing, not even its heartbeat, for as long (stopped, or holding
+    # Python's lock), is killed; the router fails the requests it held and restarts it (serving/watchdog.py).
+    # Far above any step: on a 32B, a step of 2,048 tokens takes well under a second. None: no watchdog.
+    watchdog_timeout_s: float | None = _spec(300.0, gt=0.0)
     source: str | None = field(default=None, repr=False)
 
     def validate(self) -> None:
@@ -239,6 +247,11 @@ class EngineConfig:
         if not isinstance(self.policy, dict) or not isinstance(self.policy.get("name"), str):
             raise ConfigError("'policy' must be a mapping with a 'name' (e.g. {name: r2r, threshold: 0.5})")
         self.batching.validate(list(self.models))
+        least = WATCHDOG_MIN_S + self.batching.max_wait_ms / 1000
+        if self.watchdog_timeout_s is not None and self.watchdog_timeout_s < least:
+            # An idle loop goes round every max_wait_ms; heartbeats leave every second.
+            raise ConfigError(f"watchdog_timeout_s must be at least {WATCHDOG_MIN_S:g} s plus batching.max_wait_ms "
+                              f"(got {self.watchdog_timeout_s:g}), or null to turn the watchdog off")
         self._validate_shared_devices()
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
             hint = ""

@@ -169,6 +169,10 @@ class Subserver:
         self.num_ahead_steps = 0  # steps launched ahead
         # Rows of those whose request had gone elsewhere, finished or changed: computed for nothing.
         self.num_void_rows = 0
+        # When the decoding loop last went round (`serve_forever`; None before it runs): an idle loop still goes
+        # round every max_wait_s or 50 ms, so a beat much older than any step means the loop is stuck
+        # (serving/watchdog.py).
+        self.loop_beat: float | None = None
 
     @classmethod
     def from_config(
@@ -650,6 +654,7 @@ class Subserver:
             torch.cuda.set_device(self.runner.device)  # a step's stream context then switches no device
         try:
             while not stop_event.is_set():
+                self.loop_beat = time.monotonic()
                 self.drain()
                 if self.should_step():
                     self.safe_step()

@@ -18,16 +18,19 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from typing import Any
 
 import numpy as np
 
+from tokenrouter.config import load_config
 from tokenrouter.serving.model_control import (
     ReviveAttempts,
     cannot_reload,
     check_not_unloaded,
     reload_model,
 )
+from tokenrouter.serving.watchdog import kill_silent
 from tokenrouter.transport import codec, ipc
 from tokenrouter.transport.grpc_link import BATCH_PREFIX, CONNECTION_CLOSED
 
@@ -45,6 +48,7 @@ class PeerModel:
     def __init__(self, args: dict[str, Any], settings: dict[str, Any], pb_utils: Any) -> None:
         self.pb = pb_utils
         self.model = settings["model"]
+        self.watchdog_s = load_config(settings["config"]).watchdog_timeout_s
         self._conns: dict[str, _Connection] = {}
         # Recent responses stay referenced a while: Triton 2.51's Python backend may free a dropped response's
         # tensors without the GIL (router_model._Graveyard has the story); dropped here, by Python, later.
@@ -185,10 +189,14 @@ class PeerModel:
 
     def _watch_cancellations(self) -> None:
         """A router that went away cancels its connection's request: close the socket, so the subserver
-        releases what that router brought."""
+        releases what that router brought. Also the watchdog of the subserver's process, as a local router's
+        (serving/watchdog.py): killed when none of the connections heard from it for watchdog_timeout_s."""
         while not self._stop.wait(CANCEL_CHECK_S):
             with self._lock:
                 conns = list(self._conns.items())
+            if self.watchdog_s is not None and conns:
+                freshest = max((c.link for _, c in conns), key=lambda link: link.last_heard)
+                kill_silent({self.model: freshest}, self.watchdog_s, time.monotonic())
             gone = [k for k, c in conns if c.sender.is_cancelled()]  # outside the lock: it asks Triton
             with self._lock:
                 closed = [(k, self._conns.pop(k)) for k in gone if k in self._conns]

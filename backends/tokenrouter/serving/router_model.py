@@ -49,8 +49,9 @@ from tokenrouter.serving.model_control import (
 )
 from tokenrouter.serving.responder import Responder
 from tokenrouter.serving.tensors import TIMEOUT_ERROR, GenerateRequest, parse_request
+from tokenrouter.serving.watchdog import kill_silent
 from tokenrouter.tokenizer import load_tokenizer
-from tokenrouter.transport.messages import Handoff, StepStatsReport
+from tokenrouter.transport.messages import Handoff, Heartbeat, StepStatsReport
 from tokenrouter.transport.sockets import SocketTransport
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ class SocketCoordinator(Coordinator):
         self.loop = loop
         # Models whose process went away, with why; requests are refused until they are back.
         self.down: dict[str, str] = {}
+        # Models the watchdog killed, with why: what their requests are told when the socket closes.
+        self.killed: dict[str, str] = {}
         self.on_model_down: Callable[[str], None] = lambda model: None
         # Each model's latest step statistics as it reported them (StepStats.snapshot()): checked only by the
         # solve's child process, off this loop.
@@ -114,6 +117,8 @@ class SocketCoordinator(Coordinator):
         for ev in sorted(events, key=lambda e: not isinstance(e, Handoff)):
             if isinstance(ev, StepStatsReport):
                 self.step_reports[ev.model] = ev.stats
+            elif isinstance(ev, Heartbeat):
+                pass  # its arrival was noted where it was read (ModelLink.last_heard)
             else:
                 if timeline is not None and isinstance(ev, Handoff):  # before the send: the target may be quicker
                     timeline.relay(ev.arrive.request_id, ev.model, ev.target, time.monotonic())
@@ -127,8 +132,9 @@ class SocketCoordinator(Coordinator):
         held = [rid for rid, r in self.requests.items() if model in r.holders]
         log.error("model %r went away holding %d request(s); failing them", model, len(held))
         url = self.config.models[model].url
-        cause = ("its process exited, or the server is shutting down" if url is None
-                 else f"its peer server at {url} went away or cannot be reached")
+        cause = self.killed.pop(model, None) or (
+            "its process exited, or the server is shutting down" if url is None
+            else f"its peer server at {url} went away or cannot be reached")
         for rid in held:
             self.transport.fail(model, rid, f"model {model!r} went away during the request ({cause})")
         if model not in self.down:
@@ -226,6 +232,8 @@ class RouterModel:
         self.loop.create_task(self._sweep_forever())
         if self.config.batching.thresholds == "auto":
             self.loop.create_task(self._tune_forever())
+        if self.config.watchdog_timeout_s is not None:
+            self.loop.create_task(self._watch_liveness(self.config.watchdog_timeout_s))
         self.loop.run_forever()
         # Stopped by finalize: let the background tasks end cleanly instead of being destroyed pending.
         pending = asyncio.all_tasks(self.loop)
@@ -436,6 +444,15 @@ class RouterModel:
                         client.timed_out = False
                 elif client.sender.is_cancelled():
                     self.coordinator.abort(rid)
+
+    async def _watch_liveness(self, timeout_s: float) -> None:
+        """Kill a model of this machine that sent nothing for watchdog_timeout_s (serving/watchdog.py): its socket
+        then closes, which fails what it held and revives it."""
+        while True:
+            await asyncio.sleep(min(1.0, timeout_s / 4))
+            for model in kill_silent(self.coordinator.transport.links, timeout_s, time.monotonic()):
+                self.coordinator.killed[model] = (f"its process made no progress for {timeout_s:g} s "
+                                                  "(watchdog_timeout_s) and was killed to restart it")
 
     async def _tune_forever(self) -> None:
         """Re-solve the thresholds every auto_interval_s while requests are in the system (the first solves

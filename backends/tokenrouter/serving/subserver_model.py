@@ -23,6 +23,7 @@ from tokenrouter.engine.subserver import Subserver
 from tokenrouter.engine.timeline import Timeline
 from tokenrouter.serving.metrics import SubserverMetrics
 from tokenrouter.serving.tensors import ROLE_PARAMETER, role_of
+from tokenrouter.serving.watchdog import HEARTBEAT_S, LoopWatchdog
 from tokenrouter.tokenizer import load_tokenizer
 from tokenrouter.transport import ipc
 from tokenrouter.transport.messages import (
@@ -30,6 +31,7 @@ from tokenrouter.transport.messages import (
     Arrive,
     Event,
     Handoff,
+    Heartbeat,
     Release,
     Released,
     StepStatsReport,
@@ -69,8 +71,12 @@ class SubserverModel:
         self._stop = threading.Event()
         self.metrics = SubserverMetrics(pb_utils, name, self.sub)
         self._report_every = config.batching.auto_interval_s if config.batching.thresholds == "auto" else None
+        loop = threading.Thread(target=self.sub.serve_forever, args=(self._stop,), name=f"tr-{name}", daemon=True)
+        timeout = config.watchdog_timeout_s
+        self._watchdog = None if timeout is None else LoopWatchdog(name, lambda: self.sub.loop_beat, loop, timeout)
+        self.listener: ipc.ModelListener | None = None  # (the response thread starts first)
         self._threads = [
-            threading.Thread(target=self.sub.serve_forever, args=(self._stop,), name=f"tr-{name}", daemon=True),
+            loop,
             threading.Thread(target=self._send_forever, name=f"tr-{name}-responses", daemon=True),
             threading.Thread(target=self.metrics.update_forever, args=(self._stop,), daemon=True),
         ]
@@ -172,11 +178,18 @@ class SubserverModel:
                 next_report = time.monotonic() + report_interval(self._report_every, reports)
                 for p in peers:
                     per_peer.setdefault(p, []).append(report)
+            now = time.monotonic()
+            if self.listener is not None:  # a router that heard nothing for a while hears that this process lives
+                for p in self.listener.peers():
+                    if p not in per_peer and now - p.last_sent >= HEARTBEAT_S:
+                        per_peer[p] = [Heartbeat(self.name)]
             for peer, events in per_peer.items():
                 try:
                     peer.send(events)
                 except OSError:
                     peer.close()  # its reader thread releases what that router brought here
+            if self._watchdog is not None:
+                self._watchdog.check(now)
             # Counted after sending: each metric update is a round trip to tritonserver, which blocks this thread.
             self.metrics.observe(batch)
 

@@ -13,13 +13,15 @@ from tokenrouter.transport.messages import (
     Commit,
     Failed,
     Handoff,
+    Heartbeat,
     Release,
     Released,
     StepStatsReport,
 )
 
 _TYPES = {
-    cls.__name__: cls for cls in (Arrive, Append, Release, Commit, Handoff, Released, Failed, StepStatsReport)
+    cls.__name__: cls for cls in (Arrive, Append, Release, Commit, Handoff, Released, Failed, StepStatsReport,
+                                 Heartbeat)
 }
 
 

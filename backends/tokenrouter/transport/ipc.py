@@ -43,11 +43,12 @@ def address(model: str, server_pid: int | None = None) -> str:
     return f"\0tokenrouter/{pid}/{model}"
 
 
-def _peer_uid(conn: Connection) -> int:
+def _peer_cred(conn: Connection) -> tuple[int, int]:
+    """(pid, uid) of the process at the connection's other end (for a connecting side: the process that listens)."""
     fmt = "3i"  # struct ucred: pid, uid, gid
     with socket.socket(fileno=os.dup(conn.fileno())) as s:
-        _, uid, _ = struct.unpack(fmt, s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize(fmt)))
-    return uid
+        pid, uid, _ = struct.unpack(fmt, s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize(fmt)))
+    return pid, uid
 
 
 class Peer:
@@ -57,11 +58,13 @@ class Peer:
         self.conn, self.name = conn, name
         self._lock = threading.Lock()
         self.closed = False
+        self.last_sent = time.monotonic()  # when a batch last left through this connection
 
     def send(self, items: list[Any]) -> None:
         data = codec.encode(items).encode()
         with self._lock:
             self.conn.send_bytes(data)
+            self.last_sent = time.monotonic()
 
     def close(self) -> None:
         """Shut the socket down first: a plain close() would neither wake this side's reader thread, blocked
@@ -118,6 +121,8 @@ class ModelListener:
         self._sock.listen(64)
         self._on_messages, self._on_close = on_messages, on_close
         self._stopped = False
+        self._peers_lock = threading.Lock()
+        self._peers: set[Peer] = set()  # the routers' connections now open
         self._thread = threading.Thread(target=self._accept_forever, name=f"tr-{model}-accept", daemon=True)
         self._thread.start()
 
@@ -126,7 +131,7 @@ class ModelListener:
             try:
                 sock, _ = self._sock.accept()
                 conn = Connection(sock.detach())
-                uid = _peer_uid(conn)
+                _, uid = _peer_cred(conn)
             except OSError:
                 if self._stopped:
                     return
@@ -137,10 +142,22 @@ class ModelListener:
                 conn.close()
                 continue
             peer = Peer(conn, f"{self.model}<-router")
+            with self._peers_lock:
+                self._peers.add(peer)
             threading.Thread(
-                target=_read_forever, args=(peer, self._on_messages, self._on_close),
+                target=_read_forever, args=(peer, self._on_messages, self._closed),
                 name=f"tr-{self.model}-reader", daemon=True,
             ).start()
+
+    def _closed(self, peer: Peer) -> None:
+        with self._peers_lock:
+            self._peers.discard(peer)
+        self._on_close(peer)
+
+    def peers(self) -> list[Peer]:
+        """The routers' connections now open."""
+        with self._peers_lock:
+            return [p for p in self._peers if not p.closed]
 
     def close(self) -> None:
         self._stopped = True
@@ -179,6 +196,10 @@ class ModelLink:
         self._down_error = ""
         # `on_lost` called for the current outage (its connection closing, or a connect refused): once per outage.
         self._lost_told = False
+        # The model's process (from the socket's credentials) and when anything last came from it, for the
+        # router's watchdog; both of the current connection.
+        self.pid: int | None = None
+        self.last_heard = 0.0
 
     @property
     def connected(self) -> bool:
@@ -195,13 +216,22 @@ class ModelLink:
                 if time.monotonic() >= deadline:
                     raise ConnectionError(f"model {self.model!r} is not reachable (is it loaded?): {e}") from None
                 time.sleep(0.05)
+        pid, _ = _peer_cred(conn)
         peer = Peer(conn, f"router->{self.model}")
+        self.pid, self.last_heard = pid, time.monotonic()
         threading.Thread(
-            target=_read_forever,
-            args=(peer, lambda _p, events: self._on_events(events), self._closed),
+            target=_read_forever, args=(peer, self._received, self._closed),
             name=f"tr-link-{self.model}", daemon=True,
         ).start()
         return peer
+
+    def _received(self, _peer: Peer, events: list[Any]) -> None:
+        self.last_heard = time.monotonic()
+        self._on_events(events)
+
+    def silent_for(self, now: float) -> float | None:
+        """Seconds since the model's process last sent anything (events or a heartbeat); None while not connected."""
+        return now - self.last_heard if self.connected else None
 
     def _closed(self, peer: Peer) -> None:
         with self._lock:

@@ -108,4 +108,12 @@ class StepStatsReport:
     stats: dict[str, Any]
 
 
+@dataclass
+class Heartbeat:
+    """`model`'s process is alive: sent on a connection that has carried nothing else for a while, so that the
+    router can tell a quiet model from a stopped one (serving/watchdog.py). Not about one request."""
+
+    model: str
+
+
 Event = Commit | Handoff | Released | Failed
