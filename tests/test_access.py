@@ -6,6 +6,7 @@ from a clean environment (no LD_LIBRARY_PATH)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -181,6 +182,7 @@ def served(tiny_dir: Path, tmp_path_factory) -> Iterator[Served]:
     for name, m in cfg["models"].items():
         m["path"] = str(tiny_dir / name)
         m["kv_cache_tokens"] = 4096
+    cfg["watchdog_timeout_s"] = 5  # (test_a_router_that_stopped_is_killed_and_reloaded)
     config = tmp / "deployment.yaml"
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
     http, grpc, metrics_port = free_ports(3)
@@ -356,6 +358,38 @@ def _router_stub(served: Served, model: str = "tokenrouter") -> tuple[int, str] 
     return stubs[0] if stubs else None
 
 
+def test_a_router_that_stopped_is_killed_and_reloaded(served: Served) -> None:
+    """A router process that stands still (stopped here; a deadlocked loop alike) held every request for ever, and
+    Triton calls it ready all the same. `tokenrouter serve` kills it once its loop's beat is watchdog_timeout_s old
+    (5 s here), then reloads it as a dead one."""
+    body = {"text_input": "def main():", "stream": True,
+            "sampling_parameters": json.dumps({"max_tokens": 4, "temperature": 0})}
+    status, before = generate_stream(served.probe, body)
+    assert status == 200 and before[-1].get("text_output") is not None, before
+    stub = _router_stub(served)
+    assert stub is not None
+    os.kill(stub[0], signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                status, events = generate_stream(served.probe, body, timeout=5)
+                if status == 200 and not any("error" in e for e in events):
+                    break
+            except OSError:  # no answer from the stopped router
+                pass
+            assert time.monotonic() < deadline, "the stopped router was not replaced"
+            time.sleep(0.5)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stub[0], signal.SIGKILL)
+    assert [e.get("text_output") for e in events] == [e.get("text_output") for e in before]
+    log = served.log.read_text()
+    assert f"its process {stub[0]} is stopped or hung; killing it, to reload it" in log
+    new = _router_stub(served)
+    assert new is not None and new[0] != stub[0]
+
+
 def test_a_router_whose_process_died_is_reloaded(served: Served) -> None:
     """Triton 2.51 neither restarts a dead Python-backend stub nor stops calling its model ready: a killed router
     stub answered every request with "Stub process ... is not healthy" while health checks passed (found by a
@@ -369,6 +403,7 @@ def test_a_router_whose_process_died_is_reloaded(served: Served) -> None:
     stub = _router_stub(served)
     time.sleep(2.5)  # one check of the router's process beside it, which notes its shared memory
     assert stub is not None and Path(f"/dev/shm/{stub[1]}").exists()
+    revivals = served.log.read_text().count("the router model is back")
     os.kill(stub[0], signal.SIGKILL)
     deadline = time.monotonic() + 60
     while True:
@@ -379,7 +414,8 @@ def test_a_router_whose_process_died_is_reloaded(served: Served) -> None:
         time.sleep(0.5)
     assert [e.get("text_output") for e in events] == [e.get("text_output") for e in before]  # the same greedy text
     log = served.log.read_text()
-    assert "warning: the router model's process exited; reloading it" in log and "the router model is back" in log
+    assert "warning: the router model's process exited; reloading it" in log
+    assert log.count("the router model is back") == revivals + 1
     new = _router_stub(served)
     assert new is not None and new[0] != stub[0]
     _gone(Path(f"/dev/shm/{stub[1]}"), "the dead router stub's shared memory")

@@ -4,6 +4,7 @@ with exactly one final response (or a clear error), and once idle no model holds
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -43,44 +44,60 @@ def _body(prompt: str, params: dict) -> dict:
     return {"text_input": prompt, "sampling_parameters": json.dumps(params), "stream": True}
 
 
+def _fault_under_streams(server, repo: Path, fault, error: str, within_s: float = 60.0) -> int:
+    """Four long streams in flight, then `fault(pid)` on the large model's process: each stream ends within
+    `within_s` with exactly one final response, an error containing `error`. The process's pid."""
+    results: list[tuple[int, list[dict]]] = []
+    streams = [
+        threading.Thread(target=lambda i=i: results.append(generate_stream(server, _body(f"x{i}", LONG))))
+        for i in range(4)
+    ]
+    for t in streams:
+        t.start()
+    time.sleep(1.0)  # mid-request: 3,000 tokens take far longer than this
+    (large,) = stubs_of(repo, "large")
+    fault(large)
+    begun = time.monotonic()
+    for t in streams:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in streams), "a stream hung after the fault"
+    assert time.monotonic() - begun < within_s
+    for status, events in results:
+        errors = [e["error"] for e in events if "error" in e]
+        assert status == 200 and len(errors) == 1 and events[-1] == {"error": errors[0]}, events[-3:]
+        assert error in errors[0]
+    return large
+
+
+def _served_again(server, repo: Path, old: int, requests: int = 24, seed: int = 5) -> None:
+    """The large model reloaded (a new process), and a closed loop of requests served without a problem."""
+    assert wait_metric(server, 'tokenrouter_model_up{model="large"}', 1.0, 180) == 1.0
+    assert stubs_of(repo, "large") != [old]
+    result = run_soak(server.grpc_url, requests=requests, concurrency=4, cancel_fraction=0.0, max_tokens=24,
+                      metrics_url=server.metrics_url, seed=seed)
+    assert result.problems() == [], result
+    assert sum(result.finished_delta.values()) == requests
+    assert server.proc.poll() is None
+
+
 @pytest.mark.slow
 def test_a_stopped_subserver_is_killed_by_the_watchdog_and_reloaded(tiny_dir: Path, tmp_path: Path) -> None:
     """A model process that stands still without exiting (stopped here; a thread holding Python's lock alike)
     closes no socket: its requests waited for ever (found by a fault-injection pass). The router kills a model
     that sent nothing, not even its heartbeat, for watchdog_timeout_s; its requests fail saying so, and it is
     reloaded."""
+    repo = tmp_path / "model_repository"
     with running_server(_config(tmp_path, tiny_dir, watchdog_timeout_s=3), tmp_path) as server:
-        results: list[tuple[int, list[dict]]] = []
-        streams = [
-            threading.Thread(target=lambda i=i: results.append(generate_stream(server, _body(f"x{i}", LONG))))
-            for i in range(4)
-        ]
-        for t in streams:
-            t.start()
-        time.sleep(1.0)  # mid-request
-        (large,) = stubs_of(tmp_path / "model_repository", "large")
-        os.kill(large, signal.SIGSTOP)
+        stopped: list[int] = []
         try:
-            stopped = time.monotonic()
-            for t in streams:
-                t.join(timeout=60)
-            assert not any(t.is_alive() for t in streams), "a stream hung on a stopped model"
-            assert time.monotonic() - stopped < 30
-            for status, events in results:
-                errors = [e["error"] for e in events if "error" in e]
-                assert status == 200 and len(errors) == 1 and events[-1] == {"error": errors[0]}, events[-3:]
-                assert "'large' went away during the request (its process made no progress for 3 s" in errors[0]
-            assert wait_metric(server, 'tokenrouter_model_up{model="large"}', 1.0, 180) == 1.0
-            assert stubs_of(tmp_path / "model_repository", "large") != [large]
-            result = run_soak(server.grpc_url, requests=24, concurrency=4, cancel_fraction=0.0, max_tokens=24,
-                              metrics_url=server.metrics_url, seed=5)
-            assert result.problems() == [], result
-            assert server.proc.poll() is None
+            large = _fault_under_streams(
+                server, repo, lambda pid: (stopped.append(pid), os.kill(pid, signal.SIGSTOP)),
+                "'large' went away during the request (its process made no progress for 3 s", within_s=30)
+            _served_again(server, repo, large)
         finally:
-            try:  # the watchdog did not kill it: let the server stop
-                os.kill(large, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            for pid in stopped:  # the watchdog did not kill it: let the server stop
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.slow
@@ -88,62 +105,26 @@ def test_a_subserver_whose_loop_is_stuck_exits_and_is_reloaded(tiny_dir: Path, t
     """A decoding loop stuck inside a step (a hung GPU kernel, a deadlock) while the process's other threads run
     on: its heartbeats satisfy the router. The process watches its own loop and exits, with the loop's stack in
     the log; the router fails what it held and reloads it."""
-    flag = tmp_path / "stall"
+    flag, repo = tmp_path / "stall", tmp_path / "model_repository"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(Path(__file__).parent),
                                                                  os.environ.get("PYTHONPATH")) if p))
     policy = {"name": "test_stall", "module": "stall_policy", "p": 0.3, "seed": 0, "stall_model": "large",
               "stall_file": str(flag)}
     with running_server(_config(tmp_path, tiny_dir, watchdog_timeout_s=3, policy=policy), tmp_path) as server:
-        results: list[tuple[int, list[dict]]] = []
-        streams = [
-            threading.Thread(target=lambda i=i: results.append(generate_stream(server, _body(f"x{i}", LONG))))
-            for i in range(4)
-        ]
-        for t in streams:
-            t.start()
-        time.sleep(1.0)  # mid-request
-        (large,) = stubs_of(tmp_path / "model_repository", "large")
-        flag.touch()
-        stuck = time.monotonic()
-        for t in streams:
-            t.join(timeout=60)
-        assert not any(t.is_alive() for t in streams), "a stream hung on a stuck model"
-        assert time.monotonic() - stuck < 30
-        for status, events in results:
-            errors = [e["error"] for e in events if "error" in e]
-            assert status == 200 and len(errors) == 1 and events[-1] == {"error": errors[0]}, events[-3:]
-            assert "'large' went away during the request (its process exited" in errors[0]
+        large = _fault_under_streams(server, repo, lambda pid: flag.touch(),
+                                     "'large' went away during the request (its process exited", within_s=30)
         log = (tmp_path / "tritonserver.log").read_text()
         assert "large: the decoding loop has not gone round for" in log and "in route" in log, log[-3000:]
         flag.unlink()
-        assert wait_metric(server, 'tokenrouter_model_up{model="large"}', 1.0, 180) == 1.0
-        assert stubs_of(tmp_path / "model_repository", "large") != [large]
-        result = run_soak(server.grpc_url, requests=24, concurrency=4, cancel_fraction=0.0, max_tokens=24,
-                          metrics_url=server.metrics_url, seed=5)
-        assert result.problems() == [], result
-        assert server.proc.poll() is None
+        _served_again(server, repo, large)
 
 
 @pytest.mark.slow
 def test_killed_subserver_fails_its_requests_and_is_reloaded(tiny_dir: Path, tmp_path: Path) -> None:
+    repo = tmp_path / "model_repository"
     with running_server(_config(tmp_path, tiny_dir), tmp_path) as server:
-        results: list[tuple[int, list[dict]]] = []
-        streams = [
-            threading.Thread(target=lambda i=i: results.append(generate_stream(server, _body(f"x{i}", LONG))))
-            for i in range(4)
-        ]
-        for t in streams:
-            t.start()
-        time.sleep(1.0)  # mid-request: 3,000 tokens take far longer than this
-        (large,) = stubs_of(tmp_path / "model_repository", "large")
-        os.kill(large, signal.SIGKILL)
-        for t in streams:
-            t.join(timeout=60)
-        assert not any(t.is_alive() for t in streams), "a stream hung after its model died"
-        for status, events in results:
-            errors = [e["error"] for e in events if "error" in e]
-            assert status == 200 and len(errors) == 1 and events[-1] == {"error": errors[0]}, events[-3:]
-            assert "'large' went away during the request" in errors[0]
+        large = _fault_under_streams(server, repo, lambda pid: os.kill(pid, signal.SIGKILL),
+                                     "'large' went away during the request")
 
         # Until it is back (the router reloads it), requests are refused at once with a message that says
         # why; then they are served again.
@@ -153,12 +134,7 @@ def test_killed_subserver_fails_its_requests_and_is_reloaded(tiny_dir: Path, tmp
         assert time.monotonic() - start < 5.0, "the router stalled while the model was reloaded"
         if "error" in events[-1]:
             assert "'large' is unavailable" in events[-1]["error"] and "restarted" in events[-1]["error"]
-        assert wait_metric(server, 'tokenrouter_model_up{model="large"}', 1.0, 180) == 1.0
-        result = run_soak(server.grpc_url, requests=40, concurrency=4, cancel_fraction=0.0, max_tokens=24,
-                          metrics_url=server.metrics_url, seed=3)
-        assert result.problems() == [], result
-        assert sum(result.finished_delta.values()) == 40
-        assert server.proc.poll() is None
+        _served_again(server, repo, large, requests=40, seed=3)
 
 
 @pytest.mark.slow

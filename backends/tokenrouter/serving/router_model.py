@@ -15,13 +15,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import functools
 import json
 import logging
+import os
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,8 +51,9 @@ from tokenrouter.serving.model_control import (
     reload_model,
 )
 from tokenrouter.serving.responder import Responder
+from tokenrouter.serving.server import ROUTER_BEAT_ENV
 from tokenrouter.serving.tensors import TIMEOUT_ERROR, GenerateRequest, parse_request
-from tokenrouter.serving.watchdog import kill_silent
+from tokenrouter.serving.watchdog import HEARTBEAT_S, kill_silent
 from tokenrouter.tokenizer import load_tokenizer
 from tokenrouter.transport.messages import Handoff, Heartbeat, StepStatsReport
 from tokenrouter.transport.sockets import SocketTransport
@@ -234,6 +238,9 @@ class RouterModel:
             self.loop.create_task(self._tune_forever())
         if self.config.watchdog_timeout_s is not None:
             self.loop.create_task(self._watch_liveness(self.config.watchdog_timeout_s))
+        beat = os.environ.get(ROUTER_BEAT_ENV)
+        if beat:  # tokenrouter serve watches this loop by it
+            self.loop.create_task(self._beat_forever(Path(beat)))
         self.loop.run_forever()
         # Stopped by finalize: let the background tasks end cleanly instead of being destroyed pending.
         pending = asyncio.all_tasks(self.loop)
@@ -444,6 +451,14 @@ class RouterModel:
                         client.timed_out = False
                 elif client.sender.is_cancelled():
                     self.coordinator.abort(rid)
+
+    async def _beat_forever(self, path: Path) -> None:
+        """Renew the beat file's time while this loop goes round: `tokenrouter serve` kills a router whose beat
+        is older than watchdog_timeout_s (stopped or hung), and reloads it."""
+        while True:
+            with contextlib.suppress(OSError):
+                path.touch()
+            await asyncio.sleep(HEARTBEAT_S)
 
     async def _watch_liveness(self, timeout_s: float) -> None:
         """Kill a model of this machine that sent nothing for watchdog_timeout_s (serving/watchdog.py): its socket

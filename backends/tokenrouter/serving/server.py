@@ -50,6 +50,9 @@ ADMIN_APIS = ("model-repository", "shared-memory", "trace", "logging")
 ADMIN_HEADER = "admin-key"
 # Set in tritonserver's environment (its stubs inherit it): where the router reaches model control.
 CONTROL_URL_ENV = "TOKENROUTER_MODEL_CONTROL_URL"
+# ... and the file whose time the router's loop renews every second (serving/watchdog.py), for `tokenrouter serve`
+# to find a router that is stopped or hung.
+ROUTER_BEAT_ENV = "TOKENROUTER_ROUTER_BEAT"
 # When a server stops: how long the models get to unload, of that the router (a client's open gRPC stream keeps
 # Triton from unloading the router until the stream closes), then tritonserver to exit once all are unloaded.
 DRAIN_S = 20.0
@@ -174,6 +177,7 @@ class TritonServer:
         self._restriction = restriction_args(self.admin_key, self.restricted_apis) if self.admin_key else []
         self.proc: subprocess.Popen | None = None
         self._regions: dict[str, str] = {}  # each model's stub's shared memory, as last seen alive
+        self.router_beat = self.repo.parent / f"{self.repo.name}.router-beat"  # (beside serve's lock and key)
         # Where this process reaches the server (it listens on every interface).
         self.host = "127.0.0.1"
 
@@ -218,6 +222,8 @@ class TritonServer:
         env[CONTROL_URL_ENV] = f"http://127.0.0.1:{self.http_port}"
         if self.admin_key:
             env[ADMIN_KEY_ENV] = self.admin_key
+        self.router_beat.unlink(missing_ok=True)  # a former server's
+        env[ROUTER_BEAT_ENV] = str(self.router_beat)
         self.proc = subprocess.Popen(
             self.command(), env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
             start_new_session=True, preexec_fn=_die_with_parent_hook(),
@@ -255,6 +261,17 @@ class TritonServer:
         and health checks pass. (The router revives the subservers; this process is the router's reviver.)"""
         return ROUTER in self._stub_regions_by_model()
 
+    def router_pid(self) -> int | None:
+        """The router model's live stub process."""
+        return self._stub_pids_by_model().get(ROUTER)
+
+    def router_silent_for(self) -> float | None:
+        """Seconds since the router's loop last renewed its beat file; None before its first beat."""
+        try:
+            return time.time() - self.router_beat.stat().st_mtime
+        except OSError:
+            return None
+
     def reload_router(self, timeout: float = 300.0) -> None:
         """Unload and load the router model through the model-control API (explicit model control)."""
         url = f"http://{self.host}:{self.http_port}"
@@ -279,14 +296,22 @@ class TritonServer:
 
     def _stub_regions_by_model(self) -> dict[str, str]:
         """Each model's live stub's shared-memory region (one instance per model, as this repository has)."""
+        return {model: region for model, (_, region) in self._stubs_by_model().items()}
+
+    def _stub_pids_by_model(self) -> dict[str, int]:
+        return {model: pid for model, (pid, _) in self._stubs_by_model().items()}
+
+    def _stubs_by_model(self) -> dict[str, tuple[int, str]]:
+        """Each model's live stub: (pid, shared-memory region)."""
         if self.proc is None:
             return {}
         roots = {f"{root}/".encode() for root in (self.repo, self.repo.resolve())}  # (as given to tritonserver)
         out = {}
-        for argv in _stubs(self.proc.pid):
+        for pid, argv in _stubs(self.proc.pid):
             root = next((r for r in roots if argv[1].startswith(r)), None)
             if root is not None and b"/" not in argv[2]:
-                out[argv[1][len(root):].split(b"/")[0].decode(errors="replace")] = argv[2].decode(errors="replace")
+                model = argv[1][len(root):].split(b"/")[0].decode(errors="replace")
+                out[model] = (pid, argv[2].decode(errors="replace"))
         return out
 
     def stop(self) -> None:
@@ -312,6 +337,7 @@ class TritonServer:
         for name in regions:
             with contextlib.suppress(OSError):
                 os.unlink(f"/dev/shm/{name}")
+        self.router_beat.unlink(missing_ok=True)
 
     def drain(self, timeout: float = DRAIN_S) -> bool:
         """Unload the models through the model-control API, then the router; True once all are unloaded.
@@ -437,9 +463,10 @@ def model_states(url: str, key: str | None, timeout: float = 10.0) -> dict[str, 
     return {m["name"]: (m.get("state", ""), m.get("reason", "")) for m in index}
 
 
-def _stubs(group: int) -> list[list[bytes]]:
-    """The command lines of the live Python-backend stubs in process group `group`: the model.py each one serves,
-    then its shared-memory region (a /dev/shm name). An exited stub its server has not reaped has no command line."""
+def _stubs(group: int) -> list[tuple[int, list[bytes]]]:
+    """The live Python-backend stubs in process group `group`: (pid, command line). The command line names the
+    model.py each one serves, then its shared-memory region (a /dev/shm name). An exited stub its server has not
+    reaped has no command line."""
     stubs = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -449,13 +476,13 @@ def _stubs(group: int) -> list[list[bytes]]:
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile
         if len(argv) > 2 and argv[0].endswith(STUB.encode()):
-            stubs.append(argv)
+            stubs.append((int(stat.parent.name), argv))
     return stubs
 
 
 def _stub_regions(group: int) -> list[str]:
     """The shared-memory regions (/dev/shm names) of the Python-backend stubs in process group `group`."""
-    return [argv[2].decode(errors="replace") for argv in _stubs(group) if b"/" not in argv[2]]
+    return [argv[2].decode(errors="replace") for _, argv in _stubs(group) if b"/" not in argv[2]]
 
 
 def _port_problem(ports: list[int]) -> str | None:
@@ -591,6 +618,8 @@ def _serve(args: argparse.Namespace, config_path: Path, config: EngineConfig, en
             if not stop and time.monotonic() - checked >= ROUTER_CHECK_S:
                 checked = time.monotonic()
                 _revive_router_if_dead(server)
+                if config.watchdog_timeout_s is not None:
+                    _kill_router_if_hung(server, config.watchdog_timeout_s)
                 server.sweep_replaced_regions()
     except (RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -602,6 +631,27 @@ def _serve(args: argparse.Namespace, config_path: Path, config: EngineConfig, en
             print("warning: the CUDA MPS daemon did not quit within 30 s; stop it with "
                   "`echo quit | nvidia-cuda-mps-control`", file=sys.stderr)
     return 0 if stop else (server.proc.returncode or 0)
+
+
+def _kill_router_if_hung(server: TritonServer, timeout_s: float) -> None:
+    """Kill the router model's process when its loop has not renewed its beat for `timeout_s` (stopped, or hung):
+    the next check then reloads it as a dead one. Its streams in flight end with it (they get no final response
+    from Triton 2.51), but the server serves again; left alone, it held every request for ever."""
+    silent = server.router_silent_for()
+    pid = server.router_pid()
+    if silent is None or silent < timeout_s or pid is None:
+        return
+    try:
+        if model_states(f"http://{server.host}:{server.http_port}", server.admin_key,
+                        timeout=5).get(ROUTER, ("",))[0] != "READY":
+            return  # loading or unloading: not beating yet, or on purpose
+    except (OSError, ValueError):
+        return
+    print(f"warning: the router model's loop has not gone round for {silent:.0f} s (watchdog_timeout_s "
+          f"{timeout_s:g}): its process {pid} is stopped or hung; killing it, to reload it",
+          file=sys.stderr, flush=True)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def _revive_router_if_dead(server: TritonServer) -> None:
