@@ -84,6 +84,7 @@ TOP_VALUES = [
     ({"batching": {"thresholds": {"tiny": 2}}}, r"batching\.thresholds names unknown model\(s\) \['tiny'\]"),
     ({"batching": 4}, r"^batching must be a mapping, got int$"),
     ({"request_timeout_s": 0}, r"^request_timeout_s must be > 0, got 0$"),
+    ({"model_down": "fallback"}, r"^model_down must be one of \('refuse', 'route_around'\), got 'fallback'$"),
     ({"watchdog_timeout_s": "5m"}, r"^watchdog_timeout_s must be a number > 0 or null, got '5m'$"),
     ({"watchdog_timeout_s": 1}, r"^watchdog_timeout_s must be at least 2 s plus batching\.max_wait_ms \(got 1\)"),
     ({"watchdog_timeout_s": 2.1, "batching": {"max_wait_ms": 500}}, r"^watchdog_timeout_s must be at least 2 s"),

@@ -16,8 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
+from tokenrouter.tokenizer import encode_prompt, load_tokenizer
 from triton_harness import generate_stream, metrics, running_server, stubs_of, wait_metric
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,6 +119,80 @@ def test_a_subserver_whose_loop_is_stuck_exits_and_is_reloaded(tiny_dir: Path, t
         assert "large: the decoding loop has not gone round for" in log and "in route" in log, log[-3000:]
         flag.unlink()
         _served_again(server, repo, large)
+
+
+def _routed_then_small(tiny_dir: Path, prompt: str, text: str, n: int) -> bool:
+    """Whether `text` is the whole deployment's greedy output (the naive reference) up to some token, then the
+    small model's greedy continuation from there: what a request the small model took back must give."""
+    from test_routing_vs_naive import hf_model, naive_generate
+
+    tok = load_tokenizer(str(tiny_dir / "small"))
+    ids = encode_prompt(tok, prompt)
+    routed, _ = naive_generate(tiny_dir, ["small", "large"], {"name": "random", "p": 0.3, "seed": 0}, ids, n)
+    small = hf_model(str(tiny_dir / "small"))
+    for f in range(n, -1, -1):  # where it was taken back: the last point whose routed text `text` begins with
+        head = routed[:f]
+        if not text.startswith(tok.decode(head, skip_special_tokens=True)):
+            continue
+        tokens = ids + head
+        with torch.no_grad():
+            while len(tokens) < len(ids) + n:
+                tokens.append(int(small(torch.tensor([tokens])).logits[0, -1].argmax()))
+        if tok.decode(tokens[len(ids):], skip_special_tokens=True) == text:
+            return True
+    return False
+
+
+@pytest.mark.slow
+def test_routing_around_a_killed_subserver(tiny_dir: Path, tmp_path: Path) -> None:
+    """model_down: route_around. The large model killed mid-request: every request goes on, those it was decoding
+    at the small model from the KV that one kept, and ends normally with all its tokens; while it is down new
+    requests are served (by the small model alone); once it is back it is routed to again, from a first visit."""
+    repo = tmp_path / "model_repository"
+    n = 200
+    params = {"max_tokens": n, "ignore_eos": True, "temperature": 0}
+
+    def request(prompt: str) -> tuple[int, list[dict]]:
+        return generate_stream(server, {**_body(prompt, params), "return_finish_reason": True,
+                                        "return_num_output_tokens": True, "return_routing_stats": True})
+
+    def assert_whole(status: int, events: list[dict]) -> dict:
+        assert status == 200 and not any("error" in e for e in events), events[-3:]
+        final = events[-1]
+        assert final["finish_reason"] == "length" and final["num_output_tokens"] == n, final
+        return json.loads(final["routing_stats"])["tokens_per_model"]
+
+    with running_server(_config(tmp_path, tiny_dir, model_down="route_around"), tmp_path) as server:
+        results: dict[str, tuple[int, list[dict]]] = {}
+        prompts = [f"def f{i}(x):" for i in range(6)]
+        streams = [threading.Thread(target=lambda p=p: results.__setitem__(p, request(p))) for p in prompts]
+        for t in streams:
+            t.start()
+        time.sleep(1.0)  # mid-request
+        (large,) = stubs_of(repo, "large")
+        code = repo / "large" / "1" / "model.json"  # its settings
+        code.rename(code.with_suffix(".hidden"))  # it cannot come back until the end of the checks below
+        try:
+            os.kill(large, signal.SIGKILL)
+            for t in streams:
+                t.join(timeout=120)
+            assert not any(t.is_alive() for t in streams), "a stream hung after its model died"
+            for prompt in prompts:
+                assert_whole(*results[prompt])
+                text = "".join(e.get("text_output", "") for e in results[prompt][1])
+                assert _routed_then_small(tiny_dir, prompt, text, n), prompt
+            assert metrics(server)['tokenrouter_model_up{model="large"}'] == 0.0
+            assert assert_whole(*request("while it is down")) == {"small": n}
+        finally:
+            code.with_suffix(".hidden").rename(code)
+        assert wait_metric(server, 'tokenrouter_model_up{model="large"}', 1.0, 180) == 1.0
+        assert stubs_of(repo, "large") != [large]
+        after = assert_whole(*request("after it is back"))
+        assert after.get("large", 0) > 0, after  # routed to again: a first visit to the new process
+        held = wait_idle(server.metrics_url)
+        assert not any(held.values()), held  # every KV block and request released on both models
+        log = (tmp_path / "tritonserver.log").read_text()
+        assert "goes on with it from its own KV" in log
 
 
 @pytest.mark.slow

@@ -229,6 +229,12 @@ class EngineConfig:
     # Python's lock), is killed; the router fails the requests it held and restarts it (serving/watchdog.py).
     # Far above any step: on a 32B, a step of 2,048 tokens takes well under a second. None: no watchdog.
     watchdog_timeout_s: float | None = _spec(300.0, gt=0.0)
+    # Served deployments, while a model other than the entry is down (its process died and is being restarted):
+    # `refuse` answers every new request with an error until it is back, and fails the requests it held, since any
+    # request may be routed to it. `route_around` serves on without it: nothing is routed to it, and a request it
+    # was decoding goes on at the entry model, from the KV the entry model kept (no prefill again); the routed
+    # output then differs from what the full deployment gives. The entry model down refuses in either mode.
+    model_down: Literal["refuse", "route_around"] = "refuse"
     source: str | None = field(default=None, repr=False)
 
     def validate(self) -> None:

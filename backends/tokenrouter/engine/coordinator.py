@@ -179,9 +179,13 @@ class Coordinator:
             elif isinstance(ev, Handoff):
                 if req.finished:
                     return  # cancelled in flight: the source was already told to release
+                if self._unavailable(ev.target):  # went down meanwhile: the source goes on (it is told why first)
+                    self._take_back(req, ev.model, ev.target, ev.arrive.seen, ev.arrive.state)
+                    return
                 req.handoffs += 1
                 req.owner = ev.target
                 req.holders.add(ev.target)
+                req.seen, req.route_state = ev.arrive.seen, ev.arrive.state
                 self._deliver(ev.target, ev.arrive)
             elif isinstance(ev, Released):
                 req.holders.discard(ev.model)
@@ -194,6 +198,22 @@ class Coordinator:
                     for model in req.holders - {ev.model}:
                         self._deliver(model, Release(req.request_id, "error"))
             self._maybe_finalize(req)
+
+    def _unavailable(self, model: str) -> bool:
+        """Hook: whether `model` is down and requests go on without it (served, model_down: route_around)."""
+        return False
+
+    def _take_back(self, req: RequestState, model: str, gone: str, seen: dict[str, int], state: dict) -> None:
+        """`model`, which kept the request's KV, goes on with it where `gone` (down) had it: the tokens it has not
+        seen (none, when `gone` had produced nothing: it then computes its last token again)."""
+        tokens = req.prompt_ids + req.output_ids
+        seen = {m: n for m, n in seen.items() if not self._unavailable(m)}
+        suffix = tokens[seen.get(model, len(tokens)) :]
+        seen[model] = max(seen.get(model, 0), len(tokens))
+        req.owner, req.seen, req.route_state = model, seen, state
+        log.warning("request %s: model %r is down; %r goes on with it from its own KV (%d new token(s))",
+                    req.request_id, gone, model, len(suffix))
+        self._deliver(model, Arrive(req.request_id, suffix, False, len(req.prompt_ids), req.params, state, gone, seen))
 
     def _maybe_finalize(self, req: RequestState) -> None:
         """A request ends (one final output) once it finished and every model freed its KV."""

@@ -37,6 +37,10 @@ class RequestState:
     models_order: list[str] | None = None  # config order: the last is "the large model" in stats
     output_ids: list[int] = field(default_factory=list)
     holders: set[str] = field(default_factory=set)  # models holding its state / KV
+    # From the last handoff relayed: what each model had seen of it, and the routing state it carried (to take it
+    # back where a model that went down had it: model_down: route_around).
+    seen: dict[str, int] = field(default_factory=dict)
+    route_state: dict[str, Any] = field(default_factory=dict)
     tokens_per_model: dict[str, int] = field(default_factory=dict)
     handoffs: int = 0
     forwarded: dict[str, int] = field(default_factory=dict)

@@ -31,7 +31,17 @@ from tokenrouter.runner.arch import ArchConfig, declared_context_limit
 from tokenrouter.runner.forward_batch import ScheduledChunk
 from tokenrouter.runner.model_runner import ForwardOutput, ModelRunner
 from tokenrouter.runner.sampler import sample
-from tokenrouter.transport.messages import Append, Arrive, Commit, Event, Failed, Handoff, Release, Released
+from tokenrouter.transport.messages import (
+    Append,
+    Arrive,
+    Commit,
+    Event,
+    Failed,
+    Handoff,
+    Release,
+    Released,
+    Unavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +183,8 @@ class Subserver:
         # round every max_wait_s or 50 ms, so a beat much older than any step means the loop is stuck
         # (serving/watchdog.py).
         self.loop_beat: float | None = None
+        # Models that are down (model_down: route_around; the router says so): nothing is routed to them.
+        self.unavailable: frozenset[str] = frozenset()
 
     @classmethod
     def from_config(
@@ -252,7 +264,8 @@ class Subserver:
                 self.handle(msg)
             except Exception as e:  # a malformed or out-of-order message fails its request, not the loop
                 log.exception("%s: could not handle %s", self.name, type(msg).__name__)
-                self._fail_request(msg.request_id, f"model {self.name!r} rejected the request: {e}")
+                if isinstance(getattr(msg, "request_id", None), str):
+                    self._fail_request(msg.request_id, f"model {self.name!r} rejected the request: {e}")
 
     def note_arrival(self, msg: Arrive | Append | Release) -> None:
         """A message reached this model (thread-safe): a handoff's way here from its source model is measured now.
@@ -263,9 +276,11 @@ class Subserver:
             if isinstance(sent, int | float) and not isinstance(sent, bool) and isinstance(source, str) and source:
                 self.stats.record_transit(source, time.monotonic() - sent)
 
-    def handle(self, msg: Arrive | Append | Release) -> None:
+    def handle(self, msg: Arrive | Append | Release | Unavailable) -> None:
         if isinstance(msg, Arrive):
             self._arrive(msg)
+        elif isinstance(msg, Unavailable):
+            self._set_unavailable(msg.models)
         elif isinstance(msg, Append):
             seq = self.seqs.get(msg.request_id)
             if seq is not None:
@@ -300,6 +315,11 @@ class Subserver:
             if seq is None or seq.status is not SeqStatus.PARKED:
                 raise RuntimeError(f"{self.name}: request {msg.request_id} returned but is not parked here")
             seq.token_ids.extend(msg.tokens)
+            if not msg.tokens and seq.num_pending_tokens == 0 and seq.num_computed_tokens > 0:
+                # Taken back with nothing new (model_down: route_around; its target went down before it produced
+                # a token): its last token is computed again, for the logits of the next one. (Its KV slot is
+                # rewritten with the same values.)
+                seq.num_computed_tokens -= 1
         seq.state, seq.seen = msg.state, msg.seen
         seq.lease = None
         if msg.source is not None:
@@ -315,6 +335,15 @@ class Subserver:
             self.scheduler.add(seq)
         else:
             self.scheduler.resume(seq)
+
+    def _set_unavailable(self, models: list[str]) -> None:
+        """These models are down: route nothing to them, and forget what they had seen of each request here (their
+        KV died with their process), so that a visit after their return is a first one, with every token."""
+        newly = set(models) - self.unavailable
+        self.unavailable = frozenset(models)
+        if newly:
+            for seq in self.seqs.values():
+                seq.seen = {m: n for m, n in seq.seen.items() if m not in newly}
 
     def _too_long(self, n: int) -> str:
         return (
@@ -602,7 +631,11 @@ class Subserver:
             target = lease.return_to if done else self.name
             commit = True
         else:
+            if target in self.unavailable:  # down (model_down: route_around): the token is this model's
+                target = self.name
             commit = target == self.name or self.policy.send(view, target, tok)
+        if target in self.unavailable:  # a lease that would return to a model that is down: it stays here
+            target = self.name
         self.stats.record_route(None if target == self.name else target, commit)
         if commit:
             seq.token_ids.append(tok)

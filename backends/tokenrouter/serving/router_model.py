@@ -55,7 +55,7 @@ from tokenrouter.serving.server import ROUTER_BEAT_ENV
 from tokenrouter.serving.tensors import TIMEOUT_ERROR, GenerateRequest, parse_request
 from tokenrouter.serving.watchdog import HEARTBEAT_S, kill_silent
 from tokenrouter.tokenizer import load_tokenizer
-from tokenrouter.transport.messages import Handoff, Heartbeat, StepStatsReport
+from tokenrouter.transport.messages import Handoff, Heartbeat, Released, StepStatsReport, Unavailable
 from tokenrouter.transport.sockets import SocketTransport
 
 log = logging.getLogger(__name__)
@@ -131,32 +131,62 @@ class SocketCoordinator(Coordinator):
             timeline.router_batch(start, time.monotonic(), len(events))
 
     def _model_gone(self, model: str) -> None:
-        """The model's process exited: everything it held is lost; fail those requests cleanly, refuse new
-        ones until it is back, and have it revived."""
+        """The model's process exited: everything it held is lost; fail those requests cleanly (or, routing
+        around it, go on with them at the entry model), refuse new ones until it is back, and have it revived."""
+        around = self._routes_around(model)
         held = [rid for rid, r in self.requests.items() if model in r.holders]
-        log.error("model %r went away holding %d request(s); failing them", model, len(held))
+        log.error("model %r went away holding %d request(s); %s", model, len(held),
+                  "the entry model goes on with them" if around else "failing them")
         url = self.config.models[model].url
         cause = self.killed.pop(model, None) or (
             "its process exited, or the server is shutting down" if url is None
             else f"its peer server at {url} went away or cannot be reached")
-        for rid in held:
-            self.transport.fail(model, rid, f"model {model!r} went away during the request ({cause})")
         if model not in self.down:
             self.down[model] = (
                 f"model {model!r} is unavailable: its process exited and is being restarted; retry shortly"
                 if url is None else f"model {model!r} is unavailable: {cause}; retry shortly"
             )
+            self._tell_unavailable()  # before any request is taken back: nothing is routed there again
             self.on_model_down(model)
+        with self._lock:
+            for rid in held:
+                req = self.requests.get(rid)
+                if req is None:
+                    continue
+                if around and not req.finished and self.config.entry in req.holders:
+                    self._on_event(Released(rid, model, 0, 0, held=False))  # its KV there is gone
+                    if req.owner == model:
+                        self._take_back(req, self.config.entry, model, req.seen, req.route_state)
+                    continue
+                self.transport.fail(model, rid, f"model {model!r} went away during the request ({cause})")
 
     def model_back(self, model: str) -> None:
         if self.down.pop(model, None) is not None:
             log.warning("model %r is back", model)
+            self._tell_unavailable()
+
+    def _routes_around(self, model: str) -> bool:
+        return self.config.model_down == "route_around" and model != self.config.entry
+
+    def _unavailable(self, model: str) -> bool:
+        return model in self.down and self._routes_around(model)
+
+    def _tell_unavailable(self) -> None:
+        """model_down: route_around: every model that is up learns which are down (subserver._set_unavailable)."""
+        if self.config.model_down != "route_around":
+            return
+        down = sorted(self.down)
+        for m in self.model_names:
+            if m not in self.down:
+                self.transport.deliver(m, Unavailable(down))
 
     def _check_open(self) -> None:
-        # Any model may be routed to, so a request admitted now could fail half-way: refuse it up front. (One
-        # copy of the reasons: a tokenizing thread asks while the loop may add or pop one.)
-        for reason in list(self.down.values()):
-            raise ValueError(reason)
+        # Any model may be routed to, so a request admitted now could fail half-way: refuse it up front; routing
+        # around models that are down, only the entry model's absence refuses. (One copy of the reasons: a
+        # tokenizing thread asks while the loop may add or pop one.)
+        for model, reason in list(self.down.items()):
+            if not self._routes_around(model):
+                raise ValueError(reason)
 
     def retune(self) -> TunedThresholds | None:
         """`thresholds: auto`: solve B* from the reported statistics, in a child process (blocking: call it

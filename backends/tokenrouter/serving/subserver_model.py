@@ -35,6 +35,7 @@ from tokenrouter.transport.messages import (
     Release,
     Released,
     StepStatsReport,
+    Unavailable,
 )
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,12 @@ class SubserverModel:
         timeline = self.sub.timeline  # read once: it may be switched off from another thread
         received = time.monotonic() if timeline is not None else 0.0
         for msg in messages:
+            if isinstance(msg, Unavailable):
+                if isinstance(msg.models, list) and all(isinstance(m, str) for m in msg.models):
+                    self.sub.submit(msg)
+                else:
+                    log.error("%s: ignoring a malformed Unavailable from the router: %r", self.name, msg.models)
+                continue
             if not isinstance(msg, Arrive | Append | Release) or not isinstance(msg.request_id, str):
                 log.error("%s: ignoring a %s from the router", self.name, type(msg).__name__)
                 continue

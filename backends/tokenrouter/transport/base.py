@@ -12,9 +12,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-from tokenrouter.transport.messages import Append, Arrive, Event, Release
+from tokenrouter.transport.messages import Append, Arrive, Event, Release, Unavailable
 
-Message = Arrive | Append | Release
+Message = Arrive | Append | Release | Unavailable
 OnEvent = Callable[[Event], None]
 
 
@@ -22,7 +22,8 @@ class Transport(ABC):
     @abstractmethod
     def deliver(self, model: str, msg: Message) -> None:
         """Send `msg` to `model`; what the model does about it comes back as events through `on_event`. A
-        model that cannot be reached fails the message's request (Failed, then Released) the same way."""
+        model that cannot be reached fails the message's request (Failed, then Released) the same way; a message
+        about no request (`Unavailable`) is then dropped."""
 
     @abstractmethod
     def thresholds_changed(self, thresholds: dict[str, int]) -> None:

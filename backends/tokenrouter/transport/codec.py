@@ -17,11 +17,12 @@ from tokenrouter.transport.messages import (
     Release,
     Released,
     StepStatsReport,
+    Unavailable,
 )
 
 _TYPES = {
     cls.__name__: cls for cls in (Arrive, Append, Release, Commit, Handoff, Released, Failed, StepStatsReport,
-                                 Heartbeat)
+                                 Heartbeat, Unavailable)
 }
 
 

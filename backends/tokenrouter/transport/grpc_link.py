@@ -184,7 +184,7 @@ class GrpcLink:
                     raise
             client, conn = self._client, self._conn
             request_id = f"m{next(self._ids)}"
-            self._sent[request_id] = list(dict.fromkeys(m.request_id for m in messages))
+            self._sent[request_id] = list(dict.fromkeys(m.request_id for m in messages if hasattr(m, "request_id")))
             while len(self._sent) > SENT_REMEMBERED:
                 self._sent.popitem(last=False)
         try:

@@ -53,6 +53,15 @@ class Release:
     error: str | None = None
 
 
+@dataclass
+class Unavailable:
+    """The models that are down now (their processes died, and their KV with them), sent to every model that is up
+    when that set changes, with `model_down: route_around` only: route nothing to them, and forget what they had
+    seen of each request (a later visit is a first one). Not about one request."""
+
+    models: list[str]
+
+
 # -- from a subserver ------------------------------------------------------------------------------------
 
 

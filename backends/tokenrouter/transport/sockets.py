@@ -18,7 +18,7 @@ from typing import Any
 from tokenrouter.transport import ipc
 from tokenrouter.transport.base import Message, OnEvent, Transport
 from tokenrouter.transport.grpc_link import GrpcLink
-from tokenrouter.transport.messages import Arrive, Failed, Released
+from tokenrouter.transport.messages import Arrive, Failed, Released, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,8 @@ class SocketTransport(Transport):
             self.links[model].send([msg])
         except ConnectionError as e:
             log.error("%s", e)
+            if isinstance(msg, Unavailable):  # about no request: the model's own outage is reported apart
+                return
             # Deferred: the coordinator may be inside its own bookkeeping for this request.
             self.loop.call_soon(self.fail, model, msg.request_id, str(e))
 
