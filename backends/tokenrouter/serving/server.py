@@ -255,16 +255,6 @@ class TritonServer:
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s{where}")
 
-    def router_alive(self) -> bool:
-        """Whether the router model's stub process runs. Triton 2.51's Python backend neither restarts a stub that
-        died nor stops calling its model ready: every request then fails with "Stub process ... is not healthy",
-        and health checks pass. (The router revives the subservers; this process is the router's reviver.)"""
-        return ROUTER in self._stub_regions_by_model()
-
-    def router_pid(self) -> int | None:
-        """The router model's live stub process."""
-        return self._stub_pids_by_model().get(ROUTER)
-
     def router_silent_for(self) -> float | None:
         """Seconds since the router's loop last renewed its beat file; None before its first beat."""
         try:
@@ -278,12 +268,12 @@ class TritonServer:
         for action in ("unload", "load"):
             control_request(url, f"/v2/repository/models/{ROUTER}/{action}", self.admin_key, timeout=timeout)
 
-    def sweep_replaced_regions(self) -> list[str]:
+    def sweep_replaced_regions(self, stubs: dict[str, tuple[int, str]]) -> list[str]:
         """Remove the shared memory of stubs that died and were replaced (a model revived: the router's by `serve`,
         a subserver's by the router): the server removes a stub's region only when the stub exits through it,
-        so each revival left 1-4 MB in /dev/shm. A region goes once its model runs a stub with another one; the
-        names removed."""
-        live = self._stub_regions_by_model()
+        so each revival left 1-4 MB in /dev/shm. A region goes once its model runs a stub with another one
+        (`stubs`: `stubs_by_model()`); the names removed."""
+        live = {model: region for model, (_, region) in stubs.items()}
         removed = []
         for model, old in self._regions.items():
             new = live.get(model)
@@ -294,15 +284,8 @@ class TritonServer:
         self._regions.update(live)  # a model without a live stub keeps its last region until one replaces it
         return removed
 
-    def _stub_regions_by_model(self) -> dict[str, str]:
-        """Each model's live stub's shared-memory region (one instance per model, as this repository has)."""
-        return {model: region for model, (_, region) in self._stubs_by_model().items()}
-
-    def _stub_pids_by_model(self) -> dict[str, int]:
-        return {model: pid for model, (pid, _) in self._stubs_by_model().items()}
-
-    def _stubs_by_model(self) -> dict[str, tuple[int, str]]:
-        """Each model's live stub: (pid, shared-memory region)."""
+    def stubs_by_model(self) -> dict[str, tuple[int, str]]:
+        """Each model's live stub: (pid, shared-memory region) (one instance per model, as this repository has)."""
         if self.proc is None:
             return {}
         roots = {f"{root}/".encode() for root in (self.repo, self.repo.resolve())}  # (as given to tritonserver)
@@ -617,10 +600,7 @@ def _serve(args: argparse.Namespace, config_path: Path, config: EngineConfig, en
             time.sleep(0.5)
             if not stop and time.monotonic() - checked >= ROUTER_CHECK_S:
                 checked = time.monotonic()
-                _revive_router_if_dead(server)
-                if config.watchdog_timeout_s is not None:
-                    _kill_router_if_hung(server, config.watchdog_timeout_s)
-                server.sweep_replaced_regions()
+                _keep_router(server, config.watchdog_timeout_s)
     except (RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
     finally:
@@ -633,46 +613,43 @@ def _serve(args: argparse.Namespace, config_path: Path, config: EngineConfig, en
     return 0 if stop else (server.proc.returncode or 0)
 
 
-def _kill_router_if_hung(server: TritonServer, timeout_s: float) -> None:
-    """Kill the router model's process when its loop has not renewed its beat for `timeout_s` (stopped, or hung):
-    the next check then reloads it as a dead one. Its streams in flight end with it (they get no final response
-    from Triton 2.51), but the server serves again; left alone, it held every request for ever."""
+def _keep_router(server: TritonServer, watchdog_timeout_s: float | None) -> None:
+    """One check of the router model by `tokenrouter serve`, its only reviver (the router revives the subservers):
+    Triton 2.51's Python backend neither restarts a stub that died nor stops calling its model ready, so every
+    request then failed with "Stub process ... is not healthy" while health checks passed. A router whose process
+    died is reloaded; one whose loop has not renewed its beat for watchdog_timeout_s (stopped, or hung: it held
+    every request for ever) is killed, and the next check reloads it (its streams in flight end with it, without
+    a final response from Triton 2.51). Then the shared memory of replaced stubs goes. One scan of /proc."""
+    stubs = server.stubs_by_model()
+    router = stubs.get(ROUTER)
     silent = server.router_silent_for()
-    pid = server.router_pid()
-    if silent is None or silent < timeout_s or pid is None:
-        return
-    try:
-        if model_states(f"http://{server.host}:{server.http_port}", server.admin_key,
-                        timeout=5).get(ROUTER, ("",))[0] != "READY":
-            return  # loading or unloading: not beating yet, or on purpose
-    except (OSError, ValueError):
-        return
-    print(f"warning: the router model's loop has not gone round for {silent:.0f} s (watchdog_timeout_s "
-          f"{timeout_s:g}): its process {pid} is stopped or hung; killing it, to reload it",
-          file=sys.stderr, flush=True)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+    hung = router is not None and watchdog_timeout_s is not None and silent is not None and silent >= watchdog_timeout_s
+    if (router is None or hung) and _router_ready(server):
+        if router is None:
+            print("warning: the router model's process exited; reloading it", file=sys.stderr, flush=True)
+            try:
+                server.reload_router()
+            except (OSError, ValueError) as e:  # the next check tries again
+                print(f"warning: reloading the router failed: {e}", file=sys.stderr, flush=True)
+            else:
+                print("the router model is back", file=sys.stderr, flush=True)
+        else:
+            print(f"warning: the router model's loop has not gone round for {silent:.0f} s (watchdog_timeout_s "
+                  f"{watchdog_timeout_s:g}): its process {router[0]} is stopped or hung; killing it, to reload it",
+                  file=sys.stderr, flush=True)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(router[0], signal.SIGKILL)
+    server.sweep_replaced_regions(stubs)
 
 
-def _revive_router_if_dead(server: TritonServer) -> None:
-    """Reload the router model when its process died (`TritonServer.router_alive`), saying so on stderr."""
-    if server.router_alive():
-        return
-    url = f"http://{server.host}:{server.http_port}"
+def _router_ready(server: TritonServer) -> bool:
+    """Whether Triton calls the router READY: a dead stub's model stays READY to Triton 2.51; any other state is an
+    unload or load under way (an admin's, or the stop's drain), not the reviver's to undo."""
     try:
-        # A dead stub's model stays READY to Triton 2.51; any other state is an unload or load under way (an
-        # admin's, or the stop's drain): not the reviver's to undo.
-        if model_states(url, server.admin_key, timeout=5).get(ROUTER, ("",))[0] != "READY":
-            return
+        states = model_states(f"http://{server.host}:{server.http_port}", server.admin_key, timeout=5)
     except (OSError, ValueError):
-        return  # the server is going away, or busy: the next check sees
-    print("warning: the router model's process exited; reloading it", file=sys.stderr, flush=True)
-    try:
-        server.reload_router()
-    except (OSError, ValueError) as e:  # the next check tries again
-        print(f"warning: reloading the router failed: {e}", file=sys.stderr, flush=True)
-        return
-    print("the router model is back", file=sys.stderr, flush=True)
+        return False  # the server is going away, or busy: the next check sees
+    return states.get(ROUTER, ("",))[0] == "READY"
 
 
 if __name__ == "__main__":
