@@ -634,8 +634,9 @@ class Subserver:
             if target in self.unavailable:  # down (model_down: route_around): the token is this model's
                 target = self.name
             commit = target == self.name or self.policy.send(view, target, tok)
-        if target in self.unavailable:  # a lease that would return to a model that is down: it stays here
-            target = self.name
+        if target in self.unavailable:  # a lease that would return to a model that is down: to the entry model
+            entry = self.policy.models[0]
+            target = entry if entry not in self.unavailable else self.name
         self.stats.record_route(None if target == self.name else target, commit)
         if commit:
             seq.token_ids.append(tok)
