@@ -86,8 +86,9 @@ TOP_VALUES = [
     ({"request_timeout_s": 0}, r"^request_timeout_s must be > 0, got 0$"),
     ({"model_down": "fallback"}, r"^model_down must be one of \('refuse', 'route_around'\), got 'fallback'$"),
     ({"watchdog_timeout_s": "5m"}, r"^watchdog_timeout_s must be a number > 0 or null, got '5m'$"),
-    ({"watchdog_timeout_s": 1}, r"^watchdog_timeout_s must be at least 2 s plus batching\.max_wait_ms \(got 1\)"),
-    ({"watchdog_timeout_s": 2.1, "batching": {"max_wait_ms": 500}}, r"^watchdog_timeout_s must be at least 2 s"),
+    ({"watchdog_timeout_s": 1},
+     r"^watchdog_timeout_s must be at least 2\.005 \(2 s plus batching\.max_wait_ms\), got 1;"),
+    ({"watchdog_timeout_s": 2.1, "batching": {"max_wait_ms": 500}}, r"^watchdog_timeout_s must be at least 2\.5 \("),
     ({"request_timeout_s": "2s"}, r"^request_timeout_s must be a number > 0 or null, got '2s'$"),
     ({"request_timeout_s": True}, r"^request_timeout_s must be a number > 0 or null, got True$"),
     # An integer beyond any float (YAML reads 1 and 400 zeros as one): refused, not an OverflowError.

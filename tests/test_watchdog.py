@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 
-from tokenrouter.serving.watchdog import STUCK_EXIT_STATUS, LoopWatchdog, kill_silent
+from tokenrouter.serving.watchdog import STUCK_EXIT_STATUS, LoopWatchdog, SilenceWatch
 from tokenrouter.transport import codec, ipc
 from tokenrouter.transport.messages import Heartbeat
 
@@ -35,9 +35,13 @@ def test_a_stuck_loop_exits_with_its_stack(caplog) -> None:
         assert not dog.check(now)  # the loop has not started
         beat[0] = now - 4.9
         assert not dog.check(now) and exits == []
-        beat[0] = now - 5.0
+        # The checker stood still 10 s too (its process stopped, or stalled in a call to tritonserver): the loop is
+        # not blamed for that time; its count starts where the checks resume (every 0.25 s from there).
+        now += 10.0
+        for k in range(20):
+            assert not dog.check(now + 0.25 * k) and exits == []
         with caplog.at_level(logging.CRITICAL, logger="tokenrouter.serving.watchdog"):
-            assert dog.check(now)
+            assert dog.check(now + 5.0)
         assert exits == [STUCK_EXIT_STATUS]
         (record,) = caplog.records
         assert "large: the decoding loop has not gone round for 5.0 s" in record.message
@@ -59,6 +63,14 @@ _LISTENER = textwrap.dedent("""
 """)
 
 
+def _checks(watch: SilenceWatch, links: dict, start: float, end: float) -> list[str]:
+    """`watch` checking every 0.25 s from `start` to `end` (times on the monotonic clock); the models killed."""
+    killed: list[str] = []
+    for k in range(int((end - start) / 0.25) + 1):
+        killed += watch.check(links, start + 0.25 * k)
+    return killed
+
+
 def test_the_router_kills_a_silent_model_process_and_only_that() -> None:
     addr = f"\0tokenrouter-test/{os.getpid()}/{uuid.uuid4().hex}"
     child = subprocess.Popen([sys.executable, "-c", _LISTENER, addr[1:]], stdout=subprocess.PIPE, text=True)
@@ -71,17 +83,25 @@ def test_the_router_kills_a_silent_model_process_and_only_that() -> None:
         link.connect(timeout=10)
         assert link.pid == child.pid  # the socket's credentials name the model's process
         kills: list[tuple[int, int]] = []
-        now = time.monotonic()
-        assert kill_silent(links, 30.0, now + 29.0, kill=lambda pid, sig: kills.append((pid, sig))) == []
-        assert kill_silent(links, 30.0, now + 31.0, kill=lambda pid, sig: kills.append((pid, sig))) == ["large"]
-        assert kills == [(child.pid, signal.SIGKILL)]
-        # Once per timeout: the next check does not kill it again while its socket closes.
-        assert kill_silent(links, 30.0, now + 32.0, kill=lambda pid, sig: kills.append((pid, sig))) == []
+        told: list[str] = []
+        watch = SilenceWatch(30.0, server_alive=lambda: True, kill=lambda pid, sig: kills.append((pid, sig)),
+                             on_kill=told.append)
+        now = link.last_heard
+        assert _checks(watch, links, now, now + 29.75) == [] and kills == []
+        assert _checks(watch, links, now + 30.0, now + 30.0) == ["large"]
+        assert kills == [(child.pid, signal.SIGKILL)] and told == ["large"]
+        # Once per timeout: the next checks do not kill it again while its socket closes.
+        assert _checks(watch, links, now + 30.25, now + 59.75) == []
+        # tritonserver not answering: nothing is killed (a stalled server stalls its models), and the count
+        # starts again.
+        stalled = SilenceWatch(30.0, server_alive=lambda: False, kill=lambda pid, sig: kills.append((pid, sig)))
+        assert _checks(stalled, links, now, now + 70.0) == [] and len(kills) == 1
         # For real: the process dies and its socket's close reaches the router's side (which revives a model).
-        assert kill_silent(links, 30.0, now + 61.0) == ["large"]  # a timeout after the last try
+        real = SilenceWatch(30.0, server_alive=lambda: True)
+        assert _checks(real, links, now + 60.0, now + 60.0) == ["large"]
         assert child.wait(timeout=10) == -signal.SIGKILL
         assert lost.wait(10) and not link.connected
-        assert kill_silent(links, 30.0, now + 200.0) == []  # nothing connected: nothing to kill
+        assert _checks(real, links, now + 60.25, now + 200.0) == []  # nothing connected: nothing to kill
     finally:
         link.close()
         if child.poll() is None:
@@ -98,8 +118,8 @@ def test_the_router_never_kills_its_own_process() -> None:
         link.connect(timeout=5)
         assert link.pid == os.getpid()
         kills: list[int] = []
-        assert kill_silent({"small": link}, 2.0, time.monotonic() + 10, kill=lambda pid, sig: kills.append(pid)) == []
-        assert kills == []
+        watch = SilenceWatch(2.0, server_alive=lambda: True, kill=lambda pid, sig: kills.append(pid))
+        assert _checks(watch, {"small": link}, link.last_heard, link.last_heard + 10) == [] and kills == []
     finally:
         link.close()
         listener.close()

@@ -256,8 +256,8 @@ class EngineConfig:
         least = WATCHDOG_MIN_S + self.batching.max_wait_ms / 1000
         if self.watchdog_timeout_s is not None and self.watchdog_timeout_s < least:
             # An idle loop goes round every max_wait_ms; heartbeats leave every second.
-            raise ConfigError(f"watchdog_timeout_s must be at least {WATCHDOG_MIN_S:g} s plus batching.max_wait_ms "
-                              f"(got {self.watchdog_timeout_s:g}), or null to turn the watchdog off")
+            raise ConfigError(f"watchdog_timeout_s must be at least {least:g} ({WATCHDOG_MIN_S:g} s plus "
+                              f"batching.max_wait_ms), got {self.watchdog_timeout_s:g}; null turns the watchdog off")
         self._validate_shared_devices()
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
             hint = ""

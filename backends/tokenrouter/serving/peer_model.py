@@ -30,7 +30,7 @@ from tokenrouter.serving.model_control import (
     check_not_unloaded,
     reload_model,
 )
-from tokenrouter.serving.watchdog import kill_silent
+from tokenrouter.serving.watchdog import SilenceWatch
 from tokenrouter.transport import codec, ipc
 from tokenrouter.transport.grpc_link import BATCH_PREFIX, CONNECTION_CLOSED
 
@@ -48,7 +48,8 @@ class PeerModel:
     def __init__(self, args: dict[str, Any], settings: dict[str, Any], pb_utils: Any) -> None:
         self.pb = pb_utils
         self.model = settings["model"]
-        self.watchdog_s = load_config(settings["config"]).watchdog_timeout_s
+        timeout = load_config(settings["config"]).watchdog_timeout_s
+        self._silence = None if timeout is None else SilenceWatch(timeout)
         self._conns: dict[str, _Connection] = {}
         # Recent responses stay referenced a while: Triton 2.51's Python backend may free a dropped response's
         # tensors without the GIL (router_model._Graveyard has the story); dropped here, by Python, later.
@@ -194,9 +195,9 @@ class PeerModel:
         while not self._stop.wait(CANCEL_CHECK_S):
             with self._lock:
                 conns = list(self._conns.items())
-            if self.watchdog_s is not None and conns:
+            if self._silence is not None and conns:
                 freshest = max((c.link for _, c in conns), key=lambda link: link.last_heard)
-                kill_silent({self.model: freshest}, self.watchdog_s, time.monotonic())
+                self._silence.check({self.model: freshest}, time.monotonic())
             gone = [k for k, c in conns if c.sender.is_cancelled()]  # outside the lock: it asks Triton
             with self._lock:
                 closed = [(k, self._conns.pop(k)) for k in gone if k in self._conns]

@@ -53,7 +53,7 @@ from tokenrouter.serving.model_control import (
 from tokenrouter.serving.responder import Responder
 from tokenrouter.serving.server import ROUTER_BEAT_ENV
 from tokenrouter.serving.tensors import TIMEOUT_ERROR, GenerateRequest, parse_request
-from tokenrouter.serving.watchdog import HEARTBEAT_S, kill_silent
+from tokenrouter.serving.watchdog import CHECK_EVERY_S, HEARTBEAT_S, SilenceWatch
 from tokenrouter.tokenizer import load_tokenizer
 from tokenrouter.transport.messages import Handoff, Heartbeat, Released, StepStatsReport, Unavailable
 from tokenrouter.transport.sockets import SocketTransport
@@ -267,7 +267,8 @@ class RouterModel:
         if self.config.batching.thresholds == "auto":
             self.loop.create_task(self._tune_forever())
         if self.config.watchdog_timeout_s is not None:
-            self.loop.create_task(self._watch_liveness(self.config.watchdog_timeout_s))
+            threading.Thread(target=self._watch_liveness, args=(self.config.watchdog_timeout_s,),
+                             name="tr-router-watchdog", daemon=True).start()
         beat = os.environ.get(ROUTER_BEAT_ENV)
         if beat:  # tokenrouter serve watches this loop by it
             self.loop.create_task(self._beat_forever(Path(beat)))
@@ -490,14 +491,15 @@ class RouterModel:
                 path.touch()
             await asyncio.sleep(HEARTBEAT_S)
 
-    async def _watch_liveness(self, timeout_s: float) -> None:
+    def _watch_liveness(self, timeout_s: float) -> None:
         """Kill a model of this machine that sent nothing for watchdog_timeout_s (serving/watchdog.py): its socket
-        then closes, which fails what it held and revives it."""
-        while True:
-            await asyncio.sleep(min(1.0, timeout_s / 4))
-            for model in kill_silent(self.coordinator.transport.links, timeout_s, time.monotonic()):
-                self.coordinator.killed[model] = (f"its process made no progress for {timeout_s:g} s "
-                                                  "(watchdog_timeout_s) and was killed to restart it")
+        then closes, which fails what it held and revives it. On a thread of its own: a check may wait a second
+        for tritonserver's answer."""
+        reason = f"its process made no progress for {timeout_s:g} s (watchdog_timeout_s) and was killed to restart it"
+        watch = SilenceWatch(timeout_s, on_kill=lambda model: self.coordinator.killed.__setitem__(model, reason))
+        while not self.coordinator.transport.closing:
+            time.sleep(CHECK_EVERY_S)
+            watch.check(self.coordinator.transport.links, time.monotonic())
 
     async def _tune_forever(self) -> None:
         """Re-solve the thresholds every auto_interval_s while requests are in the system (the first solves

@@ -62,6 +62,8 @@ STUB = "triton_python_backend_stub"
 # How often `tokenrouter serve` checks that the router model's process is alive (its only reviver), and sweeps the
 # shared memory of revived models' dead stubs.
 ROUTER_CHECK_S = 2.0
+# A model-control answer slower than this: tritonserver itself stalls (a router's silence then is not its own).
+SERVER_STALL_S = 1.0
 GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # Triton prefixes the key of a gRPC restriction
 ADMIN_KEY_ENV = "TOKENROUTER_ADMIN_KEY"
 _KEY_CHARS = re.compile(r"[\x21-\x7e]+")  # visible ASCII: a valid HTTP header and gRPC metadata value
@@ -622,9 +624,16 @@ def _keep_router(server: TritonServer, watchdog_timeout_s: float | None) -> None
     a final response from Triton 2.51). Then the shared memory of replaced stubs goes. One scan of /proc."""
     stubs = server.stubs_by_model()
     router = stubs.get(ROUTER)
-    silent = server.router_silent_for()
-    hung = router is not None and watchdog_timeout_s is not None and silent is not None and silent >= watchdog_timeout_s
-    if (router is None or hung) and _router_ready(server):
+
+    def hung() -> bool:
+        silent = server.router_silent_for()
+        return watchdog_timeout_s is not None and silent is not None and silent >= watchdog_timeout_s
+
+    asked = time.monotonic()
+    if (router is None or hung()) and _router_ready(server):
+        # A tritonserver slow to answer stalls the router with it (its calls into the server wait): not the
+        # router's fault. Otherwise the beat is read again, after that answer.
+        stalled = time.monotonic() - asked > SERVER_STALL_S
         if router is None:
             print("warning: the router model's process exited; reloading it", file=sys.stderr, flush=True)
             try:
@@ -633,10 +642,10 @@ def _keep_router(server: TritonServer, watchdog_timeout_s: float | None) -> None
                 print(f"warning: reloading the router failed: {e}", file=sys.stderr, flush=True)
             else:
                 print("the router model is back", file=sys.stderr, flush=True)
-        else:
-            print(f"warning: the router model's loop has not gone round for {silent:.0f} s (watchdog_timeout_s "
-                  f"{watchdog_timeout_s:g}): its process {router[0]} is stopped or hung; killing it, to reload it",
-                  file=sys.stderr, flush=True)
+        elif not stalled and hung():
+            print(f"warning: the router model's loop has not gone round for {server.router_silent_for():.0f} s "
+                  f"(watchdog_timeout_s {watchdog_timeout_s:g}): its process {router[0]} is stopped or hung; killing "
+                  "it, to reload it", file=sys.stderr, flush=True)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(router[0], signal.SIGKILL)
     server.sweep_replaced_regions(stubs)

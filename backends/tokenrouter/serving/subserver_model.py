@@ -23,7 +23,7 @@ from tokenrouter.engine.subserver import Subserver
 from tokenrouter.engine.timeline import Timeline
 from tokenrouter.serving.metrics import SubserverMetrics
 from tokenrouter.serving.tensors import ROLE_PARAMETER, role_of
-from tokenrouter.serving.watchdog import HEARTBEAT_S, LoopWatchdog
+from tokenrouter.serving.watchdog import CHECK_EVERY_S, HEARTBEAT_S, LoopWatchdog
 from tokenrouter.tokenizer import load_tokenizer
 from tokenrouter.transport import ipc
 from tokenrouter.transport.messages import (
@@ -80,6 +80,7 @@ class SubserverModel:
             loop,
             threading.Thread(target=self._send_forever, name=f"tr-{name}-responses", daemon=True),
             threading.Thread(target=self.metrics.update_forever, args=(self._stop,), daemon=True),
+            threading.Thread(target=self._beat_forever, name=f"tr-{name}-watchdog", daemon=True),
         ]
         for t in self._threads:
             t.start()
@@ -185,20 +186,27 @@ class SubserverModel:
                 next_report = time.monotonic() + report_interval(self._report_every, reports)
                 for p in peers:
                     per_peer.setdefault(p, []).append(report)
-            now = time.monotonic()
-            if self.listener is not None:  # a router that heard nothing for a while hears that this process lives
-                for p in self.listener.peers():
-                    if p not in per_peer and now - p.last_sent >= HEARTBEAT_S:
-                        per_peer[p] = [Heartbeat(self.name)]
             for peer, events in per_peer.items():
                 try:
                     peer.send(events)
                 except OSError:
                     peer.close()  # its reader thread releases what that router brought here
-            if self._watchdog is not None:
-                self._watchdog.check(now)
             # Counted after sending: each metric update is a round trip to tritonserver, which blocks this thread.
             self.metrics.observe(batch)
+
+    def _beat_forever(self) -> None:
+        """Heartbeats to the routers that heard nothing for a while, and the loop's watchdog (serving/watchdog.py).
+        A thread of its own: the response thread also waits on tritonserver (metrics), which may stall."""
+        while not self._stop.wait(CHECK_EVERY_S):
+            now = time.monotonic()
+            for peer in self.listener.peers() if self.listener is not None else []:
+                if now - peer.last_sent >= HEARTBEAT_S:
+                    try:
+                        peer.send([Heartbeat(self.name)])
+                    except OSError:
+                        peer.close()
+            if self._watchdog is not None:
+                self._watchdog.check(now)
 
     # -- Triton entry points ----------------------------------------------------------------------------
 
