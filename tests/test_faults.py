@@ -92,6 +92,15 @@ def test_a_stopped_subserver_is_killed_by_the_watchdog_and_reloaded(tiny_dir: Pa
     with running_server(_config(tmp_path, tiny_dir, watchdog_timeout_s=3), tmp_path) as server:
         stopped: list[int] = []
         try:
+            # Before any request: the router connects to every model once it listens, so this one is watched too.
+            (idle,) = stubs_of(repo, "large")
+            stopped.append(idle)
+            os.kill(idle, signal.SIGSTOP)
+            deadline = time.monotonic() + 60
+            while stubs_of(repo, "large") in ([idle], []):
+                assert time.monotonic() < deadline, "a model stopped before any request was not replaced"
+                time.sleep(0.5)
+            assert wait_metric(server, 'tokenrouter_model_up{model="large"}', 1.0, 60) == 1.0
             large = _fault_under_streams(
                 server, repo, lambda pid: (stopped.append(pid), os.kill(pid, signal.SIGSTOP)),
                 "'large' went away during the request (its process made no progress for 3 s", within_s=30)

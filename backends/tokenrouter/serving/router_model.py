@@ -55,6 +55,7 @@ from tokenrouter.serving.server import ROUTER_BEAT_ENV
 from tokenrouter.serving.tensors import TIMEOUT_ERROR, GenerateRequest, parse_request
 from tokenrouter.serving.watchdog import CHECK_EVERY_S, HEARTBEAT_S, SilenceWatch
 from tokenrouter.tokenizer import load_tokenizer
+from tokenrouter.transport import ipc
 from tokenrouter.transport.messages import Handoff, Heartbeat, Released, StepStatsReport, Unavailable
 from tokenrouter.transport.sockets import SocketTransport
 
@@ -497,9 +498,16 @@ class RouterModel:
         for tritonserver's answer."""
         reason = f"its process made no progress for {timeout_s:g} s (watchdog_timeout_s) and was killed to restart it"
         watch = SilenceWatch(timeout_s, on_kill=lambda model: self.coordinator.killed.__setitem__(model, reason))
+        links = self.coordinator.transport.links
         while not self.coordinator.transport.closing:
             time.sleep(CHECK_EVERY_S)
-            watch.check(self.coordinator.transport.links, time.monotonic())
+            for model, link in links.items():
+                # Connected as soon as it listens, not at its first request: a process that stood still before
+                # that is watched too.
+                if isinstance(link, ipc.ModelLink) and not link.connected and model not in self.coordinator.down:
+                    with contextlib.suppress(ConnectionError):
+                        link.connect(timeout=0.0)
+            watch.check(links, time.monotonic())
 
     async def _tune_forever(self) -> None:
         """Re-solve the thresholds every auto_interval_s while requests are in the system (the first solves
