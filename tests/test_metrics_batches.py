@@ -1,5 +1,5 @@
-"""The subserver's counters are updated once per batch of events that leaves it (each update is a round trip
-from the Python stub to tritonserver), with the totals the events add up to."""
+"""The subserver's counters are updated once per flush of the metrics thread (each update is a round trip from the
+Python stub to tritonserver, never made by the response thread), with the totals the events add up to."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _arrive(rid: str) -> Arrive:
     return Arrive(rid, [1, 2], False, 1, SamplingParams())
 
 
-def test_one_update_per_counter_and_batch() -> None:
+def test_one_update_per_counter_and_flush() -> None:
     pb = _PbUtils()
     sub = SimpleNamespace(block_manager=SimpleNamespace(num_blocks=64))
     metrics = SubserverMetrics(pb, "small", sub)
@@ -57,12 +57,16 @@ def test_one_update_per_counter_and_batch() -> None:
     batch = [Commit("a", "small", [5]), Commit("b", "small", [6, 7]), Handoff("small", "large", _arrive("c")),
              Released("d", "small", 3, 0), Handoff("small", "large", _arrive("e")), Commit("f", "small", [8])]
     metrics.observe(batch)
+    assert pb.log == []  # the response thread never waits on tritonserver: the metrics thread sends the counts
+    metrics.observe([Commit("h", "small", [9, 10])])
+    metrics.flush_counts()
     assert sorted(pb.log) == sorted([
-        ("increment", ("tokenrouter_tokens_total", (("model", "small"),)), 4),
+        ("increment", ("tokenrouter_tokens_total", (("model", "small"),)), 6),
         ("increment", ("tokenrouter_handoffs_total", (("from", "small"), ("to", "large"))), 2),
     ])
     pb.log.clear()
     metrics.observe([Released("g", "small", 1, 0)])
+    metrics.flush_counts()
     assert pb.log == []  # nothing to count: no round trip
 
 

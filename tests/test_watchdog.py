@@ -88,20 +88,27 @@ def test_the_router_kills_a_silent_model_process_and_only_that() -> None:
                              on_kill=told.append)
         now = link.last_heard
         assert _checks(watch, links, now, now + 29.75) == [] and kills == []
-        assert _checks(watch, links, now + 30.0, now + 30.0) == ["large"]
+        # Silent for the timeout: killed once tritonserver has answered for a second (CONFIRM_S).
+        assert _checks(watch, links, now + 30.0, now + 30.75) == []
+        assert _checks(watch, links, now + 31.0, now + 31.0) == ["large"]
         assert kills == [(child.pid, signal.SIGKILL)] and told == ["large"]
         # Once per timeout: the next checks do not kill it again while its socket closes.
-        assert _checks(watch, links, now + 30.25, now + 59.75) == []
-        # tritonserver not answering: nothing is killed (a stalled server stalls its models), and the count
-        # starts again.
-        stalled = SilenceWatch(30.0, server_alive=lambda: False, kill=lambda pid, sig: kills.append((pid, sig)))
-        assert _checks(stalled, links, now, now + 70.0) == [] and len(kills) == 1
+        assert _checks(watch, links, now + 31.25, now + 60.75) == []
+        # tritonserver not answering: nothing is killed (a stalled server stalls its models) and the count starts
+        # again; when it answers again, a model that sends its heartbeat within a second is not killed either.
+        alive = [False]
+        stalled = SilenceWatch(30.0, server_alive=lambda: alive[0], kill=lambda pid, sig: kills.append((pid, sig)))
+        assert _checks(stalled, links, now + 40.0, now + 90.75) == []
+        alive[0] = True
+        assert _checks(stalled, links, now + 91.0, now + 91.0) == []
+        link.last_heard = now + 91.25  # its heartbeat, once the server is back
+        assert _checks(stalled, links, now + 91.25, now + 100.0) == [] and len(kills) == 1
         # For real: the process dies and its socket's close reaches the router's side (which revives a model).
         real = SilenceWatch(30.0, server_alive=lambda: True)
-        assert _checks(real, links, now + 60.0, now + 60.0) == ["large"]
+        assert _checks(real, links, now + 122.0, now + 123.0) == ["large"]
         assert child.wait(timeout=10) == -signal.SIGKILL
         assert lost.wait(10) and not link.connected
-        assert _checks(real, links, now + 60.25, now + 200.0) == []  # nothing connected: nothing to kill
+        assert _checks(real, links, now + 123.25, now + 250.0) == []  # nothing connected: nothing to kill
     finally:
         link.close()
         if child.poll() is None:

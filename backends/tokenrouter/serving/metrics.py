@@ -53,17 +53,27 @@ class SubserverMetrics:
         self.active = mf("tokenrouter_requests_held", "Requests with state on this model", mf.mf.GAUGE).Metric(labels)
         self.threshold = mf("tokenrouter_batching_threshold", "Batching threshold B", mf.mf.GAUGE).Metric(labels)
         self.kv_total.set(sub.block_manager.num_blocks)
+        self._counts_lock = threading.Lock()
+        self._tokens_counted = 0
+        self._handoffs_counted: dict[str, int] = {}
 
     def observe(self, events: list[Event]) -> None:
-        """Called by the response thread for each batch of events that leaves the subserver: one update per
-        counter and batch (each update is a round trip to tritonserver), not one per event."""
-        tokens = 0
-        handoffs: dict[str, int] = {}
-        for ev in events:
-            if isinstance(ev, Commit):
-                tokens += len(ev.token_ids)
-            elif isinstance(ev, Handoff):
-                handoffs[ev.target] = handoffs.get(ev.target, 0) + 1
+        """Called by the response thread for each batch of events that leaves the subserver: counted here, sent to
+        tritonserver by `flush_counts` (the metrics thread), one update per counter, not one per event. Each update
+        is a round trip to tritonserver, which can stall for seconds (while it loads a model: a revived model's
+        requests then got their errors only once it was back); the response thread never waits on it."""
+        with self._counts_lock:
+            for ev in events:
+                if isinstance(ev, Commit):
+                    self._tokens_counted += len(ev.token_ids)
+                elif isinstance(ev, Handoff):
+                    self._handoffs_counted[ev.target] = self._handoffs_counted.get(ev.target, 0) + 1
+
+    def flush_counts(self) -> None:
+        """Send what `observe` counted since the last flush."""
+        with self._counts_lock:
+            tokens, handoffs = self._tokens_counted, self._handoffs_counted
+            self._tokens_counted, self._handoffs_counted = 0, {}
         if tokens:
             self.tokens.increment(tokens)
         for target, n in handoffs.items():
@@ -82,6 +92,7 @@ class SubserverMetrics:
                   (self.void_rows, lambda: self.sub.num_void_rows)]
         counted = [0] * len(totals)
         while not stop.wait(period):
+            self.flush_counts()
             sub = self.sub
             bm = sub.block_manager
             used = bm.num_blocks - bm.num_free_blocks

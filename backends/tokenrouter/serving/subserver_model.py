@@ -191,8 +191,7 @@ class SubserverModel:
                     peer.send(events)
                 except OSError:
                     peer.close()  # its reader thread releases what that router brought here
-            # Counted after sending: each metric update is a round trip to tritonserver, which blocks this thread.
-            self.metrics.observe(batch)
+            self.metrics.observe(batch)  # (counted here, sent to tritonserver by the metrics thread)
 
     def _beat_forever(self) -> None:
         """Heartbeats to the routers that heard nothing for a while, and the loop's watchdog (serving/watchdog.py).

@@ -48,6 +48,8 @@ STUCK_EXIT_STATUS = 70
 # CHECK_EVERY_S at most).
 CHECK_EVERY_S = 0.25
 STOOD_STILL_S = 1.0
+# How long tritonserver must have answered, at every check, before the router kills a model silent all along.
+CONFIRM_S = 1.0
 
 
 class _Count:
@@ -119,6 +121,7 @@ class SilenceWatch:
         """`on_kill(model)` runs before a model is killed (the router then says why to the requests it held)."""
         self.timeout_s, self.server_alive, self.kill, self.on_kill = timeout_s, server_alive, kill, on_kill
         self._count = _Count()
+        self._answering_since: float | None = None  # tritonserver answered at every check since (models silent)
 
     def check(self, links: Mapping[str, Any], now: float) -> list[str]:
         """Called every CHECK_EVERY_S."""
@@ -133,11 +136,19 @@ class SilenceWatch:
             if quiet >= self.timeout_s:
                 silent.append((model, link, quiet))
         if not silent:
+            self._answering_since = None
             return []
         if not self.server_alive():  # tritonserver stalls, and every model process with it: not theirs to pay for
             log.warning("tritonserver does not answer: not judging models %s silent for now", [m for m, _, _ in silent])
-            self._count.start = now
+            self._count.start, self._answering_since = now, None
             return []
+        # Killed only once tritonserver has answered for CONFIRM_S: a model stalled with a server that just came
+        # back sends its heartbeat within a check or two.
+        if self._answering_since is None:
+            self._answering_since = now
+        if now - self._answering_since < CONFIRM_S:
+            return []
+        self._answering_since = None
         killed = []
         for model, link, quiet in silent:
             pid = link.pid
