@@ -250,7 +250,10 @@ def run_soak(
     def work() -> None:
         worker = _Worker(url, result, lock, timeout)
         try:
-            while True:
+            # A request without a final response within `timeout` ends the soak: a server that stopped answering
+            # (tritonserver 2.51 once hung in its own crash handler after a segfault in its gRPC stream handler)
+            # would otherwise cost every request left its full timeout.
+            while not result.missing_finals:
                 try:
                     rid, prompt, cancel_after = todo.get_nowait()
                 except queue.Empty:
@@ -263,8 +266,13 @@ def run_soak(
     threads = [threading.Thread(target=work, name=f"soak-{i}", daemon=True) for i in range(concurrency)]
     for t in threads:
         t.start()
+    gave_up: float | None = None
     while any(t.is_alive() for t in threads):
         time.sleep(1.0)
+        if result.missing_finals and gave_up is None:
+            gave_up = time.monotonic()
+        if gave_up is not None and time.monotonic() - gave_up > timeout:  # workers stuck on a dead server
+            break
         if progress:
             done = result.completed + result.cancelled
             print(f"\r{done}/{requests} requests ({result.cancelled} cancelled, {len(result.errors)} errors)",
