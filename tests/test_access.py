@@ -174,15 +174,15 @@ class Served:
             return e.code, e.read().decode()
 
 
-@pytest.fixture(scope="module")
-def served(tiny_dir: Path, tmp_path_factory) -> Iterator[Served]:
-    """`tokenrouter serve` with no admin key given: it makes one and writes it to <repository>.admin-key."""
-    tmp = tmp_path_factory.mktemp("access")
+@contextlib.contextmanager
+def _serve(tmp: Path, tiny_dir: Path, **top) -> Iterator[Served]:
+    """`tokenrouter serve` with no admin key given (it makes one and writes it to <repository>.admin-key), on the
+    tiny pair; `top`: deployment keys."""
     cfg = yaml.safe_load((REPO / "config" / "r2r" / "tiny-small_tiny-large.yaml").read_text())
     for name, m in cfg["models"].items():
         m["path"] = str(tiny_dir / name)
         m["kv_cache_tokens"] = 4096
-    cfg["watchdog_timeout_s"] = 5  # (test_a_router_that_stopped_is_killed_and_reloaded)
+    cfg.update(top)
     config = tmp / "deployment.yaml"
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
     http, grpc, metrics_port = free_ports(3)
@@ -208,6 +208,12 @@ def served(tiny_dir: Path, tmp_path_factory) -> Iterator[Served]:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
     assert not key_file.exists(), "the admin key outlived its server"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir: Path, tmp_path_factory) -> Iterator[Served]:
+    with _serve(tmp_path_factory.mktemp("access"), tiny_dir) as s:
+        yield s
 
 
 def test_serve_writes_the_key_to_a_private_file(served: Served) -> None:
@@ -358,10 +364,16 @@ def _router_stub(served: Served, model: str = "tokenrouter") -> tuple[int, str] 
     return stubs[0] if stubs else None
 
 
-def test_a_router_that_stopped_is_killed_and_reloaded(served: Served) -> None:
+def test_a_router_that_stopped_is_killed_and_reloaded(tiny_dir: Path, tmp_path: Path) -> None:
     """A router process that stands still (stopped here; a deadlocked loop alike) held every request for ever, and
     Triton calls it ready all the same. `tokenrouter serve` kills it once its loop's beat is watchdog_timeout_s old
-    (5 s here), then reloads it as a dead one."""
+    (5 s here), then reloads it as a dead one. (A server of its own: a 5 s watchdog beside the other tests here,
+    which start `serve` processes on 2 CPU cores, once saw the router's beat 6 s old.)"""
+    with _serve(tmp_path, tiny_dir, watchdog_timeout_s=5) as served:
+        _stop_router_and_see_it_replaced(served)
+
+
+def _stop_router_and_see_it_replaced(served: Served) -> None:
     body = {"text_input": "def main():", "stream": True,
             "sampling_parameters": json.dumps({"max_tokens": 4, "temperature": 0})}
     status, before = generate_stream(served.probe, body)

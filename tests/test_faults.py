@@ -117,8 +117,8 @@ def test_a_subserver_whose_loop_is_stuck_exits_and_is_reloaded(tiny_dir: Path, t
     on: its heartbeats satisfy the router. The process watches its own loop and exits, with the loop's stack in
     the log; the router fails what it held and reloads it."""
     flag, repo = tmp_path / "stall", tmp_path / "model_repository"
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(Path(__file__).parent),
-                                                                 os.environ.get("PYTHONPATH")) if p))
+    # The stubs import the test policy from their working directory, tritonserver's (they do not get PYTHONPATH).
+    monkeypatch.chdir(Path(__file__).parent)
     policy = {"name": "test_stall", "module": "stall_policy", "p": 0.3, "seed": 0, "stall_model": "large",
               "stall_file": str(flag)}
     with running_server(_config(tmp_path, tiny_dir, watchdog_timeout_s=3, policy=policy), tmp_path) as server:
