@@ -4,9 +4,9 @@ Until a model's socket closes, the router takes it for alive: a process that sto
 exiting held its requests for ever. Two ways that happens, each watched where it can be seen:
 
 - The decoding loop is stuck inside a step or a message (a GPU that never finishes a kernel, a deadlock) while
-  the process's other threads still run. The process watches its own loop (`LoopWatchdog`, on its response
-  thread) and exits, with the loop's stack in its log. SGLang's `watchdog_timeout` does the same for its
-  scheduler.
+  the process's other threads still run. The process watches its own loop (`LoopWatchdog`, on a thread of its
+  own that never waits on tritonserver) and exits, with the loop's stack in its log. SGLang's `watchdog_timeout`
+  does the same for its scheduler.
 - The whole process stands still (stopped by a signal, or a thread holding Python's lock inside C code): it can
   watch nothing. Every subserver sends a heartbeat on a connection that has carried nothing for HEARTBEAT_S, and
   the router kills a model of its own machine that sent nothing for the timeout (`SilenceWatch`).
@@ -130,7 +130,7 @@ class SilenceWatch:
         for model, link in links.items():
             if not isinstance(link, ipc.ModelLink):  # a model on a peer server: its gateway watches it
                 continue
-            if link.silent_for(now) is None or link.pid is None:
+            if not link.connected or link.pid is None:
                 continue
             quiet = self._count.since(link.last_heard, now)
             if quiet >= self.timeout_s:

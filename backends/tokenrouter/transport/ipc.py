@@ -229,10 +229,6 @@ class ModelLink:
         self.last_heard = time.monotonic()
         self._on_events(events)
 
-    def silent_for(self, now: float) -> float | None:
-        """Seconds since the model's process last sent anything (events or a heartbeat); None while not connected."""
-        return now - self.last_heard if self.connected else None
-
     def _closed(self, peer: Peer) -> None:
         with self._lock:
             if self._peer is peer:
