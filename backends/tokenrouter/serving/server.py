@@ -625,12 +625,14 @@ def _keep_router(server: TritonServer, watchdog_timeout_s: float | None) -> None
     stubs = server.stubs_by_model()
     router = stubs.get(ROUTER)
 
-    def hung() -> bool:
+    def hung_for() -> float | None:
+        """The router's silence where it has reached watchdog_timeout_s, else None."""
         silent = server.router_silent_for()
-        return watchdog_timeout_s is not None and silent is not None and silent >= watchdog_timeout_s
+        hung = watchdog_timeout_s is not None and silent is not None and silent >= watchdog_timeout_s
+        return silent if hung else None
 
     asked = time.monotonic()
-    if (router is None or hung()) and _router_ready(server):
+    if (router is None or hung_for() is not None) and _router_ready(server):
         # A tritonserver slow to answer stalls the router with it (its calls into the server wait): not the
         # router's fault. Otherwise the beat is read again, after that answer.
         stalled = time.monotonic() - asked > SERVER_STALL_S
@@ -642,8 +644,8 @@ def _keep_router(server: TritonServer, watchdog_timeout_s: float | None) -> None
                 print(f"warning: reloading the router failed: {e}", file=sys.stderr, flush=True)
             else:
                 print("the router model is back", file=sys.stderr, flush=True)
-        elif not stalled and hung():
-            print(f"warning: the router model's loop has not gone round for {server.router_silent_for():.0f} s "
+        elif not stalled and (silent := hung_for()) is not None:
+            print(f"warning: the router model's loop has not gone round for {silent:.0f} s "
                   f"(watchdog_timeout_s {watchdog_timeout_s:g}): its process {router[0]} is stopped or hung; killing "
                   "it, to reload it", file=sys.stderr, flush=True)
             with contextlib.suppress(ProcessLookupError):

@@ -195,7 +195,7 @@ class SubserverModel:
 
     def _beat_forever(self) -> None:
         """Heartbeats to the routers that heard nothing for a while, and the loop's watchdog (serving/watchdog.py).
-        A thread of its own: the response thread also waits on tritonserver (metrics), which may stall."""
+        A thread of its own that does nothing else: the response thread can wait on a send to a slow router."""
         while not self._stop.wait(CHECK_EVERY_S):
             now = time.monotonic()
             for peer in self.listener.peers() if self.listener is not None else []:
