@@ -182,11 +182,7 @@ class Coordinator:
                 if self._unavailable(ev.target):  # went down meanwhile: the source goes on (it is told why first)
                     self._take_back(req, ev.model, ev.target, ev.arrive.seen, ev.arrive.state)
                     return
-                req.handoffs += 1
-                req.owner = ev.target
-                req.holders.add(ev.target)
-                req.seen, req.route_state = ev.arrive.seen, ev.arrive.state
-                self._deliver(ev.target, ev.arrive)
+                self._hand_off(req, ev)
             elif isinstance(ev, Released):
                 req.holders.discard(ev.model)
                 if ev.held:
@@ -198,6 +194,14 @@ class Coordinator:
                     for model in req.holders - {ev.model}:
                         self._deliver(model, Release(req.request_id, "error"))
             self._maybe_finalize(req)
+
+    def _hand_off(self, req: RequestState, ev: Handoff) -> None:
+        """Forward a live request's handoff to its target (under the lock)."""
+        req.handoffs += 1
+        req.owner = ev.target
+        req.holders.add(ev.target)
+        req.seen, req.route_state = ev.arrive.seen, ev.arrive.state
+        self._deliver(ev.target, ev.arrive)
 
     def _unavailable(self, model: str) -> bool:
         """Hook: whether `model` is down and requests go on without it (served, model_down: route_around)."""

@@ -151,6 +151,9 @@ class Subserver:
         self._deferred: deque[Event] | None = None
         self._handed_off = False  # this step emitted a handoff (sent at the step's end, not deferred)
         self._send = emit
+        # A handoff's way out that skips the thread behind `emit` (served: the loop writes to the router's socket
+        # itself); given the step's events in order, it returns whether it sent them. None: `emit` alone.
+        self.send_now: Callable[[list[Event]], bool] | None = None
         self.seqs: dict[str, Sequence] = {}
         # Delayed batching: step when >= threshold requests are ready, or the oldest waited max_wait_s,
         # or `arrivals_possible()` says nothing else can come (set by whoever knows the whole system).
@@ -240,9 +243,12 @@ class Subserver:
 
     def flush_events(self) -> None:
         """Emit every deferred event, in order (loop thread only; one taken off at a time, so an event appended
-        meanwhile or a send that raises loses nothing)."""
-        self._handed_off = False
+        meanwhile or a send that raises loses nothing). After a handoff, `send_now` gets them all first."""
+        handed_off, self._handed_off = self._handed_off, False
         buf = self._deferred
+        if handed_off and buf and self.send_now is not None and self.send_now(list(buf)):
+            buf.clear()
+            return
         while buf:
             self._send(buf.popleft())
 

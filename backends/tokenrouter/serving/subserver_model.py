@@ -60,12 +60,17 @@ class SubserverModel:
         if args.get("model_instance_kind") == "GPU":
             mcfg.device = f"cuda:{args['model_instance_device_id']}"
         self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self.sub = Subserver.from_config(config, name, self._events.put, load_tokenizer(config.tokenizer_path))
+        # Events put on that queue and not yet through the response thread: a handoff's events skip the queue
+        # (`_send_now`) only when it holds none, so nothing leaves out of order.
+        self._queued_lock = threading.Lock()
+        self._queued = 0
+        self.sub = Subserver.from_config(config, name, self._queue_event, load_tokenizer(config.tokenizer_path))
         if self.sub.warmup_s is not None:
             pb_utils.Logger.log_info(f"model {name!r} on {mcfg.device}: warm-up {self.sub.warmup_s:.1f} s"
                                      + (f"; {self.sub.graph_admission}" if self.sub.graph_admission else ""))
         self.sub.timeline = Timeline.from_env(name)  # TOKENROUTER_TIMELINE_DIR: record for perf/timeline.py
         self.sub.defer_events()  # the response thread's work overlaps the GPU's step, not the next step's host work
+        self.sub.send_now = self._send_now  # a handoff's step sends its events from the loop, if that cannot block
         # Which router connection each request came from: its events go back there.
         self._lock = threading.Lock()
         self._owner: dict[str, ipc.Peer] = {}
@@ -154,6 +159,47 @@ class SubserverModel:
 
     # -- to the router ------------------------------------------------------------------------------------
 
+    def _queue_event(self, ev: Event) -> None:
+        """`emit` of the loop: for the response thread."""
+        with self._queued_lock:
+            self._queued += 1
+            self._events.put(ev)
+
+    def _send_now(self, events: list[Event]) -> bool:
+        """A step's events after a handoff, sent by the loop thread itself (`Subserver.send_now`): the response thread
+        would first have to wake and then wait for the GIL, which the loop holds while it prepares the next step
+        (the 32B's handoffs back waited ~1 ms at C=8 that way, perf/results/flat_extend_grid_h200_2026-12-05).
+        Only when nothing queued before them is unsent, all go to one router connection, and that socket takes
+        them without blocking (`Peer.try_send`); False otherwise, and they take the queue."""
+        if not self._queued_lock.acquire(blocking=False):
+            return False
+        try:
+            if self._queued:
+                return False
+            with self._lock:
+                peers = {self._owner.get(self._request_of(ev)) for ev in events}
+            peer = peers.pop() if len(peers) == 1 else None
+            if peer is None or peer.closed:
+                return False
+            try:
+                if not peer.try_send(events):
+                    return False
+            except OSError:
+                peer.close()  # as the response thread would: its reader thread releases what that router brought
+                return False  # (the queue then drops them: their router is gone)
+            with self._lock:
+                for ev in events:
+                    if isinstance(ev, Released):
+                        self._owner.pop(ev.request_id, None)
+            self.metrics.observe(events)
+            return True
+        finally:
+            self._queued_lock.release()
+
+    @staticmethod
+    def _request_of(ev: Event) -> str:
+        return ev.arrive.request_id if isinstance(ev, Handoff) else ev.request_id
+
     def _send_forever(self) -> None:
         """Drain events and send each router connection what is ready for it as one batch."""
         next_report = 0.0
@@ -172,7 +218,7 @@ class SubserverModel:
             per_peer: dict[ipc.Peer, list[Event]] = {}
             with self._lock:
                 for ev in batch:
-                    rid = ev.arrive.request_id if isinstance(ev, Handoff) else ev.request_id
+                    rid = self._request_of(ev)
                     peer = self._owner.get(rid)
                     if isinstance(ev, Released):
                         self._owner.pop(rid, None)
@@ -191,6 +237,9 @@ class SubserverModel:
                     peer.send(events)
                 except OSError:
                     peer.close()  # its reader thread releases what that router brought here
+            if batch:
+                with self._queued_lock:
+                    self._queued -= len(batch)
             self.metrics.observe(batch)  # (counted here, sent to tritonserver by the metrics thread)
 
     def _beat_forever(self) -> None:

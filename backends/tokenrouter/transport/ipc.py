@@ -18,10 +18,12 @@ one machine never meet. A subserver accepts connections only from processes of i
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import socket
 import struct
+import termios
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +36,9 @@ log = logging.getLogger(__name__)
 
 # How long a model that could not be reached is treated as down before the next connect attempt.
 RETRY_AFTER_S = 1.0
+# `Peer.try_send` writes only this much, onto at most this much unread: far below a Unix socket's send buffer
+# (net.core.wmem_default, ~208 KiB counted with per-message overhead), so the write cannot wait for the reader.
+NONBLOCKING_SEND_BYTES = 32 << 10
 
 
 def address(model: str, server_pid: int | None = None) -> str:
@@ -41,6 +46,12 @@ def address(model: str, server_pid: int | None = None) -> str:
     process's parent, which for a Python-backend stub is tritonserver)."""
     pid = os.getppid() if server_pid is None else server_pid
     return f"\0tokenrouter/{pid}/{model}"
+
+
+def _unread_bytes(conn: Connection) -> int:
+    """Bytes written to a Unix socket that its other side has not read yet (SIOCOUTQ, as TIOCOUTQ)."""
+    out = fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    return struct.unpack("i", out)[0]
 
 
 def _peer_cred(conn: Connection) -> tuple[int, int]:
@@ -65,6 +76,22 @@ class Peer:
         with self._lock:
             self.conn.send_bytes(data)
             self.last_sent = time.monotonic()
+
+    def try_send(self, items: list[Any]) -> bool:
+        """Send `items` only if that cannot block: no other thread is sending here and the socket's buffer has room
+        for them with the bytes the other side has not read yet. Returns whether they were sent (False: nothing
+        was). For a thread that must never wait on the other process (a subserver's decoding loop)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            data = codec.encode(items).encode()
+            if len(data) > NONBLOCKING_SEND_BYTES or _unread_bytes(self.conn) > NONBLOCKING_SEND_BYTES:
+                return False
+            self.conn.send_bytes(data)
+            self.last_sent = time.monotonic()
+            return True
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         """Shut the socket down first: a plain close() would neither wake this side's reader thread, blocked

@@ -1,6 +1,6 @@
 """The Triton deployment's transport: the router reaches each model's process over its local socket
 (transport/ipc.py's ModelLink), or a model on a peer server over Triton gRPC (transport/grpc_link.py), and
-hands what comes back to its event loop's thread.
+hands what comes back to the router (on the link's reader thread: the router relays handoffs from there).
 
 Thresholds travel with each Arrive (no extra message per change). A model that cannot be reached fails the
 message's request as the model would have (Failed, then Released); a link that closes under the router calls
@@ -35,9 +35,9 @@ class SocketTransport(Transport):
     ) -> None:
         """`urls`: the models served by peer servers (their gRPC addresses), reached through a GrpcLink; the
         others through their local socket. `on_items`: every batch a model sends (events and its step
-        statistics), on the loop's thread;
-        `on_event`: one event, for the failures this transport reports itself; `on_lost`: a model's link
-        closed (not at `close`)."""
+        statistics), on that link's reader thread (the caller hands the loop its share);
+        `on_event`: one event, for the failures this transport reports itself (on the loop's thread); `on_lost`: a
+        model's link closed (not at `close`)."""
         self.loop = loop
         self.on_event = on_event
         self.on_items = on_items
@@ -58,8 +58,13 @@ class SocketTransport(Transport):
             log.error("%s", e)
             if isinstance(msg, Unavailable):  # about no request: the model's own outage is reported apart
                 return
-            # Deferred: the coordinator may be inside its own bookkeeping for this request.
-            self.loop.call_soon(self.fail, model, msg.request_id, str(e))
+            # Deferred: the coordinator may be inside its own bookkeeping for this request (and the caller may be a
+            # link's reader thread relaying a handoff).
+            self.loop.call_soon_threadsafe(self.fail, model, msg.request_id, str(e))
+
+    def is_local(self, model: str) -> bool:
+        """Whether `model` is reached over its local socket (not a peer server's gRPC)."""
+        return isinstance(self.links[model], ipc.ModelLink)
 
     def fail(self, model: str, request_id: str, error: str) -> None:
         """`model`'s part of a request is lost: the events it would have sent for a failure (loop thread)."""
@@ -77,7 +82,7 @@ class SocketTransport(Transport):
     # -- from the links' reader threads -----------------------------------------------------------------------
 
     def _items_from(self, model: str, items: list[Any]) -> None:
-        self.loop.call_soon_threadsafe(self.on_items, items)
+        self.on_items(items)
 
     def _lost(self, model: str) -> None:
         if not self.closing:  # at shutdown the router closed the link itself
