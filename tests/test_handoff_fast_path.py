@@ -61,6 +61,18 @@ def test_try_send_never_waits_for_the_reader() -> None:
     reader.close()
 
 
+def test_try_send_keeps_to_a_small_send_buffer() -> None:
+    """Where the socket's send buffer is small, try_send's bound shrinks with it (a quarter of it)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)  # Linux doubles it: 16 KiB, so 4 KiB may go at once
+    peer, reader = ipc.Peer(Connection(a.detach()), "test"), Connection(b.detach())
+    assert not peer.try_send([Commit("big", "small", [1] * 3000)])  # ~9 KB of JSON
+    assert peer.try_send([Commit("small", "small", [1] * 100)])
+    assert codec.decode(reader.recv_bytes())[0].request_id == "small"
+    peer.close()
+    reader.close()
+
+
 class _Counts:
     def __init__(self) -> None:
         self.events: list[Any] = []

@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 # How long a model that could not be reached is treated as down before the next connect attempt.
 RETRY_AFTER_S = 1.0
 # `Peer.try_send` writes only this much, onto at most this much unread: far below a Unix socket's send buffer
-# (net.core.wmem_default, ~208 KiB counted with per-message overhead), so the write cannot wait for the reader.
+# (net.core.wmem_default, ~208 KiB counted with per-message overhead; a quarter of it where it is smaller), so the
+# write cannot wait for the reader.
 NONBLOCKING_SEND_BYTES = 32 << 10
 
 
@@ -46,6 +47,12 @@ def address(model: str, server_pid: int | None = None) -> str:
     process's parent, which for a Python-backend stub is tritonserver)."""
     pid = os.getppid() if server_pid is None else server_pid
     return f"\0tokenrouter/{pid}/{model}"
+
+
+def _nonblocking_room(conn: Connection) -> int:
+    """What `Peer.try_send` allows on this socket: NONBLOCKING_SEND_BYTES, less where the send buffer is small."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as s:
+        return min(NONBLOCKING_SEND_BYTES, s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 4)
 
 
 def _unread_bytes(conn: Connection) -> int:
@@ -70,6 +77,7 @@ class Peer:
         self._lock = threading.Lock()
         self.closed = False
         self.last_sent = time.monotonic()  # when a batch last left through this connection
+        self._room: int | None = None  # try_send's bound for this socket, read on first use
 
     def send(self, items: list[Any]) -> None:
         data = codec.encode(items).encode()
@@ -84,8 +92,10 @@ class Peer:
         if not self._lock.acquire(blocking=False):
             return False
         try:
+            if self._room is None:
+                self._room = _nonblocking_room(self.conn)
             data = codec.encode(items).encode()
-            if len(data) > NONBLOCKING_SEND_BYTES or _unread_bytes(self.conn) > NONBLOCKING_SEND_BYTES:
+            if len(data) > self._room or _unread_bytes(self.conn) > self._room:
                 return False
             self.conn.send_bytes(data)
             self.last_sent = time.monotonic()
