@@ -10,6 +10,7 @@ import random
 import socket
 import threading
 import time
+import uuid
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,30 @@ def test_a_direct_send_frees_the_owner_of_a_released_request() -> None:
     reader.close()
 
 
+def test_a_direct_send_to_a_router_gone_closes_its_connection() -> None:
+    peer, reader = _pair()
+    m = _responding_subserver(peer, ["a"])
+    reader.close()  # the router's process went away
+    assert not m._send_now([Commit("a", "small", [1])])  # the queue takes it (and drops it: its router is gone)
+    assert peer.closed and m.metrics.events == []
+
+
+def test_a_link_sends_at_once_only_on_an_open_connection() -> None:
+    addr = f"\0tokenrouter-test/{uuid.uuid4().hex}"
+    got: queue.Queue = queue.Queue()
+    listener = ipc.ModelListener("large", lambda p, msgs: [got.put(x) for x in msgs], lambda p: None, addr=addr)
+    link = ipc.ModelLink("large", lambda evs: None, lambda: None, addr=addr)
+    try:
+        arrive = Arrive("r", [1, 2], True, 2, PARAMS, {}, "small", {"small": 2})
+        assert not link.try_send([arrive])  # not connected: no connecting from a reader thread
+        link.connect()
+        assert link.try_send([arrive])
+        assert got.get(timeout=5).request_id == "r"
+    finally:
+        link.close()
+        listener.close()
+
+
 class _Loop:
     """What the coordinator posts to its loop (nothing runs it)."""
 
@@ -160,12 +185,16 @@ class _Loop:
         self.log.append(("loop", fn.__name__, args))
 
 
-def _coordinator(tiny_dir: Path, log: list) -> SocketCoordinator:
+def _coordinator(tiny_dir: Path, log: list, sends: bool = True) -> SocketCoordinator:
+    """The router's coordinator over the tiny pair, its loop a log; `sends`: its links take every Arrive at once (the
+    links' own `try_deliver` otherwise: nothing is connected here, so it sends nothing)."""
     cfg = yaml.safe_load((REPO / "config" / "random" / "tiny-small_tiny-large.yaml").read_text())
     for name, m in cfg["models"].items():
         m["path"] = str(tiny_dir / name)
     coord = SocketCoordinator(load_config(cfg), _Loop(log))
     coord.transport.deliver = lambda model, msg: log.append(("deliver", model, msg))
+    if sends:
+        coord.transport.try_deliver = lambda model, msg: log.append(("now", model, msg)) or True
     return coord
 
 
@@ -173,15 +202,20 @@ def _handoff(rid: str, seen: dict[str, int]) -> Handoff:
     return Handoff("small", "large", Arrive(rid, [9, 10], True, 3, PARAMS, {"k": 1}, "small", seen))
 
 
+def _admitted(coord: SocketCoordinator, log: list, n: int = 1) -> list[str]:
+    ids = [coord.add_request([5, 6, 7 + i], PARAMS) for i in range(n)]
+    log.clear()
+    return ids
+
+
 def test_the_router_forwards_a_plain_handoff_from_the_reader_thread(tiny_dir: Path) -> None:
     log: list = []
     coord = _coordinator(tiny_dir, log)
-    rid = coord.add_request([5, 6, 7], PARAMS)
-    log.clear()
+    (rid,) = _admitted(coord, log)
     commit = Commit(rid, "small", [9])
     coord._from_link([commit, _handoff(rid, {"small": 4, "large": 4})])
     # The rest of the batch is on the loop's queue before the Arrive leaves: the target's answers come after it.
-    assert [entry[0] for entry in log] == ["loop", "deliver"]
+    assert [entry[0] for entry in log] == ["loop", "now"]
     assert log[0][1] == "_handle_events" and log[0][2] == ([commit],)
     assert log[1][1] == "large" and log[1][2].request_id == rid
     req = coord.requests[rid]
@@ -190,20 +224,70 @@ def test_the_router_forwards_a_plain_handoff_from_the_reader_thread(tiny_dir: Pa
 
 
 def test_the_loop_keeps_what_is_not_a_plain_handoff(tiny_dir: Path) -> None:
-    """A handoff of a request cancelled meanwhile, or to a model on a peer server, is not forwarded from the
-    reader thread: the loop decides it as before (drops the first, sends the second over gRPC)."""
+    """A handoff of a request cancelled meanwhile is not forwarded from the reader thread: the loop drops it."""
     log: list = []
     coord = _coordinator(tiny_dir, log)
-    cancelled, remote = coord.add_request([5, 6, 7], PARAMS), coord.add_request([8, 9], PARAMS)
+    (cancelled,) = _admitted(coord, log)
     coord.abort(cancelled)
     log.clear()
     late = _handoff(cancelled, {"small": 4, "large": 4})
     coord._from_link([late])
     assert log == [("loop", "_handle_events", ([late],))]
     assert coord.requests[cancelled].holders == {"small"}  # the Release to small went out; large never held it
+
+
+def test_a_handoff_that_cannot_go_at_once_is_the_loops(tiny_dir: Path) -> None:
+    """Its target's link not connected (the model's process just exited: routing around it, the loop must take the
+    request back rather than fail it), or a peer server's model, or a full socket: `try_deliver` sends nothing, and
+    the loop gets the handoff with the request untouched. A relay that raises goes the same way."""
+    log: list = []
+    coord = _coordinator(tiny_dir, log, sends=False)
+    rid, other = _admitted(coord, log, 2)
+    ev = _handoff(rid, {"small": 4, "large": 4})
+    coord._from_link([ev])
+    assert log == [("loop", "_handle_events", ([ev],))]
+    assert coord.requests[rid].holders == {"small"} and coord.requests[rid].owner == "small"
     log.clear()
-    coord.transport.is_local = lambda model: False
-    over_grpc = _handoff(remote, {"small": 3, "large": 3})
-    coord._from_link([over_grpc])
-    assert log == [("loop", "_handle_events", ([over_grpc],))]
-    assert coord.requests[remote].holders == {"small"}
+
+    def broken(model: str, msg: Arrive) -> bool:
+        raise RuntimeError("boom")
+
+    coord.transport.try_deliver = broken
+    ev = _handoff(other, {"small": 3, "large": 3})
+    coord._from_link([ev])
+    assert log == [("loop", "_handle_events", ([ev],))]
+    assert coord.requests[other].holders == {"small"}
+
+
+def test_a_reader_thread_never_waits_on_a_busy_coordinator(tiny_dir: Path) -> None:
+    """While another thread holds the coordinator's lock (the loop inside a long send, say), a batch without a
+    handoff goes to the loop at once and one with a handoff after RELAY_LOCK_WAIT_S: a reader keeps reading, so the
+    models it hears from are not taken for silent."""
+    from tokenrouter.serving import router_model
+
+    log: list = []
+    coord = _coordinator(tiny_dir, log)
+    (rid,) = _admitted(coord, log)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with coord._lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(5)
+    try:
+        commit = Commit(rid, "small", [9])
+        start = time.monotonic()
+        coord._from_link([commit])
+        assert time.monotonic() - start < router_model.RELAY_LOCK_WAIT_S
+        ev = _handoff(rid, {"small": 4, "large": 4})
+        coord._from_link([commit, ev])
+        assert time.monotonic() - start < 1.0
+        assert log == [("loop", "_handle_events", ([commit],)), ("loop", "_handle_events", ([commit, ev],))]
+        assert coord.requests[rid].holders == {"small"}
+    finally:
+        release.set()
+        holder.join(5)

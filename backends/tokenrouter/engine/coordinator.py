@@ -197,11 +197,16 @@ class Coordinator:
 
     def _hand_off(self, req: RequestState, ev: Handoff) -> None:
         """Forward a live request's handoff to its target (under the lock)."""
+        self._note_handoff(req, ev)
+        self._deliver(ev.target, ev.arrive)
+
+    @staticmethod
+    def _note_handoff(req: RequestState, ev: Handoff) -> None:
+        """The request's bookkeeping for a handoff forwarded to its target (under the lock)."""
         req.handoffs += 1
         req.owner = ev.target
         req.holders.add(ev.target)
         req.seen, req.route_state = ev.arrive.seen, ev.arrive.state
-        self._deliver(ev.target, ev.arrive)
 
     def _unavailable(self, model: str) -> bool:
         """Hook: whether `model` is down and requests go on without it (served, model_down: route_around)."""

@@ -314,6 +314,17 @@ class ModelLink:
             peer.close()
             raise ConnectionError(f"model {self.model!r} went away: {e}") from None
 
+    def try_send(self, messages: list[Any]) -> bool:
+        """Send on the open connection only, and only if that cannot block (`Peer.try_send`): no connecting, no
+        waiting. False: nothing was sent (not connected, closed meanwhile, or no room)."""
+        peer = self._peer
+        if peer is None or peer.closed:
+            return False
+        try:
+            return peer.try_send(messages)
+        except OSError:
+            return False  # the connection broke: its reader thread sees it close (on_lost)
+
     def close(self) -> None:
         with self._lock:
             if self._peer is not None:

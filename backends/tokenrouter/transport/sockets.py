@@ -62,9 +62,15 @@ class SocketTransport(Transport):
             # link's reader thread relaying a handoff).
             self.loop.call_soon_threadsafe(self.fail, model, msg.request_id, str(e))
 
-    def is_local(self, model: str) -> bool:
-        """Whether `model` is reached over its local socket (not a peer server's gRPC)."""
-        return isinstance(self.links[model], ipc.ModelLink)
+    def try_deliver(self, model: str, msg: Arrive) -> bool:
+        """Send an Arrive now if that cannot block: `model` on a local socket that is connected and has room
+        (`ipc.ModelLink.try_send`). For a link's reader thread, which must never wait on another model. False:
+        nothing was sent (a peer server's model, a link not connected or closing, a full socket)."""
+        link = self.links.get(model)
+        if not isinstance(link, ipc.ModelLink):
+            return False
+        msg.threshold = self.thresholds.get(model)
+        return link.try_send([msg])
 
     def fail(self, model: str, request_id: str, error: str) -> None:
         """`model`'s part of a request is lost: the events it would have sent for a failure (loop thread)."""
