@@ -58,9 +58,8 @@ class SocketTransport(Transport):
             log.error("%s", e)
             if isinstance(msg, Unavailable):  # about no request: the model's own outage is reported apart
                 return
-            # Deferred: the coordinator may be inside its own bookkeeping for this request (and the caller may be a
-            # link's reader thread relaying a handoff).
-            self.loop.call_soon_threadsafe(self.fail, model, msg.request_id, str(e))
+            # Deferred: the coordinator may be inside its own bookkeeping for this request.
+            self.loop.call_soon(self.fail, model, msg.request_id, str(e))
 
     def try_deliver(self, model: str, msg: Arrive) -> bool:
         """Send an Arrive now if that cannot block: `model` on a local socket that is connected and has room
