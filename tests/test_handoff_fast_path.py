@@ -261,9 +261,9 @@ def test_a_handoff_that_cannot_go_at_once_is_the_loops(tiny_dir: Path) -> None:
 
 def test_a_reader_thread_never_waits_on_a_busy_coordinator(tiny_dir: Path) -> None:
     """While another thread holds the coordinator's lock (the loop inside a long send, say), a batch without a
-    handoff goes to the loop at once and one with a handoff after RELAY_LOCK_WAIT_S: a reader keeps reading, so the
+    handoff goes to the loop at once and one with a handoff after FORWARD_LOCK_WAIT_S: a reader keeps reading, so the
     models it hears from are not taken for silent."""
-    from tokenrouter.serving import router_model
+    from tokenrouter.engine import coordinator
 
     log: list = []
     coord = _coordinator(tiny_dir, log)
@@ -282,7 +282,7 @@ def test_a_reader_thread_never_waits_on_a_busy_coordinator(tiny_dir: Path) -> No
         commit = Commit(rid, "small", [9])
         start = time.monotonic()
         coord._from_link([commit])
-        assert time.monotonic() - start < router_model.RELAY_LOCK_WAIT_S
+        assert time.monotonic() - start < coordinator.FORWARD_LOCK_WAIT_S
         ev = _handoff(rid, {"small": 4, "large": 4})
         coord._from_link([commit, ev])
         assert time.monotonic() - start < 1.0
@@ -291,3 +291,27 @@ def test_a_reader_thread_never_waits_on_a_busy_coordinator(tiny_dir: Path) -> No
     finally:
         release.set()
         holder.join(5)
+
+
+def test_in_process_loops_forward_their_handoffs_with_the_same_output(tiny_dir: Path) -> None:
+    """In background mode a model's loop forwards its handoffs itself (Engine._emit): the same tokens as the stepped
+    engine, every request finished once, every block free, and the loops did forward some."""
+    from test_stepped_finals import assert_all_free, engine_for
+
+    prompts = [[5, 6, 7], [100, 200, 300, 400], [17] * 11, [40, 41, 42, 43, 44, 45, 46]]
+    greedy = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    expected = engine_for(tiny_dir, "random/tiny-small_tiny-large.yaml", p=0.3).generate(prompts, greedy)
+    eng = engine_for(tiny_dir, "random/tiny-small_tiny-large.yaml", p=0.3)
+    forwarded: list[str] = []
+    forward = eng._forward_now
+    eng._forward_now = lambda ev, send: (ok := forward(ev, send)) and forwarded.append(
+        threading.current_thread().name) or ok
+    eng.start()
+    try:
+        got = eng.generate(prompts, greedy)
+    finally:
+        eng.shutdown()
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert all(o.finished for o in got)
+    assert forwarded and all(name.startswith("tr-") and name != "tr-coordinator" for name in forwarded)
+    assert_all_free(eng)

@@ -28,6 +28,10 @@ from tokenrouter.tuning.system import clamp_thresholds
 
 Prompt = str | list[int]
 
+# How long a thread other than the coordinator's waits for its lock to forward a handoff itself (`_forward_now`)
+# before it leaves the handoff to the coordinator's thread: it must never wait on whatever holds the lock.
+FORWARD_LOCK_WAIT_S = 0.002
+
 log = logging.getLogger(__name__)
 
 
@@ -199,6 +203,17 @@ class Coordinator:
         """Forward a live request's handoff to its target (under the lock)."""
         self._note_handoff(req, ev)
         self._deliver(ev.target, ev.arrive)
+
+    def _forward_now(self, ev: Handoff, send: Callable[[str, Arrive], bool]) -> bool:
+        """Forward a plain handoff (its request live, its target not down) through `send`, from the thread that got
+        it rather than the coordinator's (the caller holds the lock, waited for FORWARD_LOCK_WAIT_S at most). `send`
+        must not block; False from it, or a handoff that is not plain, leaves the handoff to the coordinator's
+        thread, untouched."""
+        req = self.requests.get(ev.arrive.request_id)
+        if req is None or req.finished or self._unavailable(ev.target) or not send(ev.target, ev.arrive):
+            return False
+        self._note_handoff(req, ev)
+        return True
 
     @staticmethod
     def _note_handoff(req: RequestState, ev: Handoff) -> None:

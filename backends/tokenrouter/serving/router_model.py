@@ -38,7 +38,7 @@ from tokenrouter.engine.autotune import (
     solve_in_subprocess,
     solve_interval,
 )
-from tokenrouter.engine.coordinator import Coordinator
+from tokenrouter.engine.coordinator import FORWARD_LOCK_WAIT_S, Coordinator
 from tokenrouter.engine.outputs import RequestOutput
 from tokenrouter.engine.timeline import Timeline
 from tokenrouter.routing.policy import make_policy
@@ -73,9 +73,6 @@ REVIVE_CONNECT_S = 10.0
 # Threads that tokenize text prompts (off the loop, off Triton's execute thread): a prompt near the length bound
 # takes 1-3 s and holds hundreds of MB meanwhile; a short prompt behind one need not wait for it.
 TOKENIZE_WORKERS = 2
-# How long a link's reader thread waits for the coordinator's lock to forward a handoff itself before it leaves the
-# handoff to the loop (`SocketCoordinator._from_link`).
-RELAY_LOCK_WAIT_S = 0.002
 # What a request still unanswered when the router unloads is told.
 SHUTTING_DOWN = "the server is shutting down"
 
@@ -117,43 +114,35 @@ class SocketCoordinator(Coordinator):
     # -- on a link's reader thread ----------------------------------------------------------------------
 
     def _from_link(self, events: list[Any]) -> None:
-        """A batch from a model: its plain handoffs go on from here, the rest to the loop. A handoff waited behind
-        whatever the loop was doing (other models' commits, clients' responses) and for the loop to wake. Under
-        the coordinator's lock, as on the loop, with the same bookkeeping: what the loop does about the request (a
-        cancel, a commit) comes wholly before or after it. The rest of the batch reaches the loop's queue before
-        an Arrive leaves, so everything its target then sends is handled after it.
+        """A batch from a model: its plain handoffs go on from here (`_forward_now`), the rest to the loop. A
+        handoff waited behind whatever the loop was doing (other models' commits, clients' responses) and for the
+        loop to wake. Under the coordinator's lock, as on the loop, with the same bookkeeping: what the loop does
+        about the request (a cancel, a commit) comes wholly before or after it. The rest of the batch reaches the
+        loop's queue before an Arrive leaves, so everything its target then sends is handled after it.
 
-        A reader thread never waits long: the lock for RELAY_LOCK_WAIT_S at most, and an Arrive goes only if its
+        A reader thread never waits long: the lock for FORWARD_LOCK_WAIT_S at most, and an Arrive goes only if its
         socket takes it at once (`SocketTransport.try_deliver`); a model that stopped reading must not stop the
         router from hearing the others. Everything else is the loop's, as before: batches without a handoff,
         handoffs of requests gone or finished, to a model that is down (its link closes before the loop learns
         it, and then routing around it takes the request back) or on a peer server, or that could not go at once."""
-        if not any(isinstance(ev, Handoff) for ev in events) or not self._lock.acquire(timeout=RELAY_LOCK_WAIT_S):
+        handoffs = [ev for ev in events if isinstance(ev, Handoff)]
+        if not handoffs or not self._lock.acquire(timeout=FORWARD_LOCK_WAIT_S):
             self.loop.call_soon_threadsafe(self._handle_events, events)
             return
         try:
-            plain: list[tuple[Any, Handoff]] = []
-            rest: list[Any] = []
-            for ev in events:
-                req = self.requests.get(ev.arrive.request_id) if isinstance(ev, Handoff) else None
-                if req is not None and not req.finished and not self._unavailable(ev.target):
-                    plain.append((req, ev))
-                else:
-                    rest.append(ev)
+            rest = [ev for ev in events if not isinstance(ev, Handoff)]
             if rest:
                 self.loop.call_soon_threadsafe(self._handle_events, rest)
-            for req, ev in plain:
+            for ev in handoffs:
                 relayed = time.monotonic()
                 try:
-                    sent = self.transport.try_deliver(ev.target, ev.arrive)
-                except Exception:  # the loop sends it instead, and reports what goes wrong there
+                    sent = self._forward_now(ev, self.transport.try_deliver)
+                except Exception:  # the loop forwards it instead, and reports what goes wrong there
                     log.exception("relaying a handoff of %s to %r failed", ev.arrive.request_id, ev.target)
                     sent = False
                 if not sent:
                     self.loop.call_soon_threadsafe(self._handle_events, [ev])
-                    continue
-                self._note_handoff(req, ev)
-                if self.timeline is not None:
+                elif self.timeline is not None:
                     self.timeline.relay(ev.arrive.request_id, ev.model, ev.target, relayed)
         finally:
             self._lock.release()
