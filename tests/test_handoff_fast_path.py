@@ -292,26 +292,3 @@ def test_a_reader_thread_never_waits_on_a_busy_coordinator(tiny_dir: Path) -> No
         release.set()
         holder.join(5)
 
-
-def test_in_process_loops_forward_their_handoffs_with_the_same_output(tiny_dir: Path) -> None:
-    """In background mode a model's loop forwards its handoffs itself (Engine._emit): the same tokens as the stepped
-    engine, every request finished once, every block free, and the loops did forward some."""
-    from test_stepped_finals import assert_all_free, engine_for
-
-    prompts = [[5, 6, 7], [100, 200, 300, 400], [17] * 11, [40, 41, 42, 43, 44, 45, 46]]
-    greedy = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
-    expected = engine_for(tiny_dir, "random/tiny-small_tiny-large.yaml", p=0.3).generate(prompts, greedy)
-    eng = engine_for(tiny_dir, "random/tiny-small_tiny-large.yaml", p=0.3)
-    forwarded: list[str] = []
-    forward = eng._forward_now
-    eng._forward_now = lambda ev, send: (ok := forward(ev, send)) and forwarded.append(
-        threading.current_thread().name) or ok
-    eng.start()
-    try:
-        got = eng.generate(prompts, greedy)
-    finally:
-        eng.shutdown()
-    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
-    assert all(o.finished for o in got)
-    assert forwarded and all(name.startswith("tr-") and name != "tr-coordinator" for name in forwarded)
-    assert_all_free(eng)

@@ -206,9 +206,11 @@ class Coordinator:
 
     def _forward_now(self, ev: Handoff, send: Callable[[str, Arrive], bool]) -> bool:
         """Forward a plain handoff (its request live, its target not down) through `send`, from the thread that got
-        it rather than the coordinator's (the caller holds the lock, waited for FORWARD_LOCK_WAIT_S at most). `send`
-        must not block; False from it, or a handoff that is not plain, leaves the handoff to the coordinator's
-        thread, untouched."""
+        it rather than the coordinator's (served: a link's reader thread; the caller holds the lock, waited for
+        FORWARD_LOCK_WAIT_S at most). `send` must not block; False from it, or a handoff that is not plain, leaves
+        the handoff to the coordinator's thread, untouched. (In process the models' loops leave their handoffs to
+        the coordinator's thread: forwarding them from the loops measured no shorter on the CPU,
+        perf/results/handoff_short_way_cpu_2026-12-05.)"""
         req = self.requests.get(ev.arrive.request_id)
         if req is None or req.finished or self._unavailable(ev.target) or not send(ev.target, ev.arrive):
             return False

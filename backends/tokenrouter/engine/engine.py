@@ -30,7 +30,7 @@ from tokenrouter.engine.autotune import (
     solve_interval,
     solve_thresholds,
 )
-from tokenrouter.engine.coordinator import FORWARD_LOCK_WAIT_S, Coordinator, Prompt
+from tokenrouter.engine.coordinator import Coordinator, Prompt
 from tokenrouter.engine.outputs import RequestOutput
 from tokenrouter.engine.subserver import Subserver
 from tokenrouter.engine.timeline import Timeline, event_time
@@ -38,7 +38,7 @@ from tokenrouter.runner.arch import shared_vocab_size
 from tokenrouter.sampling_params import SamplingParams
 from tokenrouter.tokenizer import load_tokenizer
 from tokenrouter.transport.local import SteppedTransport, ThreadedTransport
-from tokenrouter.transport.messages import Append, Arrive, Event, Handoff
+from tokenrouter.transport.messages import Append, Event
 
 log = logging.getLogger(__name__)
 
@@ -115,25 +115,8 @@ class Engine(Coordinator):
     # -- events (the coordinator) ---------------------------------------------------------------------
 
     def _emit(self, ev: Event) -> None:
-        """Every subserver's event callback: on to the coordinator through the current transport. In background
-        mode a handoff goes on from the source's loop thread itself where it can (`_forward_now`): the coordinator's
-        thread would first have to wake and get the GIL, which every model's loop shares in this process."""
-        if isinstance(ev, Handoff) and isinstance(self.transport, ThreadedTransport) and self._forward_from_loop(ev):
-            return
+        """Every subserver's event callback: on to the coordinator through the current transport."""
         self.transport.emit(ev)
-
-    def _forward_from_loop(self, ev: Handoff) -> bool:
-        if not self._lock.acquire(timeout=FORWARD_LOCK_WAIT_S):
-            return False
-        try:
-            return self._forward_now(ev, self._submit)
-        finally:
-            self._lock.release()
-
-    def _submit(self, model: str, msg: Arrive) -> bool:
-        """`_forward_now`'s send in background mode: into the model's inbox (never waits)."""
-        self.transport.deliver(model, msg)
-        return True
 
     def _collect(self, out: RequestOutput) -> None:
         if not self.running_in_background:
