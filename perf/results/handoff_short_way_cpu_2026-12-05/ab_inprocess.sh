@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # In process (the engine's background mode): a model's loop forwarding its handoffs itself (6ae12d4, since reverted:
-# it measured no shorter) against
-# 301ac63, alternating, on the CPU with the tiny random pair. Run from the repository root with the venv of
+# it measured no shorter) against 301ac63, alternating, on the CPU with the tiny random pair. Run from the
+# repository root with the venv of
 # scripts/setup.sh; PYTHONPATH picks each tree (no stub processes in process).
 # Usage: [CONCS="1 4"] bash perf/results/handoff_short_way_cpu_2026-12-05/ab_inprocess.sh OUT_DIR
 set -euo pipefail
