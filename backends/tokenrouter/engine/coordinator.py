@@ -193,9 +193,7 @@ class Coordinator:
                     req.forwarded[ev.model] = ev.num_forwarded_tokens
                     req.cached[ev.model] = ev.num_cached_tokens
             elif isinstance(ev, Failed):
-                # A model no longer among its holders has nothing of the request to lose: routing around a model
-                # that went down took the request back before the failure of a delivery to it came through.
-                if not req.finished and ev.model in req.holders:
+                if not req.finished:
                     req.finish_reason, req.error = "error", ev.error
                     for model in req.holders - {ev.model}:
                         self._deliver(model, Release(req.request_id, "error"))
