@@ -263,7 +263,7 @@ def test_a_reader_thread_never_waits_on_a_busy_coordinator(tiny_dir: Path) -> No
     """While another thread holds the coordinator's lock (the loop inside a long send, say), a batch without a
     handoff goes to the loop at once and one with a handoff after FORWARD_LOCK_WAIT_S: a reader keeps reading, so the
     models it hears from are not taken for silent."""
-    from tokenrouter.engine import coordinator
+    from tokenrouter.serving import router_model
 
     log: list = []
     coord = _coordinator(tiny_dir, log)
@@ -282,7 +282,7 @@ def test_a_reader_thread_never_waits_on_a_busy_coordinator(tiny_dir: Path) -> No
         commit = Commit(rid, "small", [9])
         start = time.monotonic()
         coord._from_link([commit])
-        assert time.monotonic() - start < coordinator.FORWARD_LOCK_WAIT_S
+        assert time.monotonic() - start < router_model.FORWARD_LOCK_WAIT_S
         ev = _handoff(rid, {"small": 4, "large": 4})
         coord._from_link([commit, ev])
         assert time.monotonic() - start < 1.0

@@ -28,10 +28,6 @@ from tokenrouter.tuning.system import clamp_thresholds
 
 Prompt = str | list[int]
 
-# How long a thread other than the coordinator's waits for its lock to forward a handoff itself (`_forward_now`)
-# before it leaves the handoff to the coordinator's thread: it must never wait on whatever holds the lock.
-FORWARD_LOCK_WAIT_S = 0.002
-
 log = logging.getLogger(__name__)
 
 
@@ -186,7 +182,8 @@ class Coordinator:
                 if self._unavailable(ev.target):  # went down meanwhile: the source goes on (it is told why first)
                     self._take_back(req, ev.model, ev.target, ev.arrive.seen, ev.arrive.state)
                     return
-                self._hand_off(req, ev)
+                self._note_handoff(req, ev)
+                self._deliver(ev.target, ev.arrive)
             elif isinstance(ev, Released):
                 req.holders.discard(ev.model)
                 if ev.held:
@@ -199,15 +196,10 @@ class Coordinator:
                         self._deliver(model, Release(req.request_id, "error"))
             self._maybe_finalize(req)
 
-    def _hand_off(self, req: RequestState, ev: Handoff) -> None:
-        """Forward a live request's handoff to its target (under the lock)."""
-        self._note_handoff(req, ev)
-        self._deliver(ev.target, ev.arrive)
-
     def _forward_now(self, ev: Handoff, send: Callable[[str, Arrive], bool]) -> bool:
         """Forward a plain handoff (its request live, its target not down) through `send`, from the thread that got
-        it rather than the coordinator's (served: a link's reader thread; the caller holds the lock, waited for
-        FORWARD_LOCK_WAIT_S at most). `send` must not block; False from it, or a handoff that is not plain, leaves
+        it rather than the coordinator's (served: a link's reader thread; the caller holds the lock, waited for a
+        bounded time). `send` must not block; False from it, or a handoff that is not plain, leaves
         the handoff to the coordinator's thread, untouched. (In process the models' loops leave their handoffs to
         the coordinator's thread: forwarding them from the loops measured no shorter on the CPU,
         perf/results/handoff_short_way_cpu_2026-12-05.)"""

@@ -38,7 +38,7 @@ from tokenrouter.engine.autotune import (
     solve_in_subprocess,
     solve_interval,
 )
-from tokenrouter.engine.coordinator import FORWARD_LOCK_WAIT_S, Coordinator
+from tokenrouter.engine.coordinator import Coordinator
 from tokenrouter.engine.outputs import RequestOutput
 from tokenrouter.engine.timeline import Timeline
 from tokenrouter.routing.policy import make_policy
@@ -73,6 +73,9 @@ REVIVE_CONNECT_S = 10.0
 # Threads that tokenize text prompts (off the loop, off Triton's execute thread): a prompt near the length bound
 # takes 1-3 s and holds hundreds of MB meanwhile; a short prompt behind one need not wait for it.
 TOKENIZE_WORKERS = 2
+# How long a link's reader thread waits for the coordinator's lock to forward a handoff itself before it leaves the
+# handoff to the loop (`SocketCoordinator._from_link`): it must never wait on whatever holds the lock.
+FORWARD_LOCK_WAIT_S = 0.002
 # What a request still unanswered when the router unloads is told.
 SHUTTING_DOWN = "the server is shutting down"
 

@@ -94,8 +94,10 @@ class Peer:
         try:
             if self._room is None:
                 self._room = _nonblocking_room(self.conn)
+            if _unread_bytes(self.conn) > self._room:
+                return False
             data = codec.encode(items).encode()
-            if len(data) > self._room or _unread_bytes(self.conn) > self._room:
+            if len(data) > self._room:
                 return False
             self.conn.send_bytes(data)
             self.last_sent = time.monotonic()
