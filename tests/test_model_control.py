@@ -1,4 +1,5 @@
-"""Reloading a dead model through this server's HTTP model-control API: what a failed attempt says. The
+"""Reloading a dead model through this server's model-control API (gRPC, or HTTP where no gRPC address is given):
+what a failed attempt says. The
 reviver retries every few seconds for as long as the model is down, so one cause must read the same on every
 attempt (it is logged once), and a refused connection must say what it most likely means."""
 
@@ -12,12 +13,13 @@ import pytest
 from tokenrouter.serving.model_control import (
     REVIVE_BACKOFF_MAX_S,
     REVIVE_BACKOFF_S,
+    ControlUnreachable,
     ReviveAttempts,
     UnloadedOnPurpose,
     reload_failure,
     reload_model,
 )
-from tokenrouter.serving.server import CONTROL_URL_ENV
+from tokenrouter.serving.server import CONTROL_GRPC_ENV, CONTROL_URL_ENV
 
 
 def _closed_port() -> int:
@@ -36,6 +38,20 @@ def test_a_refused_reload_says_the_server_is_not_serving_http(monkeypatch: pytes
         causes.append(reload_failure(e.value))
     assert causes[0] == causes[1]
     assert url in causes[0] and "shutting down" in causes[0]
+
+
+def test_a_refused_grpc_reload_says_the_server_is_not_serving_grpc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reviver reloads over gRPC where it is told the address (TritonServer.start tells it), HTTP or not."""
+    address = f"127.0.0.1:{_closed_port()}"
+    monkeypatch.setenv(CONTROL_GRPC_ENV, address)
+    monkeypatch.setenv(CONTROL_URL_ENV, f"http://127.0.0.1:{_closed_port()}")
+    causes = []
+    for _ in range(2):
+        with pytest.raises(ControlUnreachable) as e:
+            reload_model("large", pb_utils=None)
+        causes.append(reload_failure(e.value))
+    assert causes[0] == causes[1]
+    assert address in causes[0] and "shutting down" in causes[0]
 
 
 def test_other_failures_keep_their_type_and_message() -> None:

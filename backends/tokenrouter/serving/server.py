@@ -48,8 +48,10 @@ TRITON_APIS = (
 # where it cannot send headers.
 ADMIN_APIS = ("model-repository", "shared-memory", "trace", "logging")
 ADMIN_HEADER = "admin-key"
-# Set in tritonserver's environment (its stubs inherit it): where the router reaches model control.
+# Set in tritonserver's environment (its stubs inherit it): where the router reaches model control. Over HTTP it
+# reads the models' states and the server's liveness; it loads and unloads over gRPC (model_control.reload_model).
 CONTROL_URL_ENV = "TOKENROUTER_MODEL_CONTROL_URL"
+CONTROL_GRPC_ENV = "TOKENROUTER_MODEL_CONTROL_GRPC"
 # ... and the file whose time the router's loop renews every second (serving/watchdog.py), for `tokenrouter serve`
 # to find a router that is stopped or hung.
 ROUTER_BEAT_ENV = "TOKENROUTER_ROUTER_BEAT"
@@ -219,9 +221,11 @@ class TritonServer:
         out = open(self.log_file, "ab") if self.log_file else None  # noqa: SIM115 (kept open for the child)
         # Its own process group, so stop() can reach the model stubs even if the server dies first.
         env = triton_install.server_env()
-        # The router reloads a model whose process died through this server's own HTTP model-control API
-        # (pb_utils.load_model would hold the router's GIL for the whole reload and stall every request).
+        # The router reloads a model whose process died through this server's own model-control API, over gRPC
+        # (pb_utils.load_model would hold the router's GIL for the whole reload and stall every request; over HTTP
+        # the reload holds an HTTP worker thread, whose streams lose responses: model_control.reload_model).
         env[CONTROL_URL_ENV] = f"http://127.0.0.1:{self.http_port}"
+        env[CONTROL_GRPC_ENV] = f"127.0.0.1:{self.grpc_port}"
         if self.admin_key:
             env[ADMIN_KEY_ENV] = self.admin_key
         self.router_beat.unlink(missing_ok=True)  # a former server's
