@@ -177,7 +177,12 @@ def test_routing_around_a_killed_subserver(tiny_dir: Path, tmp_path: Path) -> No
         streams = [threading.Thread(target=lambda p=p: results.__setitem__(p, request(p))) for p in prompts]
         for t in streams:
             t.start()
-        time.sleep(1.0)  # mid-request
+        # Killed once the large model holds a request (a fixed wait often found none there yet, and the test
+        # then checked nothing of a request taken back).
+        deadline = time.monotonic() + 60
+        while metrics(server).get('tokenrouter_requests_held{model="large"}', 0) < 1:
+            assert time.monotonic() < deadline, "no request reached the large model"
+            time.sleep(0.05)
         (large,) = stubs_of(repo, "large")
         code = repo / "large" / "1" / "model.json"  # its settings
         code.rename(code.with_suffix(".hidden"))  # it cannot come back until the end of the checks below
