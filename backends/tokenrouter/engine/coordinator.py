@@ -190,7 +190,11 @@ class Coordinator:
                     req.forwarded[ev.model] = ev.num_forwarded_tokens
                     req.cached[ev.model] = ev.num_cached_tokens
             elif isinstance(ev, Failed):
-                if not req.finished:
+                # From a model no longer among its holders, it is stale: that model's part of the request is gone
+                # already. Routing around a model that went down takes the request back to the entry model; a send
+                # to that model which failed just before (its failure posted to the loop, handled after) must not
+                # then fail the request (tests/test_route_around_races.py).
+                if not req.finished and ev.model in req.holders:
                     req.finish_reason, req.error = "error", ev.error
                     for model in req.holders - {ev.model}:
                         self._deliver(model, Release(req.request_id, "error"))

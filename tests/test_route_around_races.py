@@ -1,0 +1,83 @@
+"""Routing around a model whose process died (model_down: route_around), at the router's coordinator, driven through
+its real socket transport and an event loop run by hand: what the links' reader threads post, in the order they post
+it. Only the entry model's link is a fake that records what it is sent; the large model's link is in the state its
+reader thread leaves when the process's socket closes."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tokenrouter.config import load_config
+from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.serving.router_model import SocketCoordinator
+from tokenrouter.transport.messages import Arrive, Commit, Handoff, Release, Released, Unavailable
+
+REPO = Path(__file__).resolve().parents[1]
+PARAMS = SamplingParams(max_new_tokens=8, temperature=0.0)
+
+
+class _RecordingLink:
+    """The entry model's link: takes every batch at once and keeps it."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, messages: list) -> None:
+        self.sent.extend(messages)
+
+
+def _run(loop: asyncio.AbstractEventLoop) -> None:
+    """Run what the loop has queued, and what that queues in turn, until nothing is left."""
+    while loop._ready:  # (asyncio's queue of callbacks due now: nothing here waits on a timer)
+        loop.call_soon(loop.stop)
+        loop.run_forever()
+
+
+@pytest.fixture
+def coordinator(tiny_dir: Path):
+    cfg = yaml.safe_load((REPO / "config" / "random" / "tiny-small_tiny-large.yaml").read_text())
+    for name, m in cfg["models"].items():
+        m["path"] = str(tiny_dir / name)
+    cfg["model_down"] = "route_around"
+    loop = asyncio.new_event_loop()
+    coord = SocketCoordinator(load_config(cfg), loop)
+    small = coord.transport.links["small"] = _RecordingLink()
+    large = coord.transport.links["large"]
+    # As ModelLink._closed leaves it once its process's socket closed: every send fails at once.
+    large._ever_connected, large._down_until = True, float("inf")
+    large._down_error = "model 'large' is unavailable: its process exited"
+    yield coord, loop, small
+    coord.transport.closing = True
+    loop.close()
+
+
+def test_a_handoff_to_a_model_that_just_died_is_taken_back_not_failed(coordinator) -> None:
+    """The small model's handoff reached the loop before it learnt that the large model's socket closed (the two
+    links' reader threads post independently): the loop forwards it, the send fails (its failure is posted), then
+    routing around the model takes the request back to the small model. The failed send's Failed, handled last, is
+    about a model that no longer holds the request: the request goes on, and ends whole."""
+    coord, loop, small = coordinator
+    rid = coord.add_request([5, 6, 7], PARAMS)
+    handoff = Handoff("small", "large", Arrive(rid, [5, 6, 7, 9], True, 3, PARAMS, {"k": 1}, "small",
+                                               {"small": 4, "large": 4}))
+    loop.call_soon_threadsafe(coord._handle_events, [handoff])  # small's reader thread
+    loop.call_soon_threadsafe(coord._model_gone, "large")  # large's reader thread, at its socket's end
+    _run(loop)
+    req = coord.requests[rid]
+    assert req.owner == "small" and req.holders == {"small"}
+    assert not req.finished and req.error is None, req.error
+    back = [m for m in small.sent if isinstance(m, Arrive) and not m.first_visit]
+    assert len(back) == 1 and back[0].source == "large" and back[0].tokens == []
+    assert not any(isinstance(m, Release) for m in small.sent), small.sent
+    assert any(isinstance(m, Unavailable) and m.models == ["large"] for m in small.sent)
+    # The small model finishes it: one final output, whole.
+    outputs = []
+    req.listener = outputs.append
+    coord._handle_events([Commit(rid, "small", [11], "length"), Released(rid, "small", 4, 0)])
+    assert rid not in coord.requests
+    assert [o.finished for o in outputs].count(True) == 1 and outputs[-1].finished
+    assert outputs[-1].finish_reason == "length" and outputs[-1].error is None and outputs[-1].token_ids == [11]
