@@ -1,7 +1,7 @@
 """Reloading a dead model through this server's model-control API (gRPC, or HTTP where no gRPC address is given):
-what a failed attempt says. The
-reviver retries every few seconds for as long as the model is down, so one cause must read the same on every
-attempt (it is logged once), and a refused connection must say what it most likely means."""
+what a failed attempt says. The reviver retries every few seconds for as long as the model is down, so one cause
+must read the same on every attempt (it is logged once), and a refused connection must say what it most likely
+means."""
 
 from __future__ import annotations
 
@@ -28,14 +28,20 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
+def _two_causes(error: type[Exception]) -> list[str]:
+    """Two reload attempts that fail with `error`: what the reviver would log for each."""
+    causes = []
+    for _ in range(2):
+        with pytest.raises(error) as e:
+            reload_model("large", pb_utils=None)
+        causes.append(reload_failure(e.value))
+    return causes
+
+
 def test_a_refused_reload_says_the_server_is_not_serving_http(monkeypatch: pytest.MonkeyPatch) -> None:
     url = f"http://127.0.0.1:{_closed_port()}"
     monkeypatch.setenv(CONTROL_URL_ENV, url)
-    causes = []
-    for _ in range(2):
-        with pytest.raises(OSError) as e:
-            reload_model("large", pb_utils=None)
-        causes.append(reload_failure(e.value))
+    causes = _two_causes(OSError)
     assert causes[0] == causes[1]
     assert url in causes[0] and "shutting down" in causes[0]
 
@@ -45,11 +51,7 @@ def test_a_refused_grpc_reload_says_the_server_is_not_serving_grpc(monkeypatch: 
     address = f"127.0.0.1:{_closed_port()}"
     monkeypatch.setenv(CONTROL_GRPC_ENV, address)
     monkeypatch.setenv(CONTROL_URL_ENV, f"http://127.0.0.1:{_closed_port()}")
-    causes = []
-    for _ in range(2):
-        with pytest.raises(ControlUnreachable) as e:
-            reload_model("large", pb_utils=None)
-        causes.append(reload_failure(e.value))
+    causes = _two_causes(ControlUnreachable)
     assert causes[0] == causes[1]
     assert address in causes[0] and "shutting down" in causes[0]
 
