@@ -1,7 +1,7 @@
 """A model reloaded through this server's model control while HTTP streams are in flight: every stream still gets
 all its responses, its final one included. Triton 2.51 runs an HTTP load or unload on the HTTP worker thread that
-took the request, for as long as it lasts; the streams that thread serves have their responses queued on a command
-socket that holds a few (net.unix.max_dgram_qlen, 10 by default), and Triton drops the rest without a word. Routing
+took the request, for as long as it lasts; the streams that thread serves have their responses queued on a
+non-blocking command socket, and once that is full Triton drops the rest without a word (sendto: EAGAIN). Routing
 around a killed model (test_faults.py) lost the final responses of the streams the small model finished meanwhile:
 they never ended."""
 

@@ -50,8 +50,8 @@ def reload_model(model: str, pb_utils: Any) -> None:
 
 def _reload_over_grpc(model: str, address: str, key: str | None) -> None:
     """Unload and load `model` through the gRPC model-control API at `address`. Not over HTTP: Triton 2.51's HTTP
-    frontend hands each stream's responses to the worker thread that serves the stream through a socket that holds
-    a few of them (net.unix.max_dgram_qlen: 10 by default) and drops what does not fit, unchecked. A load or unload
+    frontend hands each stream's responses to the worker thread that serves the stream through a non-blocking
+    command socket (libevhtp's evthr_defer) and ignores a send that fails: the response is dropped. A load or unload
     over HTTP holds its worker thread until it is done (seconds; minutes for a large model's weights), and the streams
     of that thread lost every response the router sent meanwhile, their final ones too: routing around a killed
     model, the small model finished them during the reload, and they never ended (the strace: sendto(...) = -1
