@@ -62,8 +62,7 @@ def _reload_over_grpc(model: str, address: str, key: str | None) -> None:
     headers = {GRPC_ADMIN_HEADER: key} if key else None
     client = grpcclient.InferenceServerClient(address)
     try:
-        for action in ("unload", "load"):
-            call = client.unload_model if action == "unload" else client.load_model
+        for action, call in (("unload", client.unload_model), ("load", client.load_model)):
             try:
                 call(model, headers=headers, client_timeout=RELOAD_TIMEOUT_S)
             except InferenceServerException as e:
