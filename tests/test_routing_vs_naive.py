@@ -151,6 +151,8 @@ def test_routed_equals_naive_reference(tiny_dir: Path, case: str) -> None:
         ref_tokens, ref_per_model = naive_generate(tiny_dir, models, policy, prompt, MAX_NEW)
         assert out.token_ids == ref_tokens, f"{case}: prompt of {len(prompt)} tokens diverged"
         assert out.stats["tokens_per_model"] == ref_per_model
+        # (the reference counts each model from its first committed token on: its first key made the first token)
+        assert out.stats["first_token_model"] == next(iter(ref_per_model))
         total_handoffs += out.stats["handoffs"]
         # No recompute: on each model, the positions computed form one contiguous run from 0 (but for void rows
         # of steps launched ahead, at most one per handoff away and one at the end, each computed again).

@@ -79,6 +79,7 @@ def test_http_generate_stream_equals_engine(deployment) -> None:
         assert final["finish_reason"] == "length" and final["num_output_tokens"] == MAX_TOKENS
         stats = json.loads(final["routing_stats"])
         assert stats["tokens_per_model"] == expected[prompt].stats["tokens_per_model"]
+        assert stats["first_token_model"] == expected[prompt].stats["first_token_model"] in stats["tokens_per_model"]
         routed += stats["handoffs"]
         assert stats["request_id"].startswith("tr-") and stats["request_id"] not in ids  # the server's own id
         ids.add(stats["request_id"])

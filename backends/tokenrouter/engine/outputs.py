@@ -42,6 +42,9 @@ class RequestState:
     seen: dict[str, int] = field(default_factory=dict)
     route_state: dict[str, Any] = field(default_factory=dict)
     tokens_per_model: dict[str, int] = field(default_factory=dict)
+    # The model whose token came first: where it is not the entry model, the time to the first token includes
+    # that model's prefill of the whole prompt (perf/bench_served.py reports TTFT by it).
+    first_token_model: str | None = None
     handoffs: int = 0
     forwarded: dict[str, int] = field(default_factory=dict)
     cached: dict[str, int] = field(default_factory=dict)
@@ -64,6 +67,8 @@ class RequestState:
         return self.finish_reason is not None
 
     def on_commit(self, ev: Commit) -> None:
+        if self.first_token_model is None and ev.token_ids:
+            self.first_token_model = ev.model
         self.output_ids.extend(ev.token_ids)
         self.tokens_per_model[ev.model] = self.tokens_per_model.get(ev.model, 0) + len(ev.token_ids)
         if ev.finish_reason is not None and self.finish_reason is None:
@@ -75,6 +80,7 @@ class RequestState:
         last = models_order[-1] if models_order else None
         return {
             "tokens_per_model": dict(self.tokens_per_model),
+            "first_token_model": self.first_token_model,
             "handoffs": self.handoffs,
             "large_token_share": (self.tokens_per_model.get(last, 0) / produced) if produced and last else 0.0,
             "num_cached_tokens": sum(self.cached.values()),

@@ -444,7 +444,8 @@ class RouterModel:
             if gen.return_num_output_tokens:
                 tensors.append(self.pb.Tensor("num_output_tokens", np.array([len(out.token_ids)], dtype=np.uint32)))
             if gen.return_routing_stats:
-                stats = {k: out.stats[k] for k in ("tokens_per_model", "handoffs", "large_token_share")}
+                keys = ("tokens_per_model", "first_token_model", "handoffs", "large_token_share")
+                stats = {k: out.stats[k] for k in keys}
                 stats["request_id"] = out.request_id  # the id the server's logs and timeline know it by
                 stats_bytes = json.dumps(stats).encode()
                 tensors.append(self.pb.Tensor("routing_stats", np.array([stats_bytes], dtype=np.object_)))
