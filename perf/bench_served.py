@@ -296,7 +296,9 @@ def main(argv: list[str] | None = None) -> int:
                 write(report)  # after every run: a run cut short keeps what it measured
                 print(f"C={c} run {run}: {_fmt(row.get('output_tok_s'))} tok/s, TTFT p50 / p99 "
                       f"{_fmt(row.get('ttft_ms_p50'))} / {_fmt(row.get('ttft_ms_p99'))} ms, large share "
-                      f"{_fmt(row.get('large_share'), 3)}, {row['errors']} errors",
+                      f"{_fmt(row.get('large_share'), 3)}, {row['errors']} errors; TTFT p50 / p99 ms by first-token "
+                      "model: " + ", ".join(f"{m} {_fmt(g['p50'])} / {_fmt(g['p99'])} ({g['requests']})"
+                                            for m, g in (row.get("ttft_by_first_token_model") or {}).items()),
                       flush=True)
     print(markdown(report))
     failed = any(r.get("errors") for r in report.get("results", [])) or any(
