@@ -13,9 +13,10 @@ from tokenrouter.serving.server import (
     ADMIN_KEY_ENV,
     CONTROL_GRPC_ENV,
     CONTROL_URL_ENV,
-    GRPC_ADMIN_HEADER,
+    ControlUnreachable,
     control_request,
     model_states,
+    reload_over_grpc,
 )
 
 RELOAD_TIMEOUT_S = 1800.0  # a large model's weights take minutes to load
@@ -30,11 +31,11 @@ def reload_model(model: str, pb_utils: Any) -> None:
     calling process's GIL for the whole reload, which stalls every request for as long as the model takes
     to load. Over gRPC, whose frontend runs a load or unload on a thread of its own; Triton 2.51's HTTP frontend
     runs it on the HTTP worker thread that took it, for as long as it takes, and the client streams that thread
-    serves meanwhile lose their responses (`_reload_over_grpc`). Over HTTP only where no gRPC address is given.
+    serves meanwhile lose their responses (server.reload_over_grpc). Over HTTP only where no gRPC address is given.
     Raises what the server answers (e.g. a server without explicit model control refuses)."""
     address, key = os.environ.get(CONTROL_GRPC_ENV), os.environ.get(ADMIN_KEY_ENV)
     if address is not None:
-        _reload_over_grpc(model, address, key)
+        reload_over_grpc(model, address, key, timeout=RELOAD_TIMEOUT_S)
         return
     url = os.environ.get(CONTROL_URL_ENV)
     if url is None:
@@ -46,31 +47,6 @@ def reload_model(model: str, pb_utils: Any) -> None:
             control_request(url, f"/v2/repository/models/{model}/{action}", key, timeout=RELOAD_TIMEOUT_S)
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"{action} of {model!r} refused: {e.read().decode(errors='replace')}") from None
-
-
-def _reload_over_grpc(model: str, address: str, key: str | None) -> None:
-    """Unload and load `model` through the gRPC model-control API at `address`. Not over HTTP: Triton 2.51's HTTP
-    frontend hands each stream's responses to the worker thread that serves the stream through a non-blocking
-    command socket (libevhtp's evthr_defer) and ignores a send that fails: the response is dropped. A load or unload
-    over HTTP holds its worker thread until it is done (seconds; minutes for a large model's weights), and the streams
-    of that thread lost every response the router sent meanwhile, their final ones too: routing around a killed
-    model, the small model finished them during the reload, and they never ended (the strace: sendto(...) = -1
-    EAGAIN, 276 times in one second of an unload; tests/test_reload_under_streams.py)."""
-    import tritonclient.grpc as grpcclient  # (here: only a reviver needs it)
-    from tritonclient.utils import InferenceServerException
-
-    headers = {GRPC_ADMIN_HEADER: key} if key else None
-    client = grpcclient.InferenceServerClient(address)
-    try:
-        for action, call in (("unload", client.unload_model), ("load", client.load_model)):
-            try:
-                call(model, headers=headers, client_timeout=RELOAD_TIMEOUT_S)
-            except InferenceServerException as e:
-                if e.status() == "StatusCode.UNAVAILABLE":
-                    raise ControlUnreachable(address) from None
-                raise RuntimeError(f"{action} of {model!r} refused: {e.message()}") from None
-    finally:
-        client.close()
 
 
 def cannot_reload(error: Exception) -> bool:
@@ -117,14 +93,6 @@ class ReviveAttempts:
         """Seconds to wait before the next attempt (each wait doubles the next, up to the cap)."""
         delay, self.delay = self.delay, min(2 * self.delay, REVIVE_BACKOFF_MAX_S)
         return delay
-
-
-class ControlUnreachable(RuntimeError):
-    """The gRPC model-control endpoint does not answer (one message for every attempt: the reviver logs it once)."""
-
-    def __init__(self, address: str) -> None:
-        super().__init__(f"this server's gRPC endpoint ({address}) does not answer: it is shutting down, or does "
-                         "not serve gRPC")
 
 
 class UnloadedOnPurpose(RuntimeError):

@@ -269,10 +269,9 @@ class TritonServer:
             return None
 
     def reload_router(self, timeout: float = 300.0) -> None:
-        """Unload and load the router model through the model-control API (explicit model control)."""
-        url = f"http://{self.host}:{self.http_port}"
-        for action in ("unload", "load"):
-            control_request(url, f"/v2/repository/models/{ROUTER}/{action}", self.admin_key, timeout=timeout)
+        """Unload and load the router model through the gRPC model-control API (explicit model control; not HTTP:
+        `reload_over_grpc` says why). Raises RuntimeError (ControlUnreachable, or the server's refusal)."""
+        reload_over_grpc(ROUTER, self.grpc_url, self.admin_key, timeout)
 
     def sweep_replaced_regions(self, stubs: dict[str, tuple[int, str]]) -> list[str]:
         """Remove the shared memory of stubs that died and were replaced (a model revived: the router's by `serve`,
@@ -443,6 +442,39 @@ def control_request(url: str, path: str, key: str | None, timeout: float = 10.0)
     with urllib.request.urlopen(request, timeout=timeout) as r:
         body = r.read()
     return json.loads(body) if body.strip() else None
+
+
+def reload_over_grpc(model: str, address: str, key: str | None, timeout: float) -> None:
+    """Unload and load `model` through the gRPC model-control API at `address`. Not over HTTP: Triton 2.51's HTTP
+    frontend hands each stream's responses to the worker thread that serves the stream through a non-blocking
+    command socket (libevhtp's evthr_defer) and ignores a send that fails: the response is dropped. A load or unload
+    over HTTP holds its worker thread until it is done (seconds; minutes for a large model's weights), and the streams
+    of that thread lost every response the router sent meanwhile, their final ones too: routing around a killed
+    model, the small model finished them during the reload, and they never ended (the strace: sendto(...) = -1
+    EAGAIN, 276 times in one second of an unload; tests/test_reload_under_streams.py)."""
+    import tritonclient.grpc as grpcclient  # (here: only a reviver needs it)
+    from tritonclient.utils import InferenceServerException
+
+    headers = {GRPC_ADMIN_HEADER: key} if key else None
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        for action, call in (("unload", client.unload_model), ("load", client.load_model)):
+            try:
+                call(model, headers=headers, client_timeout=timeout)
+            except InferenceServerException as e:
+                if e.status() == "StatusCode.UNAVAILABLE":
+                    raise ControlUnreachable(address) from None
+                raise RuntimeError(f"{action} of {model!r} refused: {e.message()}") from None
+    finally:
+        client.close()
+
+
+class ControlUnreachable(RuntimeError):
+    """The gRPC model-control endpoint does not answer (one message for every attempt: the reviver logs it once)."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(f"this server's gRPC endpoint ({address}) does not answer: it is shutting down, or does "
+                         "not serve gRPC")
 
 
 def model_states(url: str, key: str | None, timeout: float = 10.0) -> dict[str, tuple[str, str]]:
@@ -644,7 +676,7 @@ def _keep_router(server: TritonServer, watchdog_timeout_s: float | None) -> None
             print("warning: the router model's process exited; reloading it", file=sys.stderr, flush=True)
             try:
                 server.reload_router()
-            except (OSError, ValueError) as e:  # the next check tries again
+            except RuntimeError as e:  # the next check tries again
                 print(f"warning: reloading the router failed: {e}", file=sys.stderr, flush=True)
             else:
                 print("the router model is back", file=sys.stderr, flush=True)
