@@ -209,10 +209,20 @@ def summarize(events: list[Event]) -> dict[str, Any]:
     if batches:
         router = {"batches": len(batches), "busy_fraction": sum(batches) / length,
                   "mean_ms": _ms(statistics.fmean(batches)), "p99_ms": _ms(_pct(batches, 0.99))}
+    sent = [e for e in events if e["kind"] == "responses"]
+    responses = None
+    if sent:
+        waits = [e["oldest_wait"] for e in sent]
+        responses = {"batches": len(sent), "chunks": sum(e["chunks"] for e in sent),
+                     "sends": sum(e["sends"] for e in sent),
+                     "busy_fraction": sum(e["end"] - e["start"] for e in sent) / length,
+                     "oldest_wait_p50_ms": _ms(_pct(waits, 0.5)), "oldest_wait_p99_ms": _ms(_pct(waits, 0.99)),
+                     "oldest_wait_max_ms": _ms(max(waits))}
     return {
         "window_s": length,
         "models": models,
         "router": router,
+        "responses": responses,
         "handoffs": handoffs,
         "overlap_fraction": _overlap(intervals) / length if len(intervals) > 1 else None,
     }
@@ -231,10 +241,13 @@ def chrome_trace(events: list[Event]) -> dict[str, Any]:
     t0 = span[0] if span else min((e.get("t", 0.0) for e in events), default=0.0)
     tids = {m: i + 1 for i, m in enumerate(models_of(events))}
     router_tid = len(tids) + 1  # (its own track, whatever the models are called)
+    out_router = []
     if any(e["kind"] == "router_batch" for e in events):
-        out_router = [{"ph": "M", "pid": 1, "tid": router_tid, "name": "thread_name", "args": {"name": "router loop"}}]
-    else:
-        out_router = []
+        out_router.append({"ph": "M", "pid": 1, "tid": router_tid, "name": "thread_name",
+                           "args": {"name": "router loop"}})
+    if any(e["kind"] == "responses" for e in events):
+        out_router.append({"ph": "M", "pid": 1, "tid": router_tid + 1, "name": "thread_name",
+                           "args": {"name": "router responder"}})
     out: list[dict[str, Any]] = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "tokenrouter"}}]
     out += [{"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": m}} for m, tid in tids.items()]
     out += out_router
@@ -269,6 +282,10 @@ def chrome_trace(events: list[Event]) -> dict[str, Any]:
         elif e["kind"] == "router_batch":
             out.append({"ph": "X", "pid": 1, "tid": router_tid, "name": f"events x{e['events']}", "cat": "router",
                         "ts": us(e["start"]), "dur": us(e["end"]) - us(e["start"])})
+        elif e["kind"] == "responses":
+            out.append({"ph": "X", "pid": 1, "tid": router_tid + 1, "name": f"responses {e['chunks']}->{e['sends']}",
+                        "cat": "router", "ts": us(e["start"]), "dur": us(e["end"]) - us(e["start"]),
+                        "args": {"oldest_wait_ms": round(1000 * e["oldest_wait"], 3)}})
         elif e["kind"] == "handoff":
             flow += 1
             pending[(e["request_id"], e["target"])] = flow
@@ -310,6 +327,12 @@ def markdown(summary: dict[str, Any], title: str) -> str:
     if router:
         lines += ["", f"Router loop: {router['batches']} event batches, busy {100 * router['busy_fraction']:.1f} % of "
                   f"the window, {router['mean_ms']:.3f} ms per batch (p99 {router['p99_ms']:.3f})."]
+    sent = summary.get("responses")
+    if sent:
+        lines += ["", f"Router responder: {sent['chunks']} responses as the loop made them, sent as {sent['sends']} "
+                  f"(a stream's queued behind one another leave as one), busy {100 * sent['busy_fraction']:.1f} % of "
+                  f"the window; the oldest of each batch had waited p50 {sent['oldest_wait_p50_ms']:.3f} / p99 "
+                  f"{sent['oldest_wait_p99_ms']:.3f} / max {sent['oldest_wait_max_ms']:.3f} ms."]
     phased = {m: s for m, s in summary["models"].items() if s.get("phase_ms")}
     if phased:
         names = list(next(iter(phased.values()))["phase_ms"])

@@ -105,6 +105,13 @@ class Timeline:
     def router_batch(self, start: float, end: float, events: int) -> None:
         self.record({"kind": "router_batch", "start": start, "end": end, "events": events})
 
+    def responses(self, start: float, end: float, chunks: int, sends: int, oldest_wait: float) -> None:
+        """A batch the router's responder took from its queue: `chunks` responses as the loop made them, sent as
+        `sends` (a stream's that queued up behind one another leave as one); the oldest had waited `oldest_wait`
+        seconds when the batch began."""
+        self.record({"kind": "responses", "start": start, "end": end, "chunks": chunks, "sends": sends,
+                     "oldest_wait": oldest_wait})
+
     def receive(self, request_id: str, source: str, t: float) -> None:
         self.record({"kind": "receive", "request_id": request_id, "model": self.model, "source": source, "t": t})
 

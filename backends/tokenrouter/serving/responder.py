@@ -1,42 +1,86 @@
-"""The router's responses to clients, sent from a thread of their own, in the order they were made.
+"""The router's responses to clients, sent from a thread of their own, in the order they were made; a stream's
+responses that queued up behind one another leave as one.
 
 Sending a response is a round trip to tritonserver, and so is every Prometheus update; each blocks the thread
-that makes it until tritonserver answered. On the router's event loop those round trips, one per token of every
-stream, kept the loop busy a third of the time at 8 streams on the H200 host (1.2 ms per batch of events), and a
-handoff or a new request that arrived meanwhile waited for them. The loop now only builds each response and
-queues it; one thread sends them in order, so a stream's responses keep their order and its final one comes last.
+that makes it until tritonserver answered, holding the router process's GIL. On the router's event loop those round
+trips, one per token of every stream, kept the loop busy a third of the time at 8 streams on the H200 host (1.2 ms
+per batch of events), and a handoff or a new request that arrived meanwhile waited for them. The loop now only
+makes each response's `Chunk` and queues it; one thread sends them in order, so a stream's responses keep their
+order and its final one comes last.
+
+That thread can fall behind: at 16 streams on the H200 (2026-12-05) clients saw their final responses 0.3-0.9 s
+after the server had made them, and a closed loop of clients lost 16 % of its throughput to it. So the thread takes
+everything queued at once and merges each stream's chunks that wait there into one response (their texts joined,
+their metrics summed): the more it falls behind, the fewer round trips it makes per token, and a stream that is
+not behind still gets each chunk as it comes.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger(__name__)
 
+# At most this many queued items are taken at once (a bound on how long a batch holds its first chunk back).
+MAX_BATCH = 1024
+
+
+@dataclass
+class Chunk:
+    """One response of a stream as the loop made it: `text` (UTF-8) and, for a final one, its other outputs, or an
+    error; and the request metrics it settles (TTFT, time between tokens, the finish reason counted)."""
+
+    text: bytes = b""
+    final: bool = False
+    extras: dict[str, Any] = field(default_factory=dict)  # a final response's other outputs, by name
+    error: str | None = None  # a final response that is this error
+    keep: tuple = ()  # what Triton may use until the send is done (the request a final response ends)
+    ttft_s: float | None = None
+    itl_s: float = 0.0  # time between tokens, summed over itl_tokens tokens
+    itl_tokens: int = 0
+    finished: str | None = None  # the finish reason to count once sent
+    queued: float = 0.0  # when the loop queued it (the first of a merged run)
+
+    def absorb(self, later: Chunk) -> None:
+        """Take in the same stream's next chunk (not an error: that one goes on its own, after this)."""
+        self.text += later.text
+        self.final, self.extras, self.finished = later.final, later.extras, later.finished
+        self.keep += later.keep
+        if self.ttft_s is None:
+            self.ttft_s = later.ttft_s
+        self.itl_s += later.itl_s
+        self.itl_tokens += later.itl_tokens
+
 
 class Responder:
-    """`keep(*objects)`: given each sent response with its sender and the objects queued with it, once sent (the
-    router's graveyard: Triton may still use them for a while after the send, so that while counts from the
-    send, however long the response waited in the queue)."""
+    """`build(chunk)`: the response to send for a chunk, its flags and the objects Triton may use until it is sent
+    (its tensors); `observe(chunk)`: the chunk's request metrics, recorded before it is sent; `keep(*objects)`: given
+    each sent response with its sender and those objects, once sent (the router's graveyard: Triton may still use
+    them for a while after the send, so that while counts from the send, however long the chunk waited in the
+    queue). `on_batch(start, end, chunks, sends, oldest_wait_s)`: what each batch taken from the queue came to
+    (the timeline)."""
 
-    def __init__(self, keep: Callable[..., None] = lambda *objects: None) -> None:
-        self._keep = keep
+    def __init__(self, build: Callable[[Chunk], tuple[Any, int, list]],
+                 observe: Callable[[Chunk], None] = lambda chunk: None,
+                 keep: Callable[..., None] = lambda *objects: None,
+                 on_batch: Callable[[float, float, int, int, float], None] | None = None) -> None:
+        self._build, self._observe, self._keep, self._on_batch = build, observe, keep, on_batch
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="tr-router-responses", daemon=True)
         self._thread.start()
 
-    def send(self, sender: Any, response: Any, flags: int, *keep: Any) -> None:
-        """Queue `response` for `sender` (a Triton response sender) with `flags`; `keep`: objects Triton may use
-        until the send is done (the response's tensors, the request a final response ends)."""
-        self._queue.put((sender, response, flags, keep))
-
-    def call(self, fn: Callable[[], Any]) -> None:
-        """Run `fn` on the sending thread, after what was queued before it (a metric update)."""
-        self._queue.put((None, fn, 0, ()))
+    def send(self, sender: Any, chunk: Chunk) -> None:
+        """Queue `chunk` for `sender` (a Triton response sender). A chunk with no text that is not final is sent
+        with the stream's next one, or only settles its metrics."""
+        chunk.queued = time.monotonic()
+        self._queue.put((sender, chunk))
 
     def finish(self) -> None:
         """No more responses: what is queued is sent, then the thread ends."""
@@ -51,16 +95,63 @@ class Responder:
         return True
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            sender, what, flags, keep = item
-            if sender is None:
+        done = False
+        while not done:
+            items = [self._queue.get()]
+            start = time.monotonic()
+            while len(items) < MAX_BATCH:
                 try:
-                    what()
-                except Exception:  # a metric update that failed: the responses go on
-                    log.exception("router responder: a call failed")
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            # Each stream's chunks, merged in queue order; an error first sends what is pending of its stream.
+            pending: dict[int, tuple[Any, Chunk]] = {}
+            chunks = sends = 0
+            oldest = min((it[1].queued for it in items if it is not None), default=start)
+            for item in items:
+                if item is None:
+                    done = True
+                    break
+                sender, what = item
+                chunks += 1
+                held = pending.get(id(sender))  # (a pending chunk's sender is alive: its id is its own)
+                if what.error is None and held is not None:
+                    held[1].absorb(what)
+                    continue
+                if held is not None:
+                    sends += self._flush({id(sender): pending.pop(id(sender))})
+                if what.error is not None:
+                    sends += self._flush({id(sender): (sender, what)})
+                else:
+                    pending[id(sender)] = (sender, what)
+            sends += self._flush(pending)
+            if self._on_batch is not None and chunks:
+                self._call(functools.partial(self._on_batch, start, time.monotonic(), chunks, sends, start - oldest))
+
+    def _flush(self, pending: dict[int, tuple[Any, Chunk]]) -> int:
+        """Send each pending chunk (in the order they were first queued); the number sent."""
+        n = 0
+        for sender, chunk in pending.values():
+            self._call(lambda chunk=chunk: self._observe(chunk))
+            if not (chunk.text or chunk.final):  # its metrics only (text held back, or a request not streamed)
+                continue
+            n += 1
+            try:
+                response, flags, objects = self._build(chunk)
+            except Exception:
+                log.exception("router responder: a response could not be made")
                 continue
             try:
-                sender.send(what, flags=flags)
+                sender.send(response, flags=flags)
             except Exception:  # the client went away; the cancellation watcher aborts its request
                 log.debug("router responder: a send failed", exc_info=True)
-            self._keep(sender, what, *keep)
+            self._keep(sender, response, *objects, *chunk.keep)
+        pending.clear()
+        return n
+
+    @staticmethod
+    def _call(fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except Exception:  # a metric update that failed: the responses go on
+            log.exception("router responder: a call failed")

@@ -6,7 +6,7 @@ back on the same connection. Routing decisions stay inside the subservers: only 
 Everything runs on one asyncio loop thread but the handoffs, which the socket reader threads forward themselves
 (under the coordinator's lock); `execute` only enqueues, the reader threads post the rest, and the responses to
 clients (and the request metrics: TTFT, inter-token latency, finished) leave from a responder thread in the order
-the loop made them.
+the loop made them (a stream's that queued up behind one another as one response).
 With `thresholds: auto` the router also solves the delayed-batching thresholds from the step statistics
 the subservers report, and exports them and the predicted throughput as metrics.
 """
@@ -17,7 +17,6 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -51,7 +50,7 @@ from tokenrouter.serving.model_control import (
     check_not_unloaded,
     reload_model,
 )
-from tokenrouter.serving.responder import Responder
+from tokenrouter.serving.responder import Chunk, Responder
 from tokenrouter.serving.server import ROUTER_BEAT_ENV
 from tokenrouter.serving.tensors import TIMEOUT_ERROR, GenerateRequest, parse_request
 from tokenrouter.serving.watchdog import CHECK_EVERY_S, HEARTBEAT_S, SilenceWatch
@@ -295,7 +294,9 @@ class RouterModel:
         self.clients: dict[str, _Client] = {}
         self.graveyard = _Graveyard()
         # Every response and request metric leaves from the responder's thread, in order (serving/responder.py).
-        self.responder = Responder(self.graveyard.keep)
+        timeline = self.coordinator.timeline
+        self.responder = Responder(self._build, self._observe, self.graveyard.keep,
+                                   timeline.responses if timeline is not None else None)
         self._tokenizing = concurrent.futures.ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="tr-tokenize")
         self._closing = False
         self._thread = threading.Thread(target=self._run_loop, name="tr-router-loop", daemon=True)
@@ -408,51 +409,66 @@ class RouterModel:
         if client.done:
             return
         now = time.monotonic()
+        chunk = Chunk()
         if out.delta_token_ids:
             if client.last_token is None:
-                self.responder.call(functools.partial(self.metrics.time_to_first_token, now - client.start))
+                chunk.ttft_s = now - client.start
             else:
-                itl = (now - client.last_token) / len(out.delta_token_ids)
-                self.responder.call(functools.partial(self.metrics.inter_token_latency, itl))
+                chunk.itl_s, chunk.itl_tokens = now - client.last_token, len(out.delta_token_ids)
             client.last_token = now
+        gen = client.gen
         if out.finished:
             client.done = True
             self.clients.pop(out.request_id, None)
+            chunk.final, chunk.keep = True, (client.request,)  # (Triton ends the request with it)
+            chunk.finished = out.finish_reason or "unknown"
             if client.timed_out:  # aborted at its deadline: the client learns why, not just "abort"
-                self.responder.call(functools.partial(self.metrics.finished, "timeout"))
-                self._send_error(client.sender, f"{TIMEOUT_ERROR} ({self.config.request_timeout_s:g} s): aborted",
-                                 client.request)
-                return
-            self.responder.call(functools.partial(self.metrics.finished, out.finish_reason or "unknown"))
-            if out.finish_reason == "error":
-                self._send_error(client.sender, out.error or "request failed", client.request)
-                return
-        gen = client.gen
-        if gen.stream:
-            if not out.delta_text and not out.finished:
-                return
-            text = out.delta_text
-        elif not out.finished:
-            return
-        else:
-            text = out.text if gen.exclude_input_in_output else gen.prompt + out.text
-        tensors = [self.pb.Tensor("text_output", np.array([text.encode()], dtype=np.object_))]
-        if out.finished:
-            if gen.return_finish_reason:
-                reason = (out.finish_reason or "").encode()
-                tensors.append(self.pb.Tensor("finish_reason", np.array([reason], dtype=np.object_)))
-            if gen.return_num_output_tokens:
-                tensors.append(self.pb.Tensor("num_output_tokens", np.array([len(out.token_ids)], dtype=np.uint32)))
-            if gen.return_routing_stats:
-                keys = ("tokens_per_model", "first_token_model", "handoffs", "large_token_share")
-                stats = {k: out.stats[k] for k in keys}
-                stats["request_id"] = out.request_id  # the id the server's logs and timeline know it by
-                stats_bytes = json.dumps(stats).encode()
-                tensors.append(self.pb.Tensor("routing_stats", np.array([stats_bytes], dtype=np.object_)))
-        flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
-        response = self.pb.InferenceResponse(output_tensors=tensors)
-        # Kept from the send on (the graveyard): its tensors, and the request its final response ends.
-        self.responder.send(client.sender, response, flags, tensors, *((client.request,) if out.finished else ()))
+                chunk.finished = "timeout"
+                chunk.error = f"{TIMEOUT_ERROR} ({self.config.request_timeout_s:g} s): aborted"
+            elif out.finish_reason == "error":
+                chunk.error = out.error or "request failed"
+            else:
+                chunk.extras = self._final_outputs(gen, out)
+        if chunk.error is None:
+            if gen.stream:
+                chunk.text = out.delta_text.encode()
+            elif out.finished:
+                chunk.text = (out.text if gen.exclude_input_in_output else gen.prompt + out.text).encode()
+        if chunk.text or chunk.final or chunk.ttft_s is not None or chunk.itl_tokens:
+            self.responder.send(client.sender, chunk)
+
+    def _final_outputs(self, gen: GenerateRequest, out: RequestOutput) -> dict[str, np.ndarray]:
+        """The outputs a final response carries beside its text, as the request asked."""
+        extras = {}
+        if gen.return_finish_reason:
+            extras["finish_reason"] = np.array([(out.finish_reason or "").encode()], dtype=np.object_)
+        if gen.return_num_output_tokens:
+            extras["num_output_tokens"] = np.array([len(out.token_ids)], dtype=np.uint32)
+        if gen.return_routing_stats:
+            keys = ("tokens_per_model", "first_token_model", "handoffs", "large_token_share")
+            stats = {k: out.stats[k] for k in keys}
+            stats["request_id"] = out.request_id  # the id the server's logs and timeline know it by
+            extras["routing_stats"] = np.array([json.dumps(stats).encode()], dtype=np.object_)
+        return extras
+
+    def _build(self, chunk: Chunk) -> tuple[Any, int, list]:
+        """The responder's: the response for `chunk`, its flags, and its tensors (kept from the send on)."""
+        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if chunk.error is not None:
+            return self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(chunk.error)), final, []
+        tensors = [self.pb.Tensor("text_output", np.array([chunk.text], dtype=np.object_))]
+        tensors += [self.pb.Tensor(name, value) for name, value in chunk.extras.items()]
+        return self.pb.InferenceResponse(output_tensors=tensors), final if chunk.final else 0, tensors
+
+    def _observe(self, chunk: Chunk) -> None:
+        """The responder's: the request metrics a chunk settles, before it is sent (one inter-token latency per
+        response: a merged one's is its tokens' mean)."""
+        if chunk.ttft_s is not None:
+            self.metrics.time_to_first_token(chunk.ttft_s)
+        if chunk.itl_tokens:
+            self.metrics.inter_token_latency(chunk.itl_s / chunk.itl_tokens)
+        if chunk.finished is not None:
+            self.metrics.finished(chunk.finished)
 
     def _model_down(self, model: str) -> None:
         self.metrics.model_up(model, False)
@@ -572,10 +588,9 @@ class RouterModel:
     def _refuse(self, sender: Any, message: str, request: Any) -> None:
         """A request refused before it was admitted (bad input, a model down): its error, counted as finished with
         reason "refused" so that the finished counter accounts for every request the router answered."""
-        self.responder.call(functools.partial(self.metrics.finished, "refused"))
-        self._send_error(sender, message, request)
+        self._send_error(sender, message, request, finished="refused")
 
-    def _send_error(self, sender: Any, message: str, request: Any = None) -> None:
-        """The final response: `message` as the request's error (`request` is kept from the send on)."""
-        response = self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message))
-        self.responder.send(sender, response, self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, request)
+    def _send_error(self, sender: Any, message: str, request: Any = None, finished: str | None = None) -> None:
+        """The final response: `message` as the request's error (`request` is kept from the send on); `finished`:
+        the finish reason to count."""
+        self.responder.send(sender, Chunk(final=True, error=message, keep=(request,), finished=finished))
