@@ -3,8 +3,9 @@
 # is a tree (this checkout `.`, or a baseline made with
 # `git archive REV backends perf config ':!perf/results' | tar -x -C .baseline`) and optional environment
 # settings; each is served in turn with the timeline on (one Triton kernel cache for all: the first server
-# compiles), then perf/bench_served.py measures C=8 five times, C=1 and C=16; the C=8 window of the timeline is
-# summarized (perf/timeline.py served: busy fractions, step phases, handoff transit and its legs).
+# compiles), then perf/bench_served.py measures C=8 five times, C=1 and C=16 (POINTS); each point's window of the
+# timeline is summarized (perf/timeline.py served: busy fractions, step phases, handoff transit and its legs, the
+# router's responder).
 # FIRST=1: the first variant's fresh server first takes 32 requests at C=8 without a warm-up round (issue 11,
 # point 4: the first requests' TTFT), and the Triton kernels compiled after ready are listed.
 # SOAK=N: the first variant's server then takes a served soak (perf/soak.py: N requests at C=16, 20 % cancelled at
@@ -71,7 +72,7 @@ for variant in "$@"; do
   fi
   stop_server
   unset "${settings[@]%%=*}" PYTHONPATH TOKENROUTER_TIMELINE_DIR
-  for run in first c8 c1; do
+  for run in first c8 c1 c16; do
     window=$(python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; \
 print(min(x['monotonic_since'] for x in r), max(x['monotonic_until'] for x in r))" $res/served_${name}_$run.json 2> /dev/null)
     [ -n "$window" ] || continue
@@ -79,7 +80,7 @@ print(min(x['monotonic_since'] for x in r), max(x['monotonic_until'] for x in r)
     python3 perf/timeline.py served $work/tl_$name --since $since --until $until --out $res/timeline_${name}_$run \
       > /dev/null 2>&1
     echo "timeline $name $run:"
-    grep -E "^\| (small|large|[a-z]+ -> [a-z]+) |^Router" $res/timeline_${name}_$run/summary.md 2> /dev/null | cut -c1-170
+    grep -E "^\| (small|large|[a-z]+ -> [a-z]+) |^Router" $res/timeline_${name}_$run/summary.md 2> /dev/null | cut -c1-250
     # (one archive of at most 16 MiB comes back: the C=8 traces, and the first variant's raw events)
     if [ $run = c8 ]; then gzip -f $res/timeline_${name}_$run/trace.json; else rm -f $res/timeline_${name}_$run/trace.json; fi
   done
