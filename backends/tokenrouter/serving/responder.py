@@ -9,7 +9,8 @@ makes each response's `Chunk` and queues it; one thread sends them in order, so 
 order and its final one comes last.
 
 That thread can fall behind: at 16 streams on the H200 (2026-12-05) clients saw their final responses 0.3-0.9 s
-after the server had made them, and a closed loop of clients lost 16 % of its throughput to it. So the thread takes
+after the server had made them (perf/results/served_h200_2026-12-05), and a closed loop of clients waits for
+them. So the thread takes
 everything queued at once and merges each stream's chunks that wait there into one response (their texts joined,
 their metrics summed): the more it falls behind, the fewer round trips it makes per token, and a stream that is
 not behind still gets each chunk as it comes.
