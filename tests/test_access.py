@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tokenrouter.serving import triton_install
 from tokenrouter.serving.server import (
@@ -37,9 +36,7 @@ from tokenrouter.serving.server import (
     restriction_args,
     write_secret,
 )
-from triton_harness import generate_stream, stub_regions_of
-
-REPO = Path(__file__).resolve().parents[1]
+from triton_harness import generate_stream, stub_regions_of, tiny_deployment
 
 # --------------------------------------------------------------------------------------------------
 # The restriction flags and the admin key, without a server
@@ -181,13 +178,7 @@ class Served:
 def _serve(tmp: Path, tiny_dir: Path, **top) -> Iterator[Served]:
     """`tokenrouter serve` with no admin key given (it makes one and writes it to <repository>.admin-key), on the
     tiny pair; `top`: deployment keys."""
-    cfg = yaml.safe_load((REPO / "config" / "r2r" / "tiny-small_tiny-large.yaml").read_text())
-    for name, m in cfg["models"].items():
-        m["path"] = str(tiny_dir / name)
-        m["kv_cache_tokens"] = 4096
-    cfg.update(top)
-    config = tmp / "deployment.yaml"
-    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    config = tiny_deployment(tmp / "deployment.yaml", tiny_dir, kv_cache_tokens=4096, **top)
     http, grpc, metrics_port = free_ports(3)
     cmd = [
         sys.executable, "-m", "tokenrouter.cli", "serve", "--config", str(config),

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from tokenrouter.serving.metrics import HELD_NOW
 from tokenrouter.tokenizer import encode_prompt, load_tokenizer
-from triton_harness import generate_stream, metrics, running_server, stubs_of, wait_metric
+from triton_harness import generate_stream, metrics, running_server, stubs_of, tiny_deployment, wait_metric
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "perf"))
@@ -32,15 +31,8 @@ LONG = {"max_tokens": 3000, "ignore_eos": True}
 
 
 def _config(tmp: Path, tiny_dir: Path, kv_cache_tokens: int = 4096, p: float = 0.3, **top) -> Path:
-    cfg = yaml.safe_load((REPO / "config" / "r2r" / "tiny-small_tiny-large.yaml").read_text())
-    for name, m in cfg["models"].items():
-        m["path"] = str(tiny_dir / name)
-        m["kv_cache_tokens"] = kv_cache_tokens
-    cfg["policy"] = {"name": "random", "p": p, "seed": 0}
-    cfg.update(top)
-    path = tmp / "faults.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
+    top.setdefault("policy", {"name": "random", "p": p, "seed": 0})
+    return tiny_deployment(tmp / "faults.yaml", tiny_dir, kv_cache_tokens=kv_cache_tokens, **top)
 
 
 def _body(prompt: str, params: dict) -> dict:

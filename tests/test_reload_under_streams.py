@@ -13,24 +13,17 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tokenrouter.serving.model_control import reload_model
 from tokenrouter.serving.server import ADMIN_KEY_ENV, CONTROL_GRPC_ENV, CONTROL_URL_ENV
-from triton_harness import generate_stream, running_server, stubs_of, wait_metric
+from triton_harness import generate_stream, running_server, stubs_of, tiny_deployment, wait_metric
 
-REPO = Path(__file__).resolve().parents[1]
 N = 1500
 
 
 def _config(tmp: Path, tiny_dir: Path) -> Path:
-    cfg = yaml.safe_load((REPO / "config" / "r2r" / "tiny-small_tiny-large.yaml").read_text())
-    for name, m in cfg["models"].items():
-        m["path"] = str(tiny_dir / name)
-    cfg["policy"] = {"name": "always", "model": "small"}  # the large model idles: its reload touches no request
-    path = tmp / "reload.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
+    # The large model idles: its reload touches no request.
+    return tiny_deployment(tmp / "reload.yaml", tiny_dir, policy={"name": "always", "model": "small"})
 
 
 @pytest.mark.slow

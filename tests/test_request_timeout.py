@@ -10,24 +10,15 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import yaml
+from triton_harness import generate_stream, running_server, tiny_deployment, wait_metric
 
-from triton_harness import generate_stream, running_server, wait_metric
-
-REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 1.5
 
 
 def _config(tmp: Path, tiny_dir: Path) -> Path:
-    cfg = yaml.safe_load((REPO / "config" / "r2r" / "tiny-small_tiny-large.yaml").read_text())
-    for name, m in cfg["models"].items():
-        m["path"] = str(tiny_dir / name)
-        m["kv_cache_tokens"] = 8192
-    cfg["policy"] = {"name": "random", "p": 0.3, "seed": 0}  # routed: the abort must reach both models
-    cfg["request_timeout_s"] = TIMEOUT_S
-    path = tmp / "timeout.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
+    return tiny_deployment(tmp / "timeout.yaml", tiny_dir, kv_cache_tokens=8192,
+                           policy={"name": "random", "p": 0.3, "seed": 0},  # routed: the abort must reach both models
+                           request_timeout_s=TIMEOUT_S)
 
 
 def _generate(server, body: dict, timeout: float = 120) -> tuple[int, dict]:

@@ -15,9 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from triton_harness import running_server, server_state
+from triton_harness import running_server, server_state, tiny_deployment
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "perf"))
@@ -26,17 +25,8 @@ from soak import run_soak  # noqa: E402
 
 
 def _config(tmp: Path, tiny_dir: Path, policy: dict, thresholds: object) -> Path:
-    cfg = yaml.safe_load((REPO / "config" / "r2r" / "tiny-small_tiny-large.yaml").read_text())
-    for name, m in cfg["models"].items():
-        m["path"] = str(tiny_dir / name)
-        m["kv_cache_tokens"] = 4096
-    cfg["policy"] = policy
-    cfg["batching"]["thresholds"] = thresholds
-    if thresholds == "auto":
-        cfg["batching"]["auto_interval_s"] = 0.5
-    path = tmp / "soak.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
+    batching = {"thresholds": thresholds, **({"auto_interval_s": 0.5} if thresholds == "auto" else {})}
+    return tiny_deployment(tmp / "soak.yaml", tiny_dir, kv_cache_tokens=4096, policy=policy, batching=batching)
 
 
 @pytest.mark.slow

@@ -18,10 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tokenrouter.serving.server import TritonServer, _stub_regions
-from triton_harness import running_server
+from triton_harness import running_server, tiny_deployment
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "perf"))
@@ -30,14 +29,8 @@ from soak import stream_inputs  # noqa: E402
 
 
 def _config(tmp: Path, tiny_dir: Path) -> Path:
-    cfg = yaml.safe_load((REPO / "config" / "r2r" / "tiny-small_tiny-large.yaml").read_text())
-    for name, m in cfg["models"].items():
-        m["path"] = str(tiny_dir / name)
-        m["kv_cache_tokens"] = 4096
-    cfg["policy"] = {"name": "random", "p": 0.3, "seed": 0}
-    path = tmp / "deployment.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
+    return tiny_deployment(tmp / "deployment.yaml", tiny_dir, kv_cache_tokens=4096,
+                           policy={"name": "random", "p": 0.3, "seed": 0})
 
 
 def test_stop_with_a_keep_alive_client_and_a_stream_in_flight_unloads_every_model(tiny_dir: Path,

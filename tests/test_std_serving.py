@@ -13,10 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from tokenrouter import Engine, SamplingParams, load_config
-from triton_harness import metrics
+from triton_harness import metrics, tiny_deployment
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "perf"))
@@ -35,13 +34,7 @@ PROMPTS = [[_rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 9, 17, 30)]
 
 
 def _deployment(tmp: Path, name: str, tiny_dir: Path) -> Path:
-    cfg = yaml.safe_load(CONFIGS[name].read_text())
-    for model, m in cfg["models"].items():
-        m["path"] = str(tiny_dir / model)
-        m["kv_cache_tokens"] = 4096
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))  # model order matters: small first
-    return path
+    return tiny_deployment(tmp / f"{name}.yaml", tiny_dir, CONFIGS[name], kv_cache_tokens=4096)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

@@ -211,19 +211,13 @@ def test_file_recorder_that_cannot_write_keeps_recording_in_memory(tmp_path: Pat
 def test_served_recording_under_load(tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A real tritonserver started with TOKENROUTER_TIMELINE_DIR records every subserver under a soak with
     cancellations, and `perf/timeline.py served` makes the trace and the summary from its files."""
-    import yaml
     from soak import run_soak
 
-    from triton_harness import running_server
+    from triton_harness import running_server, tiny_deployment
 
-    cfg = yaml.safe_load((REPO / "config" / "r2r" / "tiny-small_tiny-large.yaml").read_text())
-    for name, m in cfg["models"].items():
-        m["path"] = str(tiny_dir / name)
-        m["kv_cache_tokens"] = 4096
-    cfg["policy"] = {"name": "random", "p": 0.3, "seed": 0}
-    cfg["batching"]["thresholds"] = {"small": 2, "large": 1}
-    config = tmp_path / "timeline.yaml"
-    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    config = tiny_deployment(tmp_path / "timeline.yaml", tiny_dir, kv_cache_tokens=4096,
+                             policy={"name": "random", "p": 0.3, "seed": 0},
+                             batching={"thresholds": {"small": 2, "large": 1}})
     folder = tmp_path / "timeline"
     monkeypatch.setenv(TIMELINE_DIR_ENV, str(folder))
     with running_server(config, tmp_path) as server:

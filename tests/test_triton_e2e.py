@@ -13,11 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from tokenrouter import Engine, SamplingParams
 from tokenrouter.serving import triton_install
-from triton_harness import generate_stream, metrics, running_server
+from triton_harness import generate_stream, metrics, running_server, tiny_deployment
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["def main():", "import numpy as np", "class Stack:", "for i in range(10):", "Hello, world"]
@@ -31,15 +30,8 @@ POLICIES = {
 
 def _deployment(tmp: Path, policy: str, tiny_dir: Path) -> Path:
     """The shipped tiny config, with the test's model folder and (for `random`) a higher routing rate."""
-    cfg = yaml.safe_load(POLICIES[policy].read_text())
-    for name, m in cfg["models"].items():
-        m["path"] = str(tiny_dir / name)
-        m["kv_cache_tokens"] = 4096
-    if policy == "random":
-        cfg["policy"]["p"] = 0.3
-    path = tmp / f"{policy}.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))  # model order matters: small first
-    return path
+    top = {"policy": {"name": "random", "p": 0.3, "seed": 0}} if policy == "random" else {}
+    return tiny_deployment(tmp / f"{policy}.yaml", tiny_dir, POLICIES[policy], kv_cache_tokens=4096, **top)
 
 
 @pytest.fixture(scope="module", params=sorted(POLICIES))

@@ -11,13 +11,37 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+import yaml
+
 from tokenrouter.serving import triton_install
 from tokenrouter.serving.repository import write_repository
 from tokenrouter.serving.server import TritonServer, free_ports
 
+REPO = Path(__file__).resolve().parents[1]
+TINY_PAIR = REPO / "config" / "r2r" / "tiny-small_tiny-large.yaml"
+
 # perf/soak.py is the one client that reads the server's Prometheus metrics; the tests use it too.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
+sys.path.insert(0, str(REPO / "perf"))
 from soak import scrape  # noqa: E402
+
+
+def tiny_deployment(path: Path, tiny_dir: Path, source: Path = TINY_PAIR, *, kv_cache_tokens: int | None = None,
+                    batching: dict | None = None, **top: object) -> Path:
+    """Write to `path` the shipped deployment `source` (the r2r tiny pair unless given) with its models in
+    `tiny_dir` (`tiny_dir / <name>`); `kv_cache_tokens` for every model (None: the shipped value); `top`
+    replacing top-level keys (policy, request_timeout_s, ...); `batching` updating keys of the shipped batching
+    section. Returns `path`. The models stay in the shipped order (`sort_keys=False`): the entry must be listed
+    first, and the policies take the first model as the small one."""
+    cfg = yaml.safe_load(source.read_text())
+    for name, m in cfg["models"].items():
+        m["path"] = str(tiny_dir / name)
+        if kv_cache_tokens is not None:
+            m["kv_cache_tokens"] = kv_cache_tokens
+    cfg.update(top)
+    if batching:
+        cfg["batching"].update(batching)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
 
 
 @contextmanager
