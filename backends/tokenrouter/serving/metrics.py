@@ -24,14 +24,6 @@ class _Families:
 
 _LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
-# What a model holds now (name, description): gauges its own process sets, and the router sets to 0 while that
-# process is down (`RouterMetrics.model_up`): a dead process's gauges would read their last values until it is back.
-BATCH_SIZE = ("tokenrouter_batch_size", "Sequences in the last forward pass")
-KV_USAGE = ("tokenrouter_kv_cache_usage", "Fraction of KV blocks in use")
-KV_USED = ("tokenrouter_kv_blocks_used", "KV blocks in use")
-REQUESTS_HELD = ("tokenrouter_requests_held", "Requests with state on this model")
-HELD_NOW = (BATCH_SIZE, KV_USAGE, KV_USED, REQUESTS_HELD)
-
 
 class SubserverMetrics:
     def __init__(self, pb_utils: Any, model: str, sub: Any) -> None:
@@ -51,14 +43,14 @@ class SubserverMetrics:
                               "before's tokens reached the host (step_ahead)", mf.mf.COUNTER).Metric(labels)
         self.void_rows = mf("tokenrouter_ahead_void_rows_total", "Rows of steps launched ahead whose request had "
                             "gone elsewhere or finished: computed for nothing", mf.mf.COUNTER).Metric(labels)
-        self.batch = mf(*BATCH_SIZE, mf.mf.GAUGE).Metric(labels)
+        self.batch = mf("tokenrouter_batch_size", "Sequences in the last forward pass", mf.mf.GAUGE).Metric(labels)
         self.wait = mf(
             "tokenrouter_queue_wait_seconds", "Time a ready request waited for its step", mf.mf.HISTOGRAM
         ).Metric(labels, buckets=_LATENCY_BUCKETS)
-        self.kv_usage = mf(*KV_USAGE, mf.mf.GAUGE).Metric(labels)
-        self.kv_used = mf(*KV_USED, mf.mf.GAUGE).Metric(labels)
+        self.kv_usage = mf("tokenrouter_kv_cache_usage", "Fraction of KV blocks in use", mf.mf.GAUGE).Metric(labels)
+        self.kv_used = mf("tokenrouter_kv_blocks_used", "KV blocks in use", mf.mf.GAUGE).Metric(labels)
         self.kv_total = mf("tokenrouter_kv_blocks_total", "KV blocks in the pool", mf.mf.GAUGE).Metric(labels)
-        self.active = mf(*REQUESTS_HELD, mf.mf.GAUGE).Metric(labels)
+        self.active = mf("tokenrouter_requests_held", "Requests with state on this model", mf.mf.GAUGE).Metric(labels)
         self.threshold = mf("tokenrouter_batching_threshold", "Batching threshold B", mf.mf.GAUGE).Metric(labels)
         self.kv_total.set(sub.block_manager.num_blocks)
         self._counts_lock = threading.Lock()
@@ -144,20 +136,11 @@ class RouterMetrics:
             mf.mf.GAUGE,
         )
         self._up: dict[str, Any] = {}
-        self._held_families: dict[str, Any] = {}
-        self._held: dict[tuple[str, str], Any] = {}
 
     def model_up(self, model: str, up: bool) -> None:
         if model not in self._up:
             self._up[model] = self._up_family.Metric({"model": model})
         self._up[model].set(1 if up else 0)
-        if not up:  # it holds nothing now (its revived process sets these again)
-            for name, description in HELD_NOW:
-                if (name, model) not in self._held:
-                    if name not in self._held_families:
-                        self._held_families[name] = self._families(name, description, self._families.mf.GAUGE)
-                    self._held[name, model] = self._held_families[name].Metric({"model": model})
-                self._held[name, model].set(0)
 
     def time_to_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
