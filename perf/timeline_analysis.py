@@ -329,7 +329,8 @@ def markdown(summary: dict[str, Any], title: str) -> str:
                   f"the window, {router['mean_ms']:.3f} ms per batch (p99 {router['p99_ms']:.3f})."]
     sent = summary.get("responses")
     if sent:
-        lines += ["", f"Router responder: {sent['chunks']} responses as the loop made them, sent as {sent['sends']} "
+        lines += ["", f"Router responder: {sent['chunks']} responses as the loop made them (text or final), sent as "
+                  f"{sent['sends']} "
                   f"(a stream's queued behind one another leave as one), busy {100 * sent['busy_fraction']:.1f} % of "
                   f"the window; the oldest of each batch had waited p50 {sent['oldest_wait_p50_ms']:.3f} / p99 "
                   f"{sent['oldest_wait_p99_ms']:.3f} / max {sent['oldest_wait_max_ms']:.3f} ms."]

@@ -63,9 +63,9 @@ def test_a_streams_queued_chunks_leave_as_one() -> None:
     responder.send(slow, Chunk(text=b"x"))
     assert slow.entered.wait(10)  # the thread waits in this send while the rest queue up
     responder.send(a, Chunk(text=b"A1", ttft_s=0.5))
-    responder.send(b, Chunk(text=b"B1", itl_s=0.2, itl_tokens=1))
-    responder.send(a, Chunk(text=b"", itl_s=0.1, itl_tokens=1))  # held-back text: its metrics only
-    responder.send(a, Chunk(text=b"A2", itl_s=0.3, itl_tokens=2))
+    responder.send(b, Chunk(text=b"B1", itl_s=[0.2]))
+    responder.send(a, Chunk(text=b"", itl_s=[0.1]))  # held-back text: its metrics only
+    responder.send(a, Chunk(text=b"A2", itl_s=[0.3]))
     responder.send(b, Chunk(error="boom", final=True, finished="error"))  # never merged: B1 goes first
     responder.send(a, Chunk(text=b"A3", final=True, finished="length", extras={"n": 4}, keep=("request",)))
     gate.set()
@@ -76,7 +76,7 @@ def test_a_streams_queued_chunks_leave_as_one() -> None:
     assert [x[1:3] for x in log if x[0] is a] == [(b"A1A2A3", FINAL)]
     assert [x[1:3] for x in log if x[0] is b] == [(b"B1", 0), ("boom", FINAL)]
     merged = next(c for c in observed if c.text == b"A1A2A3")
-    assert merged.ttft_s == 0.5 and merged.itl_tokens == 3 and abs(merged.itl_s - 0.4) < 1e-9
+    assert merged.ttft_s == 0.5 and merged.itl_s == [0.1, 0.3]  # each gap its own, not their mean
     assert merged.finished == "length" and merged.extras == {"n": 4} and merged.keep == ("request",)
     assert [c.finished for c in observed if c.error] == ["error"]
 
@@ -105,6 +105,37 @@ def test_finish_sends_what_is_queued_first() -> None:
     gate.set()
     assert responder.join(10)
     assert [x[1] for x in log] == [b"0", b"1234"]  # what queued behind the first send left as one
+
+
+def test_a_final_response_that_cannot_be_made_is_sent_as_an_error() -> None:
+    log: list = []
+    kept: list = []
+
+    def fragile(chunk: Chunk) -> tuple:
+        if chunk.text.endswith(b"bad"):
+            raise ValueError("cannot build")
+        return build(chunk)
+
+    gate = threading.Event()
+    responder = Responder(fragile, keep=lambda *objects: kept.append(objects))
+    slow, a = FakeSender(log, gate=gate), FakeSender(log)
+    responder.send(slow, Chunk(text=b"x"))
+    assert slow.entered.wait(10)
+    responder.send(a, Chunk(text=b"A1"))
+    responder.send(a, Chunk(text=b"bad", final=True, keep=("request",)))  # merged with A1, then cannot be made
+    gate.set()
+    responder.finish()
+    assert responder.join(10)
+    finals = [x for x in log if x[0] is a]
+    assert len(finals) == 1 and finals[0][2] == FINAL
+    assert finals[0][1] == "the router could not make this response: ValueError: cannot build"
+    assert [k[-1] for k in kept if k[0] is a] == ["request"]  # the request it ends, kept from the send on
+
+
+def test_absorb_keeps_a_final_chunk_final() -> None:
+    final = Chunk(text=b"a", final=True, finished="length", extras={"n": 1})
+    final.absorb(Chunk(text=b"b"))
+    assert final.final and final.finished == "length" and final.extras == {"n": 1} and final.text == b"ab"
 
 
 def test_a_failing_build_or_observe_loses_only_that_response() -> None:

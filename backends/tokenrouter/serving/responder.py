@@ -11,9 +11,9 @@ order and its final one comes last.
 That thread can fall behind: at 16 streams on the H200 (2026-12-05) clients saw their final responses 0.3-0.9 s
 after the server had made them (perf/results/served_h200_2026-12-05), and a closed loop of clients waits for
 them. So the thread takes
-everything queued at once and merges each stream's chunks that wait there into one response (their texts joined,
-their metrics summed): the more it falls behind, the fewer round trips it makes per token, and a stream that is
-not behind still gets each chunk as it comes.
+everything queued at once and merges each stream's chunks that wait there into one response (their texts joined;
+each chunk's metrics still recorded as its own): the more it falls behind, the fewer responses it sends per token,
+and a stream that is not behind still gets each chunk as it comes.
 """
 
 from __future__ import annotations
@@ -44,20 +44,25 @@ class Chunk:
     error: str | None = None  # a final response that is this error
     keep: tuple = ()  # what Triton may use until the send is done (the request a final response ends)
     ttft_s: float | None = None
-    itl_s: float = 0.0  # time between tokens, summed over itl_tokens tokens
-    itl_tokens: int = 0
+    itl_s: list[float] = field(default_factory=list)  # time between tokens, one value per chunk the loop made
     finished: str | None = None  # the finish reason to count once sent
     queued: float = 0.0  # when the loop queued it (the first of a merged run)
 
+    @property
+    def sendable(self) -> bool:
+        """A response to send (else only its metrics to settle: text held back, or a request not streamed)."""
+        return bool(self.text) or self.final
+
     def absorb(self, later: Chunk) -> None:
-        """Take in the same stream's next chunk (not an error: that one goes on its own, after this)."""
+        """Take in the same stream's next chunk (not an error: that one goes on its own, after this). Each chunk's
+        time between tokens stays its own: merged by a responder that fell behind, they still show each gap."""
         self.text += later.text
-        self.final, self.extras, self.finished = later.final, later.extras, later.finished
+        if later.final:
+            self.final, self.extras, self.finished = True, later.extras, later.finished
         self.keep += later.keep
         if self.ttft_s is None:
             self.ttft_s = later.ttft_s
         self.itl_s += later.itl_s
-        self.itl_tokens += later.itl_tokens
 
 
 class Responder:
@@ -66,7 +71,8 @@ class Responder:
     each sent response with its sender and those objects, once sent (the router's graveyard: Triton may still use
     them for a while after the send, so that while counts from the send, however long the chunk waited in the
     queue). `on_batch(start, end, chunks, sends, oldest_wait_s)`: what each batch taken from the queue came to
-    (the timeline)."""
+    (the timeline): its chunks with a response to send, and the responses sent. A final response that cannot be
+    made is sent as an error: every request still ends with exactly one final response."""
 
     def __init__(self, build: Callable[[Chunk], tuple[Any, int, list]],
                  observe: Callable[[Chunk], None] = lambda chunk: None,
@@ -114,7 +120,7 @@ class Responder:
                     done = True
                     break
                 sender, what = item
-                chunks += 1
+                chunks += what.sendable
                 held = pending.get(id(sender))  # (a pending chunk's sender is alive: its id is its own)
                 if what.error is None and held is not None:
                     held[1].absorb(what)
@@ -134,14 +140,18 @@ class Responder:
         n = 0
         for sender, chunk in pending.values():
             self._call(lambda chunk=chunk: self._observe(chunk))
-            if not (chunk.text or chunk.final):  # its metrics only (text held back, or a request not streamed)
+            if not chunk.sendable:
                 continue
-            n += 1
             try:
                 response, flags, objects = self._build(chunk)
-            except Exception:
+            except Exception as e:
                 log.exception("router responder: a response could not be made")
-                continue
+                if not chunk.final:
+                    continue
+                # The request's final response all the same (every request ends with exactly one), as an error.
+                response, flags, objects = self._build(
+                    Chunk(final=True, error=f"the router could not make this response: {type(e).__name__}: {e}"))
+            n += 1
             try:
                 sender.send(response, flags=flags)
             except Exception:  # the client went away; the cancellation watcher aborts its request

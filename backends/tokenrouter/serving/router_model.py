@@ -390,6 +390,8 @@ class RouterModel:
             log.warning("router: the event loop did not stop within 10 s")
             self.responder.finish()
         self.responder.join(timeout=10)  # the final responses go out before the model unloads
+        if self.coordinator.timeline is not None:  # (closed with the coordinator: the responder's last batches)
+            self.coordinator.timeline.flush()
 
     # -- on the loop thread ---------------------------------------------------------------------------------
 
@@ -414,7 +416,7 @@ class RouterModel:
             if client.last_token is None:
                 chunk.ttft_s = now - client.start
             else:
-                chunk.itl_s, chunk.itl_tokens = now - client.last_token, len(out.delta_token_ids)
+                chunk.itl_s.append((now - client.last_token) / len(out.delta_token_ids))
             client.last_token = now
         gen = client.gen
         if out.finished:
@@ -434,7 +436,7 @@ class RouterModel:
                 chunk.text = out.delta_text.encode()
             elif out.finished:
                 chunk.text = (out.text if gen.exclude_input_in_output else gen.prompt + out.text).encode()
-        if chunk.text or chunk.final or chunk.ttft_s is not None or chunk.itl_tokens:
+        if chunk.sendable or chunk.ttft_s is not None or chunk.itl_s:
             self.responder.send(client.sender, chunk)
 
     def _final_outputs(self, gen: GenerateRequest, out: RequestOutput) -> dict[str, np.ndarray]:
@@ -461,14 +463,18 @@ class RouterModel:
         return self.pb.InferenceResponse(output_tensors=tensors), final if chunk.final else 0, tensors
 
     def _observe(self, chunk: Chunk) -> None:
-        """The responder's: the request metrics a chunk settles, before it is sent (one inter-token latency per
-        response: a merged one's is its tokens' mean)."""
+        """The responder's: the request metrics a chunk settles, before it is sent; one that fails does not keep
+        the others from being recorded."""
+        updates = [(self.metrics.inter_token_latency, itl) for itl in chunk.itl_s]
         if chunk.ttft_s is not None:
-            self.metrics.time_to_first_token(chunk.ttft_s)
-        if chunk.itl_tokens:
-            self.metrics.inter_token_latency(chunk.itl_s / chunk.itl_tokens)
+            updates.insert(0, (self.metrics.time_to_first_token, chunk.ttft_s))
         if chunk.finished is not None:
-            self.metrics.finished(chunk.finished)
+            updates.append((self.metrics.finished, chunk.finished))
+        for update, value in updates:
+            try:
+                update(value)
+            except Exception:
+                log.exception("router: a request metric could not be recorded")
 
     def _model_down(self, model: str) -> None:
         self.metrics.model_up(model, False)
