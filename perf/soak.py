@@ -261,14 +261,17 @@ def run_soak(
                 worker.run_one(rid, prompt, max_tokens, cancel_after)
         finally:
             worker.close()
+            with lock:
+                ended.append(time.monotonic())  # (the soak's duration: until its last worker ended)
 
+    ended: list[float] = []
     start = time.monotonic()
     threads = [threading.Thread(target=work, name=f"soak-{i}", daemon=True) for i in range(concurrency)]
     for t in threads:
         t.start()
     gave_up: float | None = None
     while any(t.is_alive() for t in threads):
-        time.sleep(1.0)
+        time.sleep(1.0)  # (progress; the duration comes from the workers' end times)
         if result.missing_finals and gave_up is None:
             gave_up = time.monotonic()
         if gave_up is not None and time.monotonic() - gave_up > timeout:  # workers stuck on a dead server
@@ -279,7 +282,7 @@ def run_soak(
                   end="", file=sys.stderr, flush=True)
     if progress:
         print(file=sys.stderr)
-    result.elapsed_s = time.monotonic() - start
+    result.elapsed_s = (max(ended) if len(ended) == len(threads) else time.monotonic()) - start
     if metrics_url:
         try:
             _account(result, metrics_url, before)
