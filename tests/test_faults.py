@@ -19,7 +19,15 @@ import pytest
 import torch
 
 from tokenrouter.tokenizer import encode_prompt, load_tokenizer
-from triton_harness import generate_stream, metrics, running_server, stubs_of, tiny_deployment, wait_metric
+from triton_harness import (
+    generate_stream,
+    killed_while_holding,
+    metrics,
+    running_server,
+    stubs_of,
+    tiny_deployment,
+    wait_metric,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "perf"))
@@ -169,17 +177,7 @@ def test_routing_around_a_killed_subserver(tiny_dir: Path, tmp_path: Path) -> No
         streams = [threading.Thread(target=lambda p=p: results.__setitem__(p, request(p))) for p in prompts]
         for t in streams:
             t.start()
-        # Killed once the large model holds a request (a fixed wait often found none there yet, and the test
-        # then checked nothing of a request taken back).
-        deadline = time.monotonic() + 60
-        while metrics(server).get('tokenrouter_requests_held{model="large"}', 0) < 1:
-            assert time.monotonic() < deadline, "no request reached the large model"
-            time.sleep(0.05)
-        (large,) = stubs_of(repo, "large")
-        code = repo / "large" / "1" / "model.json"  # its settings
-        code.rename(code.with_suffix(".hidden"))  # it cannot come back until the end of the checks below
-        try:
-            os.kill(large, signal.SIGKILL)
+        with killed_while_holding(server, repo, "large") as large:
             for t in streams:
                 t.join(timeout=120)
             assert not any(t.is_alive() for t in streams), "a stream hung after its model died"
@@ -189,8 +187,6 @@ def test_routing_around_a_killed_subserver(tiny_dir: Path, tmp_path: Path) -> No
                 assert _routed_then_small(tiny_dir, prompt, text, n), prompt
             assert metrics(server)['tokenrouter_model_up{model="large"}'] == 0.0
             assert assert_whole(*request("while it is down")) == {"small": n}
-        finally:
-            code.with_suffix(".hidden").rename(code)
         assert wait_metric(server, 'tokenrouter_model_up{model="large"}', 1.0, 180) == 1.0
         assert stubs_of(repo, "large") != [large]
         after = assert_whole(*request("after it is back"))

@@ -5,16 +5,22 @@ the last; here the entry model takes back what the medium model held while the l
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from triton_harness import REPO, generate_stream, metrics, running_server, stubs_of, tiny_deployment, wait_metric
+from triton_harness import (
+    REPO,
+    generate_stream,
+    killed_while_holding,
+    metrics,
+    running_server,
+    stubs_of,
+    tiny_deployment,
+    wait_metric,
+)
 
 sys.path.insert(0, str(REPO / "perf"))
 from soak import wait_idle  # noqa: E402
@@ -54,15 +60,7 @@ def test_routing_around_the_middle_of_three_models(tiny_dir: Path, tmp_path: Pat
         streams = [threading.Thread(target=run, args=(p,)) for p in prompts]
         for t in streams:
             t.start()
-        deadline = time.monotonic() + 60
-        while metrics(server).get('tokenrouter_requests_held{model="medium"}', 0) < 1:
-            assert time.monotonic() < deadline, "no request reached the medium model"
-            time.sleep(0.05)
-        (medium,) = stubs_of(repo, "medium")
-        settings = repo / "medium" / "1" / "model.json"
-        settings.rename(settings.with_suffix(".hidden"))  # it cannot come back until the checks below are done
-        try:
-            os.kill(medium, signal.SIGKILL)
+        with killed_while_holding(server, repo, "medium") as medium:
             for t in streams:
                 t.join(timeout=180)
             assert not any(t.is_alive() for t in streams), "a stream hung after the medium model died"
@@ -75,8 +73,6 @@ def test_routing_around_the_middle_of_three_models(tiny_dir: Path, tmp_path: Pat
             meanwhile = [whole(f"while it is down {i}") for i in range(3)]
             assert all("medium" not in m for m in meanwhile), meanwhile
             assert any(m.get("large", 0) > 0 for m in meanwhile), meanwhile
-        finally:
-            settings.with_suffix(".hidden").rename(settings)
         assert wait_metric(server, 'tokenrouter_model_up{model="medium"}', 1.0, 180) == 1.0
         assert stubs_of(repo, "medium") != [medium]
         after = [whole(f"after it is back {i}") for i in range(3)]

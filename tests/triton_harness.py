@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -131,3 +133,22 @@ def stub_regions_of(repo: Path, model: str = "") -> list[tuple[int, str]]:
         if len(argv) > 2 and argv[0].endswith("triton_python_backend_stub") and argv[1].startswith(where):
             stubs.append((int(pid), argv[2]))
     return stubs
+
+
+@contextmanager
+def killed_while_holding(server: TritonServer, repo: Path, model: str, timeout: float = 60.0):
+    """Once `model` holds a request (a fault injected at a fixed time often found none there), kill its process
+    with its settings hidden, so that its revival fails until the block ends: what is checked inside runs while
+    it is down. Yields the dead process's pid; the settings are back afterwards."""
+    deadline = time.monotonic() + timeout
+    while metrics(server).get(f'tokenrouter_requests_held{{model="{model}"}}', 0) < 1:
+        assert time.monotonic() < deadline, f"no request reached the {model} model"
+        time.sleep(0.05)
+    (pid,) = stubs_of(repo, model)
+    settings = repo / model / "1" / "model.json"
+    settings.rename(settings.with_suffix(".hidden"))
+    try:
+        os.kill(pid, signal.SIGKILL)
+        yield pid
+    finally:
+        settings.with_suffix(".hidden").rename(settings)
