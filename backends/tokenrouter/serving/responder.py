@@ -23,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,23 +122,24 @@ class Responder:
                 sender, what = item
                 chunks += what.sendable
                 held = pending.get(id(sender))  # (a pending chunk's sender is alive: its id is its own)
-                if what.error is None and held is not None:
-                    held[1].absorb(what)
+                if what.error is None:
+                    if held is None:
+                        pending[id(sender)] = (sender, what)
+                    else:
+                        held[1].absorb(what)
                     continue
+                # An error: what its stream had pending goes first, then the error on its own.
                 if held is not None:
-                    sends += self._flush({id(sender): pending.pop(id(sender))})
-                if what.error is not None:
-                    sends += self._flush({id(sender): (sender, what)})
-                else:
-                    pending[id(sender)] = (sender, what)
-            sends += self._flush(pending)
+                    sends += self._send([pending.pop(id(sender))])
+                sends += self._send([(sender, what)])
+            sends += self._send(pending.values())
             if self._on_batch is not None and chunks:
                 self._call(functools.partial(self._on_batch, start, time.monotonic(), chunks, sends, start - oldest))
 
-    def _flush(self, pending: dict[int, tuple[Any, Chunk]]) -> int:
-        """Send each pending chunk (in the order they were first queued); the number sent."""
+    def _send(self, chunks: Iterable[tuple[Any, Chunk]]) -> int:
+        """Send each (sender, chunk), in order, after recording its metrics; the number of responses sent."""
         n = 0
-        for sender, chunk in pending.values():
+        for sender, chunk in chunks:
             self._call(lambda chunk=chunk: self._observe(chunk))
             if not chunk.sendable:
                 continue
@@ -157,7 +158,6 @@ class Responder:
             except Exception:  # the client went away; the cancellation watcher aborts its request
                 log.debug("router responder: a send failed", exc_info=True)
             self._keep(sender, response, *objects, *chunk.keep)
-        pending.clear()
         return n
 
     @staticmethod
