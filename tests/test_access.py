@@ -36,7 +36,7 @@ from tokenrouter.serving.server import (
     restriction_args,
     write_secret,
 )
-from triton_harness import generate_stream, stub_regions_of, tiny_deployment
+from triton_harness import generate_stream, stream_text, stub_regions_of, tiny_deployment
 
 # --------------------------------------------------------------------------------------------------
 # The restriction flags and the admin key, without a server
@@ -367,11 +367,6 @@ def test_a_router_that_stopped_is_killed_and_reloaded(tiny_dir: Path, tmp_path: 
         _stop_router_and_see_it_replaced(served)
 
 
-def _text(events: list[dict]) -> str:
-    """A stream's text (the router may send a stream's queued responses as one: the grouping is timing's)."""
-    return "".join(e.get("text_output") or "" for e in events)
-
-
 def _stop_router_and_see_it_replaced(served: Served) -> None:
     body = {"text_input": "def main():", "stream": True,
             "sampling_parameters": json.dumps({"max_tokens": 4, "temperature": 0})}
@@ -394,7 +389,7 @@ def _stop_router_and_see_it_replaced(served: Served) -> None:
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(stub[0], signal.SIGKILL)
-    assert _text(events) == _text(before)  # the same greedy text (however the router grouped its responses)
+    assert stream_text(events) == stream_text(before)  # the same greedy text (however the router grouped its responses)
     log = served.log.read_text()
     assert f"its process {stub[0]} is stopped or hung; killing it, to reload it" in log
     new = _router_stub(served)
@@ -423,7 +418,7 @@ def test_a_router_whose_process_died_is_reloaded(served: Served) -> None:
             break
         assert time.monotonic() < deadline, events
         time.sleep(0.5)
-    assert _text(events) == _text(before)  # the same greedy text
+    assert stream_text(events) == stream_text(before)  # the same greedy text
     log = served.log.read_text()
     assert "warning: the router model's process exited; reloading it" in log
     assert log.count("the router model is back") == revivals + 1

@@ -24,6 +24,7 @@ from triton_harness import (
     killed_while_holding,
     metrics,
     running_server,
+    stream_text,
     stubs_of,
     tiny_deployment,
     wait_metric,
@@ -183,7 +184,7 @@ def test_routing_around_a_killed_subserver(tiny_dir: Path, tmp_path: Path) -> No
             assert not any(t.is_alive() for t in streams), "a stream hung after its model died"
             for prompt in prompts:
                 assert_whole(*results[prompt])
-                text = "".join(e.get("text_output", "") for e in results[prompt][1])
+                text = stream_text(results[prompt][1])
                 assert _routed_then_small(tiny_dir, prompt, text, n), prompt
             assert metrics(server)['tokenrouter_model_up{model="large"}'] == 0.0
             assert assert_whole(*request("while it is down")) == {"small": n}

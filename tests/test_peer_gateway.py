@@ -25,7 +25,7 @@ from tokenrouter.serving.server import TritonServer, free_ports
 from tokenrouter.transport import codec
 from tokenrouter.transport.grpc_link import peer_model_name
 from tokenrouter.transport.messages import Arrive, Commit, Release, Released
-from triton_harness import metrics
+from triton_harness import metrics, stream_text
 
 PROMPT = [5, 9, 17, 33, 65, 129]
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0)
@@ -216,7 +216,7 @@ def _served_again(router: TritonServer, body: dict, within_s: float, failure: st
     while time.monotonic() < deadline:
         status, events = generate_stream(router, body)
         if status == 200 and not any("error" in e for e in events):
-            return "".join(e.get("text_output", "") for e in events)
+            return stream_text(events)
         time.sleep(1.0)
     raise AssertionError(f"{failure}: {events}")
 
@@ -253,7 +253,7 @@ def _cross_node(tiny_dir: Path, tmp_path: Path, peer_host: str, make_peer, parti
     try:
         status, events = generate_stream(router, body)
         assert status == 200 and not any("error" in e for e in events), events
-        text = "".join(e.get("text_output", "") for e in events)
+        text = stream_text(events)
         with Engine.from_config(local) as engine:
             ref = engine.generate("def fibonacci(n):", SamplingParams(max_new_tokens=24, temperature=0.0,
                                                                         ignore_eos=True))[0]
@@ -385,7 +385,7 @@ def test_a_dead_model_on_a_live_peer_is_reloaded(tiny_dir: Path, tmp_path: Path)
                                  *free_ports(3), log_file=tmp_path / "router.log"))
     try:
         status, events = generate_stream(router, body)
-        assert status == 200 and "".join(e.get("text_output", "") for e in events) == ref.text, events
+        assert status == 200 and stream_text(events) == ref.text, events
         (large,) = stubs_of(peer_repo, "large")
         long = dict(body, sampling_parameters=json.dumps({**greedy, "max_tokens": 3000}))
         killer = threading.Timer(1.0, os.kill, (large, signal.SIGKILL))

@@ -16,7 +16,7 @@ import pytest
 
 from tokenrouter import Engine, SamplingParams
 from tokenrouter.serving import triton_install
-from triton_harness import generate_stream, metrics, running_server, tiny_deployment
+from triton_harness import generate_stream, metrics, running_server, stream_text, tiny_deployment
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["def main():", "import numpy as np", "class Stack:", "for i in range(10):", "Hello, world"]
@@ -65,7 +65,7 @@ def test_http_generate_stream_equals_engine(deployment) -> None:
     for prompt in PROMPTS:
         status, events = generate_stream(server, _body(prompt))
         assert status == 200, events
-        text = "".join(e.get("text_output", "") for e in events)
+        text = stream_text(events)
         final = events[-1]
         assert text == expected[prompt].text
         assert final["finish_reason"] == "length" and final["num_output_tokens"] == MAX_TOKENS
@@ -151,7 +151,7 @@ def test_sixteen_concurrent_streams(deployment) -> None:
         t.join()
     for prompt, (status, events) in zip(prompts, results):
         assert status == 200
-        assert "".join(e.get("text_output", "") for e in events) == expected[prompt].text
+        assert stream_text(events) == expected[prompt].text
         assert events[-1]["finish_reason"] == "length"
 
 
@@ -174,7 +174,7 @@ def test_cancel_frees_kv_everywhere_then_serves(deployment) -> None:
         assert m[f'tokenrouter_kv_blocks_used{{model="{model}"}}'] == 0
         assert m[f'tokenrouter_requests_held{{model="{model}"}}'] == 0
     status, events = generate_stream(server, _body(PROMPTS[1]))
-    assert status == 200 and "".join(e.get("text_output", "") for e in events) == expected[PROMPTS[1]].text
+    assert status == 200 and stream_text(events) == expected[PROMPTS[1]].text
 
 
 @pytest.mark.parametrize(
@@ -198,7 +198,7 @@ def test_bad_input_gets_clear_error_and_server_keeps_serving(deployment, body: d
     assert message in error
     assert metrics(server).get(refused, 0) == before + 1  # every request the router answered is accounted for
     status, events = generate_stream(server, _body(PROMPTS[2]))
-    assert status == 200 and "".join(e.get("text_output", "") for e in events) == expected[PROMPTS[2]].text
+    assert status == 200 and stream_text(events) == expected[PROMPTS[2]].text
 
 
 def test_metrics_after_routed_requests(deployment) -> None:
@@ -328,7 +328,7 @@ def test_serve_command_end_to_end(tmp_path: Path) -> None:
             time.sleep(0.5)
         status, events = generate_stream(probe, _body("def main():"))
         assert status == 200 and events[-1]["finish_reason"] == "length"
-        assert "".join(e.get("text_output", "") for e in events) == expected
+        assert stream_text(events) == expected
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0

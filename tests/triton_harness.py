@@ -93,6 +93,11 @@ def generate_stream(server: TritonServer, body: dict, timeout: float = 60) -> tu
         return e.code, _events(e.read().decode())
 
 
+def stream_text(events: list[dict]) -> str:
+    """The text of a stream's responses (how the router grouped the tokens into responses is timing's)."""
+    return "".join(e.get("text_output") or "" for e in events)
+
+
 def _events(body: str) -> list[dict]:
     events = [json.loads(line[len("data: ") :]) for line in body.splitlines() if line.startswith("data: ")]
     if not events and body.strip():
