@@ -1,0 +1,251 @@
+"""A decoder layer's whole MLP for a few rows as one kernel: RMSNorm, gate/up, SiLU * up, down, residual add.
+
+The skinny path (skinny_gemm.py) runs the MLP as two launches: gate_up (RMSNorm in front) and down (SiLU * up in
+front, split-K, residual behind). For a small model at decode that is two short kernels whose time is mostly fixed
+cost (the 0.6B's: ~7 us each for ~3 us of weight bytes, perf/results/qk_rope_h200_2026-12-03), and beside a large
+model on the same GPU each kernel also waits for SMs once. Here each program owns a slice of the intermediate
+dimension: it computes its slice of gate and up from the normed rows (the whole hidden row is its K), applies the
+activation, and multiplies the slice by the matching columns of the down weight, a float32 partial of the whole
+output. Every weight byte is read once, by one program. The partials are then summed: on a GPU the programs meet at
+a grid barrier (all are resident: there are fewer than the SMs) and each sums a few output columns; under Triton's
+interpreter, which runs programs one after another, the last to arrive sums them all. Both add the partials in
+the same order (blocks of programs in order, each block's sum a fixed tree), so the result does not depend on
+which program finished last.
+
+Roundings are the skinny path's: the normed input rounded as RMSNorm rounds it, gate and up rounded as the
+gate_up matmul's output, silu then the product rounded as fused_ops.silu_mul, the down product rounded before
+the residual add. Only the summation order of the down product differs (its K is cut into other pieces), so
+results agree with the skinny path to float32 summation order, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenrouter.runner import pdl
+from tokenrouter.runner.pdl import wait_for_predecessor
+from tokenrouter.runner.skinny_gemm import (
+    _STATS_ELEMS,
+    SplitKWorkspace,
+    _accumulate,
+    _row_stats,
+    _store_out,
+    _table,
+)
+
+# "auto": a model runs it where the GPU's tuned table measured it faster than the two launches (`pays`); "1": at
+# every shape that fits (untuned shapes take MlpConfig's defaults); "0": never. Benchmarks compare the ways.
+MODE = os.environ.get("TOKENROUTER_FUSED_MLP", "auto").strip().lower()
+MAX_ROWS = 16  # one 16-row tile: decode and the shortest extends of a small model
+PARTIALS_PER_LOAD = 16  # programs' partials summed per load in the reduction (a fixed tree each)
+
+
+@dataclass(frozen=True)
+class MlpConfig:
+    block_i: int = 32  # intermediate columns per program: the grid is cdiv(I, block_i) programs
+    block_k: int = 128  # hidden columns per step of the gate/up loop
+    block_n: int = 128  # output columns per step of the down loop
+    block_r: int = 8  # output columns per reduction tile
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _sum_partials(part_ptr, tile, programs, M, H, rm, m_ok, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                  PARTIALS_PER_LOAD: tl.constexpr):
+    """The sum over every program's partial of output columns [tile * BLOCK_R, +BLOCK_R): [BLOCK_R, BLOCK_M]."""
+    rc = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    c_ok = rc < H
+    rp = tl.arange(0, PARTIALS_PER_LOAD)
+    offs = rm[None, None, :] * H + rc[None, :, None]  # [1, BLOCK_R, BLOCK_M]
+    mask = c_ok[None, :, None] & m_ok[None, None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_M], dtype=tl.float32)
+    for p0 in range(0, programs, PARTIALS_PER_LOAD):
+        p = p0 + rp
+        ptrs = part_ptr + p.to(tl.int64)[:, None, None] * M * H + offs
+        vals = tl.load(ptrs, mask=mask & (p < programs)[:, None, None], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(vals, 0)
+    return acc, rc, c_ok
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fused_mlp_kernel(
+    x_ptr,  # [M, H] the residual stream, row stride stride_x
+    norm_w_ptr,  # [H] post-attention RMSNorm weight
+    gu_ptr,  # [2I, H] gate rows then up rows, row stride stride_gu
+    down_ptr,  # [H, I], row stride stride_d
+    out_ptr,  # [M, H] contiguous
+    part_ptr,  # [programs, M, H] float32 partials
+    count_ptr,  # [2] int32 zeros: arrivals, departures (left zero again)
+    M,
+    H,
+    INTER,  # the intermediate size I
+    eps,
+    stride_x,
+    stride_gu,
+    stride_d,
+    BLOCK_M: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PARTIALS_PER_LOAD: tl.constexpr,
+    STATS_BLOCK: tl.constexpr,
+    STATS_ITERS: tl.constexpr,
+    GRID_SYNC: tl.constexpr,  # all programs resident (a GPU): meet at a barrier and share the reduction
+    FP32_DOT: tl.constexpr,  # float32 inputs: tl.dot's input_precision, as skinny_gemm's; "" for 16-bit inputs
+    PDL: tl.constexpr,
+):
+    """Grid (cdiv(I, BLOCK_I),): program p owns intermediate columns p*BLOCK_I.."""
+    wait_for_predecessor(PDL)
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    dtype = out_ptr.dtype.element_ty
+    rm = tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
+    mean, rstd = _row_stats(x_rows, m_ok, H, eps, 1, BLOCK_M, STATS_BLOCK, STATS_ITERS)
+
+    # Gate and up rows of this slice as one tile of 2 * BLOCK_I weight rows: one pass over the normed input.
+    r2 = tl.arange(0, 2 * BLOCK_I)
+    col = pid * BLOCK_I + r2 % BLOCK_I
+    gu_rows = gu_ptr + (col + (r2 >= BLOCK_I).to(tl.int32) * INTER).to(tl.int64)[:, None] * stride_gu
+    acc = tl.zeros([2 * BLOCK_I, BLOCK_M], dtype=tl.float32)
+    acc = _accumulate(acc, x_rows, gu_rows, m_ok, col < INTER, 0, H, H, norm_w_ptr, norm_w_ptr, mean, rstd, dtype, 1,
+                      FP32_DOT, BLOCK_K)
+    gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_I, BLOCK_M)), (1, 2, 0)))
+    gate = gate.to(dtype).to(tl.float32)  # the gate_up matmul's output rounding
+    up = up.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # as fused_ops.silu_mul
+    h = (act * up).to(dtype)  # [BLOCK_I, BLOCK_M]; columns past I are 0 (their weights loaded as 0)
+
+    # This slice's share of the down product, over every output column.
+    ri = pid * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_ok = ri < INTER
+    part = part_ptr + pid.to(tl.int64) * M * H
+    for n0 in range(0, H, BLOCK_N):
+        rn = n0 + tl.arange(0, BLOCK_N)
+        n_ok = rn < H
+        w = tl.load(down_ptr + rn.to(tl.int64)[:, None] * stride_d + ri[None, :], mask=n_ok[:, None] & i_ok[None, :],
+                    other=0.0)
+        if FP32_DOT == "":
+            p = tl.dot(w, h)  # [BLOCK_N, BLOCK_M]
+        else:
+            p = tl.dot(w, h, input_precision=FP32_DOT)
+        tl.store(part + rm[None, :] * H + rn[:, None], p, mask=n_ok[:, None] & m_ok[None, :])
+    # Every thread's stores before the one atomic, and acq_rel on it: this program's partial is visible before its
+    # count, and whoever sees the full count sees every partial.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr, 1) + 1
+    tiles = tl.cdiv(H, BLOCK_R)
+    if GRID_SYNC:
+        while arrived < programs:
+            arrived = tl.atomic_add(count_ptr, 0)
+        for tile in range(pid, tiles, programs):
+            acc_r, rc, c_ok = _sum_partials(part_ptr, tile, programs, M, H, rm, m_ok, BLOCK_M, BLOCK_R,
+                                            PARTIALS_PER_LOAD)
+            _store_out(acc_r, out_ptr, rm[None, :] * H + rc[:, None], c_ok[:, None] & m_ok[None, :], out_ptr, x_ptr,
+                       rm, rc, c_ok, stride_x, False, 0, True)
+        left = tl.atomic_add(count_ptr + 1, 1)
+        if left == programs - 1:  # every program is past the barrier: zero both for the next launch
+            tl.atomic_xchg(count_ptr, 0)
+            tl.atomic_xchg(count_ptr + 1, 0)
+    elif arrived == programs:
+        for tile in range(0, tiles):
+            acc_r, rc, c_ok = _sum_partials(part_ptr, tile, programs, M, H, rm, m_ok, BLOCK_M, BLOCK_R,
+                                            PARTIALS_PER_LOAD)
+            _store_out(acc_r, out_ptr, rm[None, :] * H + rc[:, None], c_ok[:, None] & m_ok[None, :], out_ptr, x_ptr,
+                       rm, rc, c_ok, stride_x, False, 0, True)
+        tl.atomic_xchg(count_ptr, 0)
+
+
+def table_key(hidden: int, intermediate: int) -> str:
+    """The tuned table's `mlp` section names a layer's MLP "HxI" (one 16-row tile)."""
+    return f"{hidden}x{intermediate}"
+
+
+def _tuned(hidden: int, intermediate: int, device: torch.device) -> dict | None:
+    table = _table(device)
+    return None if table is None else table.mlp.get(table_key(hidden, intermediate))
+
+
+def config_for(hidden: int, intermediate: int, device: torch.device) -> MlpConfig:
+    entry = _tuned(hidden, intermediate, device)
+    return MlpConfig(**entry["config"]) if entry is not None else MlpConfig()
+
+
+def pays(hidden: int, intermediate: int, device: torch.device) -> bool:
+    """Whether a model with this MLP should run it as one kernel: by MODE, and under "auto" where the GPU's tuned
+    table measured it no slower than the two skinny launches (off a GPU: never; the tests turn it on)."""
+    if MODE in ("0", "off", "false", "no"):
+        return False
+    if MODE in ("1", "on", "true", "yes"):
+        return True
+    entry = _tuned(hidden, intermediate, device)
+    return entry is not None and entry["us"] <= entry["baseline_us"]
+
+
+def programs(intermediate: int, cfg: MlpConfig = MlpConfig()) -> int:
+    return triton.cdiv(intermediate, cfg.block_i)
+
+
+def workspace_need(hidden: int, intermediate: int, m: int, cfg: MlpConfig = MlpConfig()) -> tuple[int, int]:
+    """(float32 partial elements, counters) one launch uses."""
+    return programs(intermediate, cfg) * m * hidden, 2
+
+
+def fits(device: torch.device, intermediate: int, cfg: MlpConfig = MlpConfig()) -> bool:
+    """Whether the grid barrier can hold on `device`: every program resident at once (one per SM at most)."""
+    if device.type != "cuda":
+        return True
+    return programs(intermediate, cfg) <= torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fused_mlp(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    workspace: SplitKWorkspace,
+    cfg: MlpConfig | None = None,
+) -> torch.Tensor:
+    """down(silu(gate) * up) + x with [gate | up] = RMSNorm(x) @ gate_up_weight^T -> new contiguous [M, H].
+
+    x: [M, H] (M <= MAX_ROWS, last dim contiguous); gate_up_weight [2I, H] (gate rows first); down_weight [H, I].
+    float32 inputs multiply in three TF32 passes on a GPU (skinny_gemm's float32 grade). Never synchronises, so
+    it can be captured in a CUDA graph."""
+    if x.dim() != 2 or x.stride(-1) != 1 or gate_up_weight.stride(-1) != 1 or down_weight.stride(-1) != 1:
+        raise ValueError("fused_mlp: x and the weights must be 2-D with a contiguous last dim")
+    M, H = x.shape
+    I2, H2 = gate_up_weight.shape
+    if H2 != H or I2 % 2 or down_weight.shape != (H, I2 // 2) or norm_weight.shape != (H,):
+        raise ValueError(f"fused_mlp: x {tuple(x.shape)}, gate_up {tuple(gate_up_weight.shape)}, down "
+                         f"{tuple(down_weight.shape)} and norm {tuple(norm_weight.shape)} do not fit")
+    if not 0 < M <= MAX_ROWS:
+        raise ValueError(f"fused_mlp takes 1 to {MAX_ROWS} rows, got {M}")
+    if len({x.dtype, gate_up_weight.dtype, down_weight.dtype, norm_weight.dtype}) != 1:
+        raise ValueError("fused_mlp: x, both weights and the norm weight must share one dtype")
+    I = I2 // 2  # noqa: E741 (the intermediate size, as the field names it)
+    cfg = cfg or config_for(H, I, x.device)
+    if not fits(x.device, I, cfg):
+        raise ValueError(f"fused_mlp: {programs(I, cfg)} programs cannot all be resident on this GPU")
+    if not workspace.fits(*workspace_need(H, I, M, cfg)):
+        raise ValueError(f"fused_mlp: [{M}, {H}] x {I} needs a workspace of {workspace_need(H, I, M, cfg)}")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    stats_block = _STATS_ELEMS // MAX_ROWS
+    _fused_mlp_kernel[(programs(I, cfg),)](
+        x, norm_weight, gate_up_weight, down_weight, out, workspace.partials, workspace.counts, M, H, I, eps,
+        x.stride(0), gate_up_weight.stride(0), down_weight.stride(0),
+        BLOCK_M=MAX_ROWS, BLOCK_I=cfg.block_i, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
+        PARTIALS_PER_LOAD=PARTIALS_PER_LOAD, STATS_BLOCK=stats_block, STATS_ITERS=triton.cdiv(H, stats_block),
+        GRID_SYNC=x.device.type == "cuda" and not pdl._interpreted(),
+        FP32_DOT="tf32x3" if x.dtype == torch.float32 else "",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_args(x.device),
+    )  # fmt: skip
+    return out
