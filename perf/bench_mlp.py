@@ -38,7 +38,7 @@ EPS = 1e-6
 
 def configs(intermediate: int, sms: int) -> list[fm.MlpConfig]:
     out = []
-    for bi, bk, bn, warps, stages in itertools.product((32, 64), (64, 128, 256), (128,), (4, 8), (3, 4)):
+    for bi, bk, bn, warps, stages in itertools.product((32, 64), (128, 256), (128, 256), (4, 8), (3, 4)):
         cfg = fm.MlpConfig(block_i=bi, block_k=bk, block_n=bn, num_warps=warps, num_stages=stages)
         if fm.programs(intermediate, cfg) <= sms:
             out.append(cfg)

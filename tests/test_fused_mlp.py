@@ -3,8 +3,8 @@ with it against the model without, via Triton's interpreter (TRITON_INTERPRET=0 
 compiled, the grid barrier included).
 
 The kernel cases cover hidden and intermediate sizes that are not multiples of the tiles, a last program with a
-partial slice, more programs than one load of the reduction sums, and strided rows; the counters must be zero again
-after every launch (a CUDA graph replays the same launch).
+partial slice, programs that are not a power of two, an output summed in several chunks, and strided rows; the
+counters must be zero again after every launch (a CUDA graph replays the same launch).
 """
 
 from __future__ import annotations
@@ -65,10 +65,11 @@ def _workspace(H: int, I: int, M: int, cfg: fm.MlpConfig) -> sg.SplitKWorkspace:
 
 
 CASES = [
-    (1, 64, 32, fm.MlpConfig(block_i=16, block_k=32, block_n=32, block_r=8)),  # two programs, tiles exact
-    (3, 200, 72, fm.MlpConfig(block_i=16, block_k=64, block_n=64, block_r=8)),  # H and I ragged: 5 programs
-    (16, 96, 300, fm.MlpConfig(block_i=16, block_k=64, block_n=32, block_r=16)),  # 19 programs: two reduction loads
-    (8, 1100, 48, fm.MlpConfig(block_i=32, block_k=128, block_n=128, block_r=8)),  # norm statistics over 3 loads
+    (1, 64, 32, fm.MlpConfig(block_i=16, block_k=32, block_n=32)),  # two programs, tiles exact
+    (3, 200, 72, fm.MlpConfig(block_i=16, block_k=64, block_n=64)),  # H and I ragged: 5 programs
+    # 19 programs (32 lanes of partials, 13 masked): the output summed in chunks of 512, the last one partial
+    (16, 96, 300, fm.MlpConfig(block_i=16, block_k=64, block_n=32)),
+    (8, 1100, 48, fm.MlpConfig(block_i=32, block_k=128, block_n=128)),  # norm statistics over 3 loads
 ]
 
 
@@ -97,7 +98,7 @@ def test_matches_torch_and_the_skinny_path(dtype, M, H, I, cfg) -> None:  # noqa
 def test_strided_rows_and_a_second_launch_agree() -> None:
     """Rows taken from a wider tensor give what the contiguous rows give, bit for bit, and a second launch on the
     same workspace repeats the first (the counters were left zero)."""
-    M, H, I, cfg = 5, 96, 80, fm.MlpConfig(block_i=16, block_k=32, block_n=32, block_r=8)  # noqa: E741
+    M, H, I, cfg = 5, 96, 80, fm.MlpConfig(block_i=16, block_k=32, block_n=32)  # noqa: E741
     x, norm_w, gate_up, down = _case(M, H, I, torch.float16)
     wide = torch.zeros(M, H + 40, dtype=x.dtype, device=DEVICE)
     wide[:, 8 : 8 + H] = x
@@ -110,7 +111,7 @@ def test_strided_rows_and_a_second_launch_agree() -> None:
 
 def test_rows_do_not_depend_on_the_batch() -> None:
     """A row comes out the same alone and among others: the row tile is fixed and the partials' order too."""
-    M, H, I, cfg = 7, 128, 96, fm.MlpConfig(block_i=16, block_k=64, block_n=64, block_r=8)  # noqa: E741
+    M, H, I, cfg = 7, 128, 96, fm.MlpConfig(block_i=16, block_k=64, block_n=64)  # noqa: E741
     x, norm_w, gate_up, down = _case(M, H, I, torch.float16, seed=3)
     ws = _workspace(H, I, M, cfg)
     batch = fm.fused_mlp(x, norm_w, EPS, gate_up, down, ws, cfg)
@@ -177,7 +178,7 @@ from tokenrouter.runner import fused_mlp as fm
 
 kernel = fm._fused_mlp_kernel
 for grid_sync, pdl, warps, stages in ((True, True, 4, 3), (True, False, 8, 4), (False, False, 4, 3)):
-    consts = dict(BLOCK_M=16, BLOCK_I=32, BLOCK_K=128, BLOCK_N=128, BLOCK_R=8, PARTIALS_PER_LOAD=16,
+    consts = dict(BLOCK_M=16, BLOCK_I=32, BLOCK_K=128, BLOCK_N=128, P_BLOCK=128, E_BLOCK=128,
                   STATS_BLOCK=512, STATS_ITERS=2, GRID_SYNC=grid_sync, FP32_DOT="", PDL=pdl)
     sig = {n: "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32" for n in kernel.arg_names}
     sig.update(part_ptr="*fp32", count_ptr="*i32", **{c: "constexpr" for c in consts})

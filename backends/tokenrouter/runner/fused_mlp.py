@@ -34,7 +34,6 @@ from tokenrouter.runner.skinny_gemm import (
     SplitKWorkspace,
     _accumulate,
     _row_stats,
-    _store_out,
     _table,
 )
 
@@ -42,7 +41,7 @@ from tokenrouter.runner.skinny_gemm import (
 # every shape that fits (untuned shapes take MlpConfig's defaults); "0": never. Benchmarks compare the ways.
 MODE = os.environ.get("TOKENROUTER_FUSED_MLP", "auto").strip().lower()
 MAX_ROWS = 16  # one 16-row tile: decode and the shortest extends of a small model
-PARTIALS_PER_LOAD = 16  # programs' partials summed per load in the reduction (a fixed tree each)
+REDUCE_ELEMS = 128 * 128  # float32 values one reduction load holds (programs x output elements)
 
 
 @dataclass(frozen=True)
@@ -50,27 +49,34 @@ class MlpConfig:
     block_i: int = 32  # intermediate columns per program: the grid is cdiv(I, block_i) programs
     block_k: int = 128  # hidden columns per step of the gate/up loop
     block_n: int = 128  # output columns per step of the down loop
-    block_r: int = 8  # output columns per reduction tile
     num_warps: int = 4
     num_stages: int = 3
 
 
 @triton.jit
-def _sum_partials(part_ptr, tile, programs, M, H, rm, m_ok, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                  PARTIALS_PER_LOAD: tl.constexpr):
-    """The sum over every program's partial of output columns [tile * BLOCK_R, +BLOCK_R): [BLOCK_R, BLOCK_M]."""
-    rc = tile * BLOCK_R + tl.arange(0, BLOCK_R)
-    c_ok = rc < H
-    rp = tl.arange(0, PARTIALS_PER_LOAD)
-    offs = rm[None, None, :] * H + rc[None, :, None]  # [1, BLOCK_R, BLOCK_M]
-    mask = c_ok[None, :, None] & m_ok[None, None, :]
-    acc = tl.zeros([BLOCK_R, BLOCK_M], dtype=tl.float32)
-    for p0 in range(0, programs, PARTIALS_PER_LOAD):
-        p = p0 + rp
-        ptrs = part_ptr + p.to(tl.int64)[:, None, None] * M * H + offs
-        vals = tl.load(ptrs, mask=mask & (p < programs)[:, None, None], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(vals, 0)
-    return acc, rc, c_ok
+def _reduce_chunk(part_ptr, x_ptr, out_ptr, e0, programs, M, H, stride_x, P_BLOCK: tl.constexpr,
+                  E_BLOCK: tl.constexpr):
+    """Output elements [e0, e0 + E_BLOCK) of the flattened [M, H] output: every program's partial summed in one
+    load (a fixed tree over the programs), rounded, plus the residual, rounded again (as skinny_gemm's epilogue)."""
+    e = e0 + tl.arange(0, E_BLOCK)
+    e_ok = e < M * H
+    rp = tl.arange(0, P_BLOCK)
+    ptrs = part_ptr + rp.to(tl.int64)[:, None] * M * H + e[None, :]
+    vals = tl.load(ptrs, mask=(rp < programs)[:, None] & e_ok[None, :], other=0.0, cache_modifier=".cg")
+    dtype = out_ptr.dtype.element_ty
+    y = tl.sum(vals, 0).to(dtype)
+    res = tl.load(x_ptr + (e // H).to(tl.int64) * stride_x + e % H, mask=e_ok, other=0.0)
+    tl.store(out_ptr + e, (y.to(tl.float32) + res.to(tl.float32)).to(dtype), mask=e_ok)
+
+
+@triton.jit
+def _down_partial(w, h, part, rn, rm, m_ok, H, FP32_DOT: tl.constexpr):
+    """part[:, rn] = (w @ h)^T: a down-weight tile [BLOCK_N, BLOCK_I] times the slice's activations [BLOCK_I, M]."""
+    if FP32_DOT == "":
+        p = tl.dot(w, h)
+    else:
+        p = tl.dot(w, h, input_precision=FP32_DOT)
+    tl.store(part + rm[None, :] * H + rn[:, None], p, mask=(rn < H)[:, None] & m_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -93,8 +99,8 @@ def _fused_mlp_kernel(
     BLOCK_I: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    PARTIALS_PER_LOAD: tl.constexpr,
+    P_BLOCK: tl.constexpr,  # the programs rounded up to a power of two: the reduction loads all partials at once
+    E_BLOCK: tl.constexpr,  # output elements per reduction chunk
     STATS_BLOCK: tl.constexpr,
     STATS_ITERS: tl.constexpr,
     GRID_SYNC: tl.constexpr,  # all programs resident (a GPU): meet at a barrier and share the reduction
@@ -111,6 +117,14 @@ def _fused_mlp_kernel(
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
     mean, rstd = _row_stats(x_rows, m_ok, H, eps, 1, BLOCK_M, STATS_BLOCK, STATS_ITERS)
 
+    # The down weight's first tile is read before the gate/up loop (the weights do not depend on this step), so that
+    # its latency hides behind that loop instead of opening the down loop.
+    ri = pid * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_ok = ri < INTER
+    rn = tl.arange(0, BLOCK_N)
+    w_first = tl.load(down_ptr + rn.to(tl.int64)[:, None] * stride_d + ri[None, :],
+                      mask=(rn < H)[:, None] & i_ok[None, :], other=0.0)
+
     # Gate and up rows of this slice as one tile of 2 * BLOCK_I weight rows: one pass over the normed input.
     r2 = tl.arange(0, 2 * BLOCK_I)
     col = pid * BLOCK_I + r2 % BLOCK_I
@@ -125,42 +139,29 @@ def _fused_mlp_kernel(
     h = (act * up).to(dtype)  # [BLOCK_I, BLOCK_M]; columns past I are 0 (their weights loaded as 0)
 
     # This slice's share of the down product, over every output column.
-    ri = pid * BLOCK_I + tl.arange(0, BLOCK_I)
-    i_ok = ri < INTER
     part = part_ptr + pid.to(tl.int64) * M * H
-    for n0 in range(0, H, BLOCK_N):
+    _down_partial(w_first, h, part, rn, rm, m_ok, H, FP32_DOT)
+    for n0 in range(BLOCK_N, H, BLOCK_N):
         rn = n0 + tl.arange(0, BLOCK_N)
-        n_ok = rn < H
-        w = tl.load(down_ptr + rn.to(tl.int64)[:, None] * stride_d + ri[None, :], mask=n_ok[:, None] & i_ok[None, :],
-                    other=0.0)
-        if FP32_DOT == "":
-            p = tl.dot(w, h)  # [BLOCK_N, BLOCK_M]
-        else:
-            p = tl.dot(w, h, input_precision=FP32_DOT)
-        tl.store(part + rm[None, :] * H + rn[:, None], p, mask=n_ok[:, None] & m_ok[None, :])
+        w = tl.load(down_ptr + rn.to(tl.int64)[:, None] * stride_d + ri[None, :],
+                    mask=(rn < H)[:, None] & i_ok[None, :], other=0.0)
+        _down_partial(w, h, part, rn, rm, m_ok, H, FP32_DOT)
     # Every thread's stores before the one atomic, and acq_rel on it: this program's partial is visible before its
     # count, and whoever sees the full count sees every partial.
     tl.debug_barrier()
     arrived = tl.atomic_add(count_ptr, 1) + 1
-    tiles = tl.cdiv(H, BLOCK_R)
     if GRID_SYNC:
         while arrived < programs:
             arrived = tl.atomic_add(count_ptr, 0)
-        for tile in range(pid, tiles, programs):
-            acc_r, rc, c_ok = _sum_partials(part_ptr, tile, programs, M, H, rm, m_ok, BLOCK_M, BLOCK_R,
-                                            PARTIALS_PER_LOAD)
-            _store_out(acc_r, out_ptr, rm[None, :] * H + rc[:, None], c_ok[:, None] & m_ok[None, :], out_ptr, x_ptr,
-                       rm, rc, c_ok, stride_x, False, 0, True)
+        for e0 in range(pid * E_BLOCK, M * H, programs * E_BLOCK):
+            _reduce_chunk(part_ptr, x_ptr, out_ptr, e0, programs, M, H, stride_x, P_BLOCK, E_BLOCK)
         left = tl.atomic_add(count_ptr + 1, 1)
         if left == programs - 1:  # every program is past the barrier: zero both for the next launch
             tl.atomic_xchg(count_ptr, 0)
             tl.atomic_xchg(count_ptr + 1, 0)
     elif arrived == programs:
-        for tile in range(0, tiles):
-            acc_r, rc, c_ok = _sum_partials(part_ptr, tile, programs, M, H, rm, m_ok, BLOCK_M, BLOCK_R,
-                                            PARTIALS_PER_LOAD)
-            _store_out(acc_r, out_ptr, rm[None, :] * H + rc[:, None], c_ok[:, None] & m_ok[None, :], out_ptr, x_ptr,
-                       rm, rc, c_ok, stride_x, False, 0, True)
+        for e0 in range(0, M * H, E_BLOCK):
+            _reduce_chunk(part_ptr, x_ptr, out_ptr, e0, programs, M, H, stride_x, P_BLOCK, E_BLOCK)
         tl.atomic_xchg(count_ptr, 0)
 
 
@@ -239,11 +240,12 @@ def fused_mlp(
         raise ValueError(f"fused_mlp: [{M}, {H}] x {I} needs a workspace of {workspace_need(H, I, M, cfg)}")
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     stats_block = _STATS_ELEMS // MAX_ROWS
+    p_block = triton.next_power_of_2(programs(I, cfg))
     _fused_mlp_kernel[(programs(I, cfg),)](
         x, norm_weight, gate_up_weight, down_weight, out, workspace.partials, workspace.counts, M, H, I, eps,
         x.stride(0), gate_up_weight.stride(0), down_weight.stride(0),
-        BLOCK_M=MAX_ROWS, BLOCK_I=cfg.block_i, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-        PARTIALS_PER_LOAD=PARTIALS_PER_LOAD, STATS_BLOCK=stats_block, STATS_ITERS=triton.cdiv(H, stats_block),
+        BLOCK_M=MAX_ROWS, BLOCK_I=cfg.block_i, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n, P_BLOCK=p_block,
+        E_BLOCK=max(16, REDUCE_ELEMS // p_block), STATS_BLOCK=stats_block, STATS_ITERS=triton.cdiv(H, stats_block),
         GRID_SYNC=x.device.type == "cuda" and not pdl._interpreted(),
         FP32_DOT="tf32x3" if x.dtype == torch.float32 else "",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_args(x.device),
