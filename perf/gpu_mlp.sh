@@ -5,7 +5,7 @@
 # decode step with the one-kernel MLP off and as the table decides (perf/bench_runner.py, each in its own process).
 # A GPU the table has no skinny entries for (an H100) first tunes the 0.6B's matmuls (perf/bench_gemm.py, tile 16):
 # without them the model runs on cuBLAS and neither path is taken.
-# Usage (repository root, on the GPU machine, its image's Python as it is):
+# Usage (repository root, on the GPU machine, its image's Python as it is; MODES="" skips the decode steps):
 #   bash perf/gpu_mlp.sh OUT_DIR
 # Results: OUT_DIR/results_mlp.tgz (gpu_tests.log, mlp.json/.md, runner_mlp_{off,auto}.json/.md/.log,
 # skinny_gemm_tuned.json).
@@ -34,7 +34,7 @@ timeout ${MLP_S:-200} python3 perf/bench_mlp.py --models qwen3-0.6b --rows 1,4,8
   --out $res/mlp.json 2>&1 | tail -12
 cp $table $res/
 
-for mode in off auto; do
+for mode in ${MODES-off auto}; do
   step "the 0.6B's decode step, one-kernel MLP $mode"
   setting=$([ $mode = off ] && echo 0 || echo auto)
   TOKENROUTER_FUSED_MLP=$setting timeout ${RUNNER_S:-110} python3 perf/bench_runner.py --models qwen3-0.6b --quick \

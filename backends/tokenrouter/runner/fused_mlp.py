@@ -151,8 +151,11 @@ def _fused_mlp_kernel(
     tl.debug_barrier()
     arrived = tl.atomic_add(count_ptr, 1) + 1
     if GRID_SYNC:
+        # Spin on plain loads from L2 (an atomic per poll from every program would queue behind one another at the
+        # counter's L2 slice, the last arrivals' increments among them), then one atomic for its acquire.
         while arrived < programs:
-            arrived = tl.atomic_add(count_ptr, 0)
+            arrived = tl.load(count_ptr, volatile=True)
+        tl.atomic_add(count_ptr, 0)
         for e0 in range(pid * E_BLOCK, M * H, programs * E_BLOCK):
             _reduce_chunk(part_ptr, x_ptr, out_ptr, e0, programs, M, H, stride_x, P_BLOCK, E_BLOCK)
         left = tl.atomic_add(count_ptr + 1, 1)
@@ -200,11 +203,13 @@ def workspace_need(hidden: int, intermediate: int, m: int, cfg: MlpConfig = MlpC
     return programs(intermediate, cfg) * m * hidden, 2
 
 
-def fits(device: torch.device, intermediate: int, cfg: MlpConfig = MlpConfig()) -> bool:
-    """Whether the grid barrier can hold on `device`: every program resident at once (one per SM at most)."""
+def fits(device: torch.device, intermediate: int, cfg: MlpConfig = MlpConfig(), num_sms: int = 0) -> bool:
+    """Whether the grid barrier can hold on `device`: every program resident at once, one per SM at most, on the
+    `num_sms` SMs of a green context (runner/green.py) when the model has one (0: the whole GPU)."""
     if device.type != "cuda":
         return True
-    return programs(intermediate, cfg) <= torch.cuda.get_device_properties(device).multi_processor_count
+    sms = num_sms or torch.cuda.get_device_properties(device).multi_processor_count
+    return programs(intermediate, cfg) <= sms
 
 
 def fused_mlp(
@@ -215,10 +220,12 @@ def fused_mlp(
     down_weight: torch.Tensor,
     workspace: SplitKWorkspace,
     cfg: MlpConfig | None = None,
+    num_sms: int = 0,
 ) -> torch.Tensor:
     """down(silu(gate) * up) + x with [gate | up] = RMSNorm(x) @ gate_up_weight^T -> new contiguous [M, H].
 
     x: [M, H] (M <= MAX_ROWS, last dim contiguous); gate_up_weight [2I, H] (gate rows first); down_weight [H, I].
+    num_sms: the SMs of the green context the launch runs on (0: the whole GPU), which must hold the grid at once.
     float32 inputs multiply in three TF32 passes on a GPU (skinny_gemm's float32 grade). Never synchronises, so
     it can be captured in a CUDA graph."""
     if x.dim() != 2 or x.stride(-1) != 1 or gate_up_weight.stride(-1) != 1 or down_weight.stride(-1) != 1:
@@ -234,7 +241,7 @@ def fused_mlp(
         raise ValueError("fused_mlp: x, both weights and the norm weight must share one dtype")
     I = I2 // 2  # noqa: E741 (the intermediate size, as the field names it)
     cfg = cfg or config_for(H, I, x.device)
-    if not fits(x.device, I, cfg):
+    if not fits(x.device, I, cfg, num_sms):
         raise ValueError(f"fused_mlp: {programs(I, cfg)} programs cannot all be resident on this GPU")
     if not workspace.fits(*workspace_need(H, I, M, cfg)):
         raise ValueError(f"fused_mlp: [{M}, {H}] x {I} needs a workspace of {workspace_need(H, I, M, cfg)}")
