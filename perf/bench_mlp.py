@@ -67,9 +67,13 @@ class Layer:
                               norm_weight=self.norm_w, eps=EPS)
         return sg.skinny_linear(gu, self.down[j % len(self.down)], self.ws, prologue="silu_mul", residual=self.x)
 
-    def fused(self, cfg: fm.MlpConfig, j: int) -> torch.Tensor:
+    def gate_up_launch(self, j: int) -> torch.Tensor:
+        return sg.skinny_linear(self.x, self.gate_up[j % len(self.gate_up)], self.ws, prologue="rms_norm",
+                                norm_weight=self.norm_w, eps=EPS)
+
+    def fused(self, cfg: fm.MlpConfig, j: int, stop: int = 0) -> torch.Tensor:
         return fm.fused_mlp(self.x, self.norm_w, EPS, self.gate_up[j % len(self.gate_up)],
-                            self.down[j % len(self.down)], self.ws, cfg)
+                            self.down[j % len(self.down)], self.ws, cfg, stop=stop)
 
 
 def write_table(path: Path, results: dict) -> None:
@@ -94,6 +98,8 @@ def main() -> int:
     ap.add_argument("--models", default="qwen3-0.6b")
     ap.add_argument("--rows", default="1,4,8,16")
     ap.add_argument("--out", default="bench_mlp.json")
+    ap.add_argument("--phases", action="store_true", help="also time the best config cut short after each phase "
+                    "(gate/up; + down partials; + barrier) and the skinny gate_up launch alone")
     ap.add_argument("--table", default=None, help="merge each model's best config at its largest --rows into this "
                     "JSON table (the runner's: backends/tokenrouter/runner/skinny_gemm_tuned.json)")
     args = ap.parse_args()
@@ -126,6 +132,14 @@ def main() -> int:
             row = {"model": model, "m": m, "floor_us": floor, "two_launches_us": two,
                    "fused": [{"us": us, "config": cfg.__dict__} for us, cfg in timed]}
             results["rows"].append(row)
+            if timed and args.phases:
+                best = timed[0][1]
+                row["phases_us"] = {str(stop): graph_us(lambda j, c=best, ly=layer, st=stop: ly.fused(c, j, st))
+                                    for stop in (1, 2, 3)}
+                row["gate_up_launch_us"] = graph_us(layer.gate_up_launch)
+                print(f"{model} M={m}: cut after gate/up {row['phases_us']['1']:.2f}, after the down partials "
+                      f"{row['phases_us']['2']:.2f}, after the barrier {row['phases_us']['3']:.2f} us; skinny gate_up "
+                      f"launch alone {row['gate_up_launch_us']:.2f} us", flush=True)
             if timed:
                 us, best = timed[0]
                 print(f"{model} M={m}: two launches {two:.2f} us, fused best {us:.2f} us ({best}), floor {floor:.2f}",

@@ -106,6 +106,8 @@ def _fused_mlp_kernel(
     GRID_SYNC: tl.constexpr,  # all programs resident (a GPU): meet at a barrier and share the reduction
     FP32_DOT: tl.constexpr,  # float32 inputs: tl.dot's input_precision, as skinny_gemm's; "" for 16-bit inputs
     PDL: tl.constexpr,
+    STOP: tl.constexpr = 0,  # perf/bench_mlp.py --phases times the kernel cut short: 1 after gate/up, 2 after the
+    # down partials, 3 after the barrier (its output then is not the MLP's); 0: the whole kernel
 ):
     """Grid (cdiv(I, BLOCK_I),): program p owns intermediate columns p*BLOCK_I.."""
     wait_for_predecessor(PDL)
@@ -140,12 +142,17 @@ def _fused_mlp_kernel(
 
     # This slice's share of the down product, over every output column.
     part = part_ptr + pid.to(tl.int64) * M * H
+    if STOP == 1:
+        tl.store(part + tl.arange(0, BLOCK_M), tl.sum(h.to(tl.float32), 0))
+        return
     _down_partial(w_first, h, part, rn, rm, m_ok, H, FP32_DOT)
     for n0 in range(BLOCK_N, H, BLOCK_N):
         rn = n0 + tl.arange(0, BLOCK_N)
         w = tl.load(down_ptr + rn.to(tl.int64)[:, None] * stride_d + ri[None, :],
                     mask=(rn < H)[:, None] & i_ok[None, :], other=0.0)
         _down_partial(w, h, part, rn, rm, m_ok, H, FP32_DOT)
+    if STOP == 2:
+        return
     # Every thread's stores before the one atomic, and acq_rel on it: this program's partial is visible before its
     # count, and whoever sees the full count sees every partial.
     tl.debug_barrier()
@@ -156,8 +163,9 @@ def _fused_mlp_kernel(
         while arrived < programs:
             arrived = tl.load(count_ptr, volatile=True)
         tl.atomic_add(count_ptr, 0)
-        for e0 in range(pid * E_BLOCK, M * H, programs * E_BLOCK):
-            _reduce_chunk(part_ptr, x_ptr, out_ptr, e0, programs, M, H, stride_x, P_BLOCK, E_BLOCK)
+        if STOP != 3:
+            for e0 in range(pid * E_BLOCK, M * H, programs * E_BLOCK):
+                _reduce_chunk(part_ptr, x_ptr, out_ptr, e0, programs, M, H, stride_x, P_BLOCK, E_BLOCK)
         left = tl.atomic_add(count_ptr + 1, 1)
         if left == programs - 1:  # every program is past the barrier: zero both for the next launch
             tl.atomic_xchg(count_ptr, 0)
@@ -221,11 +229,13 @@ def fused_mlp(
     workspace: SplitKWorkspace,
     cfg: MlpConfig | None = None,
     num_sms: int = 0,
+    stop: int = 0,
 ) -> torch.Tensor:
     """down(silu(gate) * up) + x with [gate | up] = RMSNorm(x) @ gate_up_weight^T -> new contiguous [M, H].
 
     x: [M, H] (M <= MAX_ROWS, last dim contiguous); gate_up_weight [2I, H] (gate rows first); down_weight [H, I].
     num_sms: the SMs of the green context the launch runs on (0: the whole GPU), which must hold the grid at once.
+    stop (benchmarks only): cut the kernel short after a phase, see the kernel's STOP.
     float32 inputs multiply in three TF32 passes on a GPU (skinny_gemm's float32 grade). Never synchronises, so
     it can be captured in a CUDA graph."""
     if x.dim() != 2 or x.stride(-1) != 1 or gate_up_weight.stride(-1) != 1 or down_weight.stride(-1) != 1:
@@ -255,6 +265,6 @@ def fused_mlp(
         E_BLOCK=max(16, REDUCE_ELEMS // p_block), STATS_BLOCK=stats_block, STATS_ITERS=triton.cdiv(H, stats_block),
         GRID_SYNC=x.device.type == "cuda" and not pdl._interpreted(),
         FP32_DOT="tf32x3" if x.dtype == torch.float32 else "",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_args(x.device),
+        STOP=stop, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_args(x.device),
     )  # fmt: skip
     return out
