@@ -36,13 +36,9 @@ from tokenrouter.runner.arch import ArchConfig  # noqa: E402
 EPS = 1e-6
 
 
-def configs(intermediate: int, sms: int) -> list[fm.MlpConfig]:
-    out = []
-    for bi, bk, bn, warps, stages in itertools.product((32, 64), (128, 256), (128, 256), (4, 8), (3, 4)):
-        cfg = fm.MlpConfig(block_i=bi, block_k=bk, block_n=bn, num_warps=warps, num_stages=stages)
-        if fm.programs(intermediate, cfg) <= sms:
-            out.append(cfg)
-    return out
+def configs() -> list[fm.MlpConfig]:
+    return [fm.MlpConfig(programs=p, block_k=bk, block_k2=bk2, num_warps=w, num_stages=st)
+            for p, bk, bk2, w, st in itertools.product((0, 128), (128, 256), (256, 512), (4, 8), (3, 4))]
 
 
 class Layer:
@@ -59,7 +55,7 @@ class Layer:
         self.x = torch.randn(m, h, device=dev, dtype=dt)
         self.norm_w = torch.ones(h, device=dev, dtype=dt)
         skinny = [sg.workspace_need(n, k, m, dev) for n, k in ((2 * i, h), (h, i))]
-        fused = fm.workspace_need(h, i, m, fm.MlpConfig(block_i=16))
+        fused = fm.workspace_need(i, m)
         self.ws = sg.SplitKWorkspace(dev, max(p for p, _ in skinny + [fused]), max(c for _, c in skinny + [fused]))
 
     def two_launches(self, j: int) -> torch.Tensor:
@@ -99,7 +95,7 @@ def main() -> int:
     ap.add_argument("--rows", default="1,4,8,16")
     ap.add_argument("--out", default="bench_mlp.json")
     ap.add_argument("--phases", action="store_true", help="also time the best config cut short after each phase "
-                    "(gate/up; + down partials; + barrier) and the skinny gate_up launch alone")
+                    "(gate/up; + the barrier) and the skinny gate_up launch alone")
     ap.add_argument("--table", default=None, help="merge each model's best config at its largest --rows into this "
                     "JSON table (the runner's: backends/tokenrouter/runner/skinny_gemm_tuned.json)")
     args = ap.parse_args()
@@ -110,11 +106,11 @@ def main() -> int:
     lines = [f"# One-kernel MLP against two skinny launches ({results['device']}, {results['date'][:10]})", "",
              f"Command: `python {' '.join(sys.argv)}`. Copy bandwidth {bandwidth / 1e12:.2f} TB/s; microseconds "
              "per launch in a CUDA graph, weights from HBM.", "",
-             "| model | M | floor us | two launches us | fused us (best) | fused / two | best config |",
+             "| model | M | floor us | two launches us | fused us (best) | fused / two | best (programs/K/K2 steps) |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for model in filter(None, args.models.split(",")):
         arch = ArchConfig.from_dir(ROOT / "perf" / "models" / model)
-        grid = configs(arch.intermediate_size, props.multi_processor_count)
+        grid = configs()
         for m in (int(r) for r in args.rows.split(",")):
             layer = Layer(arch, m, props.L2_cache_size)
             ref = layer.two_launches(0)
@@ -135,17 +131,18 @@ def main() -> int:
             if timed and args.phases:
                 best = timed[0][1]
                 row["phases_us"] = {str(stop): graph_us(lambda j, c=best, ly=layer, st=stop: ly.fused(c, j, st))
-                                    for stop in (1, 2, 3)}
+                                    for stop in (1, 2)}
                 row["gate_up_launch_us"] = graph_us(layer.gate_up_launch)
-                print(f"{model} M={m}: cut after gate/up {row['phases_us']['1']:.2f}, after the down partials "
-                      f"{row['phases_us']['2']:.2f}, after the barrier {row['phases_us']['3']:.2f} us; skinny gate_up "
-                      f"launch alone {row['gate_up_launch_us']:.2f} us", flush=True)
+                print(f"{model} M={m}: cut after gate/up {row['phases_us']['1']:.2f}, after the barrier "
+                      f"{row['phases_us']['2']:.2f} us; skinny gate_up launch alone {row['gate_up_launch_us']:.2f} us",
+                      flush=True)
             if timed:
                 us, best = timed[0]
                 print(f"{model} M={m}: two launches {two:.2f} us, fused best {us:.2f} us ({best}), floor {floor:.2f}",
                       flush=True)
                 lines.append(f"| {model} | {m} | {floor:.2f} | {two:.2f} | {us:.2f} | {us / two:.2f} | "
-                             f"{best.block_i}/{best.block_k}/{best.block_n}, {best.num_warps}w{best.num_stages}s |")
+                             f"{best.programs or props.multi_processor_count}/{best.block_k}/{best.block_k2}, "
+                             f"{best.num_warps}w{best.num_stages}s |")
             del layer
     if args.table:
         write_table(Path(args.table), results)

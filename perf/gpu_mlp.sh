@@ -30,7 +30,7 @@ echo "pytest exit code $?" >> $res/gpu_tests.log
 tail -3 $res/gpu_tests.log
 
 step "the kernel against two skinny launches"
-timeout ${MLP_S:-200} python3 perf/bench_mlp.py --models qwen3-0.6b --rows 1,4,8,16 --table $table \
+timeout ${MLP_S:-200} python3 perf/bench_mlp.py --models qwen3-0.6b --rows ${ROWS:-1,4,8,16} ${PHASES:+--phases} --table $table \
   --out $res/mlp.json 2>&1 | tail -12
 cp $table $res/
 

@@ -2,9 +2,9 @@
 with it against the model without, via Triton's interpreter (TRITON_INTERPRET=0 on a GPU runs the same checks
 compiled, the grid barrier included).
 
-The kernel cases cover hidden and intermediate sizes that are not multiples of the tiles, a last program with a
-partial slice, programs that are not a power of two, an output summed in several chunks, and strided rows; the
-counters must be zero again after every launch (a CUDA graph replays the same launch).
+The kernel cases cover hidden and intermediate sizes that are not multiples of the tiles or of the programs, last
+programs with partial slices, programs with a few columns each, and strided rows; the counters must be zero again
+after every launch (a CUDA graph replays the same launch).
 """
 
 from __future__ import annotations
@@ -59,17 +59,16 @@ def _torch_mlp(x, norm_w, gate_up, down):
     return F.linear(F.silu(gate) * up, down) + x
 
 
-def _workspace(H: int, I: int, M: int, cfg: fm.MlpConfig) -> sg.SplitKWorkspace:  # noqa: E741
-    partials, counts = fm.workspace_need(H, I, M, cfg)
-    return sg.SplitKWorkspace(DEVICE, partials, counts)
+def _workspace(I: int, M: int) -> sg.SplitKWorkspace:  # noqa: E741
+    return sg.SplitKWorkspace(DEVICE, *fm.workspace_need(I, M))
 
 
 CASES = [
-    (1, 64, 32, fm.MlpConfig(block_i=16, block_k=32, block_n=32)),  # two programs, tiles exact
-    (3, 200, 72, fm.MlpConfig(block_i=16, block_k=64, block_n=64)),  # H and I ragged: 5 programs
-    # 19 programs (32 lanes of partials, 13 masked): the output summed in chunks of 512, the last one partial
-    (16, 96, 300, fm.MlpConfig(block_i=16, block_k=64, block_n=32)),
-    (8, 1100, 48, fm.MlpConfig(block_i=32, block_k=128, block_n=128)),  # norm statistics over 3 loads
+    (1, 64, 32, fm.MlpConfig(programs=2, block_k=32, block_k2=16)),  # tiles exact: 16 columns of I, 32 of H each
+    (3, 200, 72, fm.MlpConfig(programs=5, block_k=64, block_k2=32)),  # 15 and 40 each: the last ones ragged
+    (16, 96, 300, fm.MlpConfig(programs=7, block_k=64, block_k2=64)),  # 43 columns of I in a 64 tile, 14 of H in 16
+    (8, 1100, 48, fm.MlpConfig(programs=3, block_k=128, block_k2=16)),  # norm statistics over 3 loads
+    (2, 64, 32, fm.MlpConfig(programs=8, block_k=64, block_k2=32)),  # 4 columns of I and 8 of H per program
 ]
 
 
@@ -82,7 +81,7 @@ BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(INTERPRET, reason="
 @pytest.mark.parametrize(("M", "H", "I", "cfg"), CASES)
 def test_matches_torch_and_the_skinny_path(dtype, M, H, I, cfg) -> None:  # noqa: E741
     x, norm_w, gate_up, down = _case(M, H, I, dtype)
-    ws = _workspace(H, I, M, cfg)
+    ws = _workspace(I, M)
     out = fm.fused_mlp(x, norm_w, EPS, gate_up, down, ws, cfg)
     assert out.shape == (M, H) and out.dtype == dtype
     torch.testing.assert_close(out, _torch_mlp(x, norm_w, gate_up, down), **TOL[dtype])
@@ -98,11 +97,11 @@ def test_matches_torch_and_the_skinny_path(dtype, M, H, I, cfg) -> None:  # noqa
 def test_strided_rows_and_a_second_launch_agree() -> None:
     """Rows taken from a wider tensor give what the contiguous rows give, bit for bit, and a second launch on the
     same workspace repeats the first (the counters were left zero)."""
-    M, H, I, cfg = 5, 96, 80, fm.MlpConfig(block_i=16, block_k=32, block_n=32)  # noqa: E741
+    M, H, I, cfg = 5, 96, 80, fm.MlpConfig(programs=3, block_k=32, block_k2=32)  # noqa: E741
     x, norm_w, gate_up, down = _case(M, H, I, torch.float16)
     wide = torch.zeros(M, H + 40, dtype=x.dtype, device=DEVICE)
     wide[:, 8 : 8 + H] = x
-    ws = _workspace(H, I, M, cfg)
+    ws = _workspace(I, M)
     first = fm.fused_mlp(x, norm_w, EPS, gate_up, down, ws, cfg)
     strided = fm.fused_mlp(wide[:, 8 : 8 + H], norm_w, EPS, gate_up, down, ws, cfg)
     assert torch.equal(first, strided)
@@ -111,9 +110,9 @@ def test_strided_rows_and_a_second_launch_agree() -> None:
 
 def test_rows_do_not_depend_on_the_batch() -> None:
     """A row comes out the same alone and among others: the row tile is fixed and the partials' order too."""
-    M, H, I, cfg = 7, 128, 96, fm.MlpConfig(block_i=16, block_k=64, block_n=64)  # noqa: E741
+    M, H, I, cfg = 7, 128, 96, fm.MlpConfig(programs=4, block_k=64, block_k2=64)  # noqa: E741
     x, norm_w, gate_up, down = _case(M, H, I, torch.float16, seed=3)
-    ws = _workspace(H, I, M, cfg)
+    ws = _workspace(I, M)
     batch = fm.fused_mlp(x, norm_w, EPS, gate_up, down, ws, cfg)
     for row in (0, 4, 6):
         alone = fm.fused_mlp(x[row : row + 1], norm_w, EPS, gate_up, down, ws, cfg)
@@ -122,7 +121,7 @@ def test_rows_do_not_depend_on_the_batch() -> None:
 
 def test_rejects_bad_calls() -> None:
     x, norm_w, gate_up, down = _case(2, 64, 32, torch.float16)
-    ws = _workspace(64, 32, fm.MAX_ROWS, fm.MlpConfig())
+    ws = _workspace(32, fm.MAX_ROWS)
     with pytest.raises(ValueError, match="do not fit"):
         fm.fused_mlp(x, norm_w, EPS, gate_up[:, :32], down, ws)
     with pytest.raises(ValueError, match="do not fit"):
@@ -133,6 +132,9 @@ def test_rejects_bad_calls() -> None:
         fm.fused_mlp(x.float(), norm_w, EPS, gate_up, down, ws)
     with pytest.raises(ValueError, match="workspace"):
         fm.fused_mlp(x, norm_w, EPS, gate_up, down, sg.SplitKWorkspace(DEVICE, 16, 2))
+    if DEVICE.type == "cuda":  # more programs than SMs could never all meet at the barrier
+        with pytest.raises(ValueError, match="resident"):
+            fm.fused_mlp(x, norm_w, EPS, gate_up, down, ws, fm.MlpConfig(programs=10_000))
 
 
 def test_model_with_the_fused_mlp_matches_the_cublas_path(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,10 +180,10 @@ from tokenrouter.runner import fused_mlp as fm
 
 kernel = fm._fused_mlp_kernel
 for grid_sync, pdl, warps, stages in ((True, True, 4, 3), (True, False, 8, 4), (False, False, 4, 3)):
-    consts = dict(BLOCK_M=16, BLOCK_I=32, BLOCK_K=128, BLOCK_N=128, P_BLOCK=128, E_BLOCK=128,
+    consts = dict(BLOCK_M=16, BLOCK_I=32, BLOCK_K=128, BLOCK_NR=16, BLOCK_K2=256,
                   STATS_BLOCK=512, STATS_ITERS=2, GRID_SYNC=grid_sync, FP32_DOT="", PDL=pdl)
     sig = {n: "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32" for n in kernel.arg_names}
-    sig.update(part_ptr="*fp32", count_ptr="*i32", **{c: "constexpr" for c in consts})
+    sig.update(h_ptr="*fp32", count_ptr="*i32", **{c: "constexpr" for c in consts})
     ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": warps, "num_stages": stages, "launch_pdl": pdl}).asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == pdl

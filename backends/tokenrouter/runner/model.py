@@ -219,11 +219,11 @@ class CausalLM(nn.Module):
 
         h, i = self.arch.hidden_size, self.arch.intermediate_size
         cfg = fused_mlp.config_for(h, i, device)
-        if not fused_mlp.pays(h, i, device) or not fused_mlp.fits(device, i, cfg, num_sms):
+        if not fused_mlp.pays(h, i, device) or not fused_mlp.fits(device, cfg, num_sms):
             return
         self.fused_mlp_num_sms = num_sms
         self.fused_mlp_max_m = min(fused_mlp.MAX_ROWS, self.skinny_max_m)
-        need = fused_mlp.workspace_need(h, i, self.fused_mlp_max_m, cfg)
+        need = fused_mlp.workspace_need(i, self.fused_mlp_max_m)
         ws = self.workspace
         if not ws.fits(*need):
             self.workspace = skinny_gemm.SplitKWorkspace(device, max(need[0], ws.partials.numel()),
