@@ -190,7 +190,7 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
     num_graphs = len(runner.graphs.graphs) if runner.graphs is not None else 0
     print(f"{name}: loaded in {load_s:.1f} s, {num_graphs} CUDA graphs captured in {capture_s:.1f} s, skinny matmuls "
           f"{'up to ' + str(runner.model.skinny_max_m) + ' rows' if runner.skinny_gemm else 'off'}, PDL {pdl_mode}, "
-          f"cuBLAS SM carve-out {carveout}, one-kernel MLP up to {runner.model.fused_mlp_max_m} rows",
+          f"cuBLAS SM carve-out {carveout}",
           flush=True)
     bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
     arch = runner.arch
@@ -199,7 +199,6 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
     iters = 5 if quick else 20
     out: dict = {"model": name, "attention": runner.attn_backend.name, "weight_read_floor_ms": floor * 1e3,
                  "skinny_gemm": runner.skinny_gemm, "skinny_max_m": runner.model.skinny_max_m, "pdl": pdl_mode,
-                 "fused_mlp_max_m": runner.model.fused_mlp_max_m,
                  "cublas_sm_carveout": carveout,
                  "pdl_active": pdl.enabled(runner.device),  # "on" is only asked for: pre-Hopper GPUs run without
                  "load_s": load_s, "num_graphs": num_graphs, "capture_s": capture_s,

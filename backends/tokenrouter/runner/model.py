@@ -133,8 +133,6 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         workspace: SplitKWorkspace,
         qk_rope: bool = False,
-        fused_mlp: bool = False,
-        fused_mlp_sms: int = 0,
     ) -> torch.Tensor:  # the next residual stream
         """The layer for a few tokens: four skinny matmuls with the norms, q/k-norm + RoPE + the KV write,
         SwiGLU's activation and the residual adds fused into them, so the layer is six kernels (attention's split
@@ -148,12 +146,6 @@ class DecoderLayer(nn.Module):
                             qk_rope=attn.qk_rope(batch, rope) if qk_rope else None)
         o = attn.attend(qkv, batch, rope, backend, roped=qk_rope)
         stream = skinny_linear(o, attn.o_proj.weight, workspace, residual=stream)
-        if fused_mlp:  # the MLP as one kernel (runner/fused_mlp.py)
-            from tokenrouter.runner.fused_mlp import fused_mlp as mlp_kernel
-
-            norm = self.post_attention_layernorm
-            return mlp_kernel(stream, norm.weight, norm.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight, workspace,
-                              num_sms=fused_mlp_sms)
         gate_up = skinny_linear(stream, mlp.gate_up_proj.weight, workspace, prologue="rms_norm",
                                 norm_weight=self.post_attention_layernorm.weight,
                                 eps=self.post_attention_layernorm.eps)
@@ -187,11 +179,8 @@ class CausalLM(nn.Module):
         self.skinny_max_m = 0
         # (N, K, head_dim) of the qkv matmul where its layers can take the QKRope epilogue; set by `use_skinny_gemm`.
         self.qk_rope_qkv: tuple[int, int, int] | None = None
-        # Batches of up to this many tokens run each layer's MLP as one kernel (fused_mlp.py; 0: never).
-        self.fused_mlp_max_m = 0
-        self.fused_mlp_num_sms = 0  # the green context's SMs the launches run on (0: the whole GPU)
 
-    def use_skinny_gemm(self, device: torch.device, num_sms: int = 0) -> bool:
+    def use_skinny_gemm(self, device: torch.device) -> bool:
         """Route batches of up to `skinny_max_m` tokens (skinny_gemm.max_rows: what the tuned table measured faster
         on this device, for the weights' dtype) through `DecoderLayer.forward_stream` (fused path only; that path
         passes no q/k/v bias). Returns whether it did."""
@@ -208,26 +197,7 @@ class CausalLM(nn.Module):
         if skinny_gemm.QKRope.supports(a.head_dim, a.qk_norm, a.qk_norm):
             self.qk_rope_qkv = (shapes[0][0], shapes[0][1], a.head_dim)
         self.workspace = skinny_gemm.workspace_for(shapes, self.skinny_max_m, device, dtype, self.qk_rope_qkv)
-        self._use_fused_mlp(device, num_sms)
         return True
-
-    def _use_fused_mlp(self, device: torch.device, num_sms: int) -> None:
-        """Run the MLP of batches up to fused_mlp.MAX_ROWS tokens as one kernel where it pays (`fused_mlp.pays`)
-        and the GPU (or the model's green context of `num_sms` SMs) can hold its grid at once; the workspace grows to
-        its partials."""
-        from tokenrouter.runner import fused_mlp, skinny_gemm
-
-        h, i = self.arch.hidden_size, self.arch.intermediate_size
-        cfg = fused_mlp.config_for(h, i, device)
-        if not fused_mlp.pays(h, i, device) or not fused_mlp.fits(device, cfg, num_sms):
-            return
-        self.fused_mlp_num_sms = num_sms
-        self.fused_mlp_max_m = min(fused_mlp.MAX_ROWS, self.skinny_max_m)
-        need = fused_mlp.workspace_need(i, self.fused_mlp_max_m)
-        ws = self.workspace
-        if not ws.fits(*need):
-            self.workspace = skinny_gemm.SplitKWorkspace(device, max(need[0], ws.partials.numel()),
-                                                         max(need[1], ws.counts.numel()))
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:  # [T, hidden]
         h = self.model.embed_tokens(batch.input_ids)
@@ -237,10 +207,8 @@ class CausalLM(nn.Module):
             # Decided once a step: every layer has the same qkv shape.
             qk = self.qk_rope_qkv
             qk_rope = qk is not None and qk_rope_pays(qk[0], qk[1], h.shape[0], h.device, h.dtype)
-            mlp = h.shape[0] <= self.fused_mlp_max_m
             for layer in self.model.layers:
-                h = layer.forward_stream(h, batch, self.model.rotary_emb, backend, self.workspace, qk_rope, mlp,
-                                         self.fused_mlp_num_sms)
+                h = layer.forward_stream(h, batch, self.model.rotary_emb, backend, self.workspace, qk_rope)
             return self.model.norm(h)
         residual = None
         for layer in self.model.layers:

@@ -62,10 +62,9 @@ class ModelRunner:
         self.attn_backend = get_backend(_attention_for(cfg.attention, self.device))
         # The Triton attention path also gets the fused Triton kernels between the matmuls.
         self.model = self._load_model(fused=self.attn_backend.name == "triton")
-        self.skinny_gemm = cfg.skinny_gemm and self.model.use_skinny_gemm(self.device, cfg.num_sms)
+        self.skinny_gemm = cfg.skinny_gemm and self.model.use_skinny_gemm(self.device)
         if self.skinny_gemm:
-            log.info("model %s: skinny matmuls for batches of up to %d tokens, the MLP as one kernel up to %d",
-                     cfg.name, self.model.skinny_max_m, self.model.fused_mlp_max_m)
+            log.info("model %s: skinny matmuls for batches of up to %d tokens", cfg.name, self.model.skinny_max_m)
         # What this model's weights took, whatever else shares the device (other models, other processes).
         self.weight_bytes = (torch.cuda.memory_allocated(self.device) - before) if self.device.type == "cuda" else 0
         self.block_size = cfg.block_size

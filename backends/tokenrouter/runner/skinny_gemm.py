@@ -485,20 +485,18 @@ class TunedTable:
 
     matmuls: dict[str, TunedEntry]
     layer_rows: dict[str, int]
-    mlp: dict[str, dict] = dataclasses.field(default_factory=dict)  # fused_mlp.py's entries (perf/bench_mlp.py)
 
 
 @cache
 def _tuned_table(device_name: str) -> TunedTable:
     """The persisted table for this GPU model. Empty when that GPU was never tuned."""
     part = json.loads(TUNED_PATH.read_text()).get(device_name, {}) if TUNED_PATH.exists() else {}
-    if set(part) - {"matmuls", "layers", "mlp"}:
-        log.warning("%s: %s has keys other than 'matmuls', 'layers' and 'mlp' (an older format?); they are ignored",
+    if set(part) - {"matmuls", "layers"}:
+        log.warning("%s: %s has keys other than 'matmuls' and 'layers' (an older format?); they are ignored",
                     TUNED_PATH, device_name)
     matmuls = {key: TunedEntry(GemmConfig(**e["config"]), e["us"], e["baseline_us"])
                for key, e in part.get("matmuls", {}).items()}
-    return TunedTable(matmuls, {key: e["max_rows"] for key, e in part.get("layers", {}).items()},
-                      part.get("mlp", {}))
+    return TunedTable(matmuls, {key: e["max_rows"] for key, e in part.get("layers", {}).items()})
 
 
 @cache
