@@ -422,6 +422,9 @@ def test_sse_and_error_bodies() -> None:
         ("CUDA out of memory", None, 500),
         ("failed to connect to all addresses", "StatusCode.UNAVAILABLE", 503),
         ("model 'large' is unavailable: its process exited and is being restarted; retry shortly", None, 503),
+        ("model 'large' went away during the request (its process exited, or the server is shutting down)", None, 503),
+        ("the server is shutting down", None, 503),
+        ("model 'large' rejected the request: prompt has 70 tokens, but the context limit is 64", None, 400),
         ("Request for unknown model: 'tokenrouter' is not found", None, 500),
     ],
 )

@@ -79,8 +79,10 @@ def error_body(
 
 # gRPC's status when the Triton server cannot be reached (down, restarting, wrong address).
 _UNREACHABLE_STATUSES = {"StatusCode.UNAVAILABLE"}
-# The router's refusal while a model is down ("model 'large' is unavailable: ... retry shortly").
-_UNAVAILABLE_MARKER = "is unavailable"
+# The router's refusal while a model is down ("model 'large' is unavailable: ... retry shortly"), a request that
+# a model's process took with it ("model 'large' went away during the request (...)": the router revives the
+# model, so a retry is served or refused as above) and the server stopping: each may succeed when retried.
+_UNAVAILABLE_MARKERS = ("is unavailable", "went away during the request", "the server is shutting down")
 UNREACHABLE_MESSAGE = "the inference server is unavailable; retry shortly"
 
 
@@ -90,7 +92,7 @@ def triton_error_status(message: str, status: str | None = None) -> int:
     request_timeout_s cut the request off, else 500."""
     if status in _BAD_INPUT_STATUSES:
         return 400
-    if status in _UNREACHABLE_STATUSES or _UNAVAILABLE_MARKER in message:
+    if status in _UNREACHABLE_STATUSES or any(marker in message for marker in _UNAVAILABLE_MARKERS):
         return 503
     if TIMEOUT_ERROR in message:
         return 504
