@@ -20,6 +20,7 @@ import torch
 
 from tokenrouter.tokenizer import encode_prompt, load_tokenizer
 from triton_harness import (
+    Streams,
     generate_stream,
     killed_while_holding,
     metrics,
@@ -173,15 +174,10 @@ def test_routing_around_a_killed_subserver(tiny_dir: Path, tmp_path: Path) -> No
         return json.loads(final["routing_stats"])["tokens_per_model"]
 
     with running_server(_config(tmp_path, tiny_dir, model_down="route_around"), tmp_path) as server:
-        results: dict[str, tuple[int, list[dict]]] = {}
         prompts = [f"def f{i}(x):" for i in range(6)]
-        streams = [threading.Thread(target=lambda p=p: results.__setitem__(p, request(p))) for p in prompts]
-        for t in streams:
-            t.start()
+        streams = Streams(request, prompts)
         with killed_while_holding(server, repo, "large") as large:
-            for t in streams:
-                t.join(timeout=120)
-            assert not any(t.is_alive() for t in streams), "a stream hung after its model died"
+            results = streams.join(120, "a stream hung after its model died")
             for prompt in prompts:
                 assert_whole(*results[prompt])
                 text = stream_text(results[prompt][1])

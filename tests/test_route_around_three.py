@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
 from triton_harness import (
     REPO,
+    Streams,
     generate_stream,
     killed_while_holding,
     metrics,
@@ -47,24 +47,10 @@ def test_routing_around_the_middle_of_three_models(tiny_dir: Path, tmp_path: Pat
         return json.loads(finals[0]["routing_stats"])["tokens_per_model"]
 
     with running_server(config, tmp_path) as server:
-        results: dict[str, dict[str, int]] = {}
-        failures: list[BaseException] = []
-
-        def run(prompt: str) -> None:
-            try:
-                results[prompt] = whole(prompt)
-            except BaseException as e:  # (reported by the test thread below)
-                failures.append(e)
-
         prompts = [f"def g{i}(y):" for i in range(6)]
-        streams = [threading.Thread(target=run, args=(p,)) for p in prompts]
-        for t in streams:
-            t.start()
+        streams = Streams(whole, prompts)
         with killed_while_holding(server, repo, "medium") as medium:
-            for t in streams:
-                t.join(timeout=180)
-            assert not any(t.is_alive() for t in streams), "a stream hung after the medium model died"
-            assert not failures, failures[0]
+            results = streams.join(180, "a stream hung after the medium model died")
             assert set(results) == set(prompts)
             down = metrics(server)
             assert down['tokenrouter_model_up{model="medium"}'] == 0.0

@@ -7,11 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -138,6 +141,32 @@ def stub_regions_of(repo: Path, model: str = "") -> list[tuple[int, str]]:
         if len(argv) > 2 and argv[0].endswith("triton_python_backend_stub") and argv[1].startswith(where):
             stubs.append((int(pid), argv[2]))
     return stubs
+
+
+class Streams:
+    """`fn(prompt)` for each prompt, each on a thread of its own (started at once): `join` waits for them all and
+    returns their results by prompt, failing the test on a thread that hung or raised (with what it raised)."""
+
+    def __init__(self, fn: Callable[[str], Any], prompts: list[str]) -> None:
+        self.results: dict[str, Any] = {}
+        self.failures: list[BaseException] = []
+
+        def run(prompt: str) -> None:
+            try:
+                self.results[prompt] = fn(prompt)
+            except BaseException as e:  # (reported by `join`, on the test's thread)
+                self.failures.append(e)
+
+        self.threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+        for t in self.threads:
+            t.start()
+
+    def join(self, timeout: float, hung: str) -> dict[str, Any]:
+        for t in self.threads:
+            t.join(timeout=timeout)
+        assert not any(t.is_alive() for t in self.threads), hung
+        assert not self.failures, self.failures[0]
+        return self.results
 
 
 @contextmanager
