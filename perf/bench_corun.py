@@ -16,7 +16,10 @@ sharing the SMs that a deployment can choose:
   their SMs through a whole matmul), `green<N>` (the large model's steps on a CUDA green context of N SMs:
   `ModelConfig.num_sms`; the small model keeps the whole GPU), `lt<K>` / `lt<K>_high` (the large model's matmuls
   captured through cuBLASLt with K SMs carved out, `lt0` none: the carve-out reaches cuBLASLt only, whose
-  heuristics then size their grids for the SMs left; `_high`: the small model's stream at high priority);
+  heuristics then size their grids for the SMs left; `_high`: the small model's stream at high priority),
+  `small_r2r` / `small_r2r_torch` (the small model's steps with R2R's router in their graphs, as its subserver runs
+  them: the router's matmuls as the tuned table says, or on cuBLAS; beside the large model's graphs as the variants
+  before left them, so `lt48,small_r2r` is the served deployment's pairing);
 - in two processes under CUDA MPS (the served deployment: one process per model): `mps<P>`, the large model's
   process limited to P % of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), the small model's unlimited. Caution:
   on the H200 with torch 2.11 a limited process's cuBLAS matmuls returned NaN from finite inputs at some
@@ -50,11 +53,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "backends"))
 sys.path.insert(0, str(ROOT / "perf"))
 
+# KV pool tokens per model; --kv-tokens sets them all (an 80 GB GPU holds the 32B's weights and ~20k tokens).
 KV_TOKENS = {"qwen3-0.6b": 50_000, "qwen3-8b": 50_000, "qwen3-32b": 50_000}
 
 
-def build(name: str, skinny: bool = True, priority: str = "normal"):
-    """A runner with dummy weights and its graphs captured, and its block manager."""
+def build(name: str, skinny: bool = True, priority: str = "normal", router: str = ""):
+    """A runner with dummy weights and its graphs captured, and its block manager. `router` ("auto" or "torch"):
+    with R2R's router in its graphs (bench_runner.r2r_hook), its matmuls as the tuned table says or on cuBLAS."""
     from tokenrouter.config import ModelConfig
     from tokenrouter.engine.block_manager import BlockManager
     from tokenrouter.runner.model_runner import ModelRunner
@@ -64,7 +69,12 @@ def build(name: str, skinny: bool = True, priority: str = "normal"):
                       skinny_gemm=skinny, stream_priority=priority,
                       cuda_graph_max_batch=16, cuda_graph_max_tokens=32)  # what the cases need: quick captures
     runner = ModelRunner(cfg, default_kv_tokens=KV_TOKENS[name])
-    runner.setup_step(None)
+    hook = None
+    if router:
+        from bench_runner import r2r_hook
+
+        hook = r2r_hook(runner, skinny=router == "auto")
+    runner.setup_step(hook)
     return runner, BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
 
 
@@ -168,13 +178,18 @@ def run_inprocess(args) -> dict:
     # The large model's skinny variants and then the carve-outs recapture its graphs, which the earlier variants'
     # step replays: they go last (a carve-out or an `lt` variant after a skinny variant measures the skinny large
     # model).
-    order = {"large_skinny": 1, "large_streamk": 1, "green": 2, "carveout": 3, "lt": 4}
+    order = {"large_skinny": 1, "large_streamk": 1, "green": 2, "carveout": 3, "lt": 4, "small_r2r": 5}
     small_high = None
     for variant in sorted(args.variants.split(","),
                           key=lambda v: next((k for p, k in order.items() if v.startswith(p)), 0)):
         try:
             if variant == "plain":
                 out[variant] = side_by_side(small, large)
+            elif variant in ("small_r2r", "small_r2r_torch"):
+                runner, bm = build(args.small, router="torch" if variant.endswith("_torch") else "auto")
+                now = Step(large_runner, large_bm, args.large_batch, args.context, args.large_new)  # its graphs as left
+                out[variant] = side_by_side(Step(runner, bm, args.small_batch, args.context, 1), now)
+                del runner, bm
             elif variant in ("small_high", "small_cublas"):
                 runner, bm = build(args.small, skinny=variant != "small_cublas",
                                    priority="high" if variant == "small_high" else "normal")
@@ -423,8 +438,11 @@ def main() -> None:
     ap.add_argument("--mps", default="", help="comma-separated MPS percentages for the large model's process")
     ap.add_argument("--seconds", type=float, default=4.0, help="(MPS) how long the large worker steps")
     ap.add_argument("--role", choices=["small", "large"], help=argparse.SUPPRESS)
+    ap.add_argument("--kv-tokens", type=int, help="KV pool tokens of each model (default: 50,000)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.kv_tokens:
+        KV_TOKENS.update(dict.fromkeys(KV_TOKENS, args.kv_tokens))
     if args.role == "large":
         large_worker(args)
         return
