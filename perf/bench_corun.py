@@ -97,14 +97,24 @@ class Step:
         return bool(self.out.logits.float().isfinite().all())
 
 
-def timed(step: Step, n: int) -> list:
-    """Launch `n` replays back to back on the step's stream, an event before, between and after them."""
+# Replays a model has queued at once beside the other: a subserver launches a step, and at most one more ahead of
+# it (stepping ahead), before it waits for results. Launching 30 large graphs at once instead (as this bench did
+# until 2026-12-05) queues ~25k kernels, and the other model's launches then waited for room in the queue: its
+# steps "stalled for part of the window" beside carved cuBLASLt graphs (perf/results/r2r_served_h100_2026-12-05).
+DEPTH = 2
+
+
+def timed(step: Step, n: int, depth: int = 0) -> list:
+    """Launch `n` replays on the step's stream, an event before, between and after them; with `depth`, each
+    launch first waits until at most depth - 1 earlier replays are unfinished (0: all back to back)."""
     import torch
 
     events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
     with torch.cuda.stream(step.runner.stream):
         events[0].record()
         for i in range(n):
+            if depth and i >= depth:
+                events[i - depth + 1].synchronize()  # replay i - depth has finished
             step.graph.replay()
             events[i + 1].record()
     return events
@@ -121,11 +131,13 @@ def alone(step: Step, n: int = 30) -> float:
     return statistics.median(a.elapsed_time(b) for a, b in zip(ev, ev[1:]))
 
 
-def side_by_side(small: Step, large: Step, n_large: int = 30) -> dict:
-    """Both streams loaded at once: `n_large` large steps, and enough small steps to outlast them. Returns the
-    median ms of the small steps that ran wholly inside the large model's window, and the large steps' mean."""
+def side_by_side(small: Step, large: Step, n_large: int = 30, depth: int | None = None) -> dict:
+    """Both streams loaded at once: `n_large` large steps, and enough small steps to outlast them, each model with
+    at most `depth` replays queued (DEPTH unless given; 0: all at once). Returns the median ms of the small steps
+    that ran wholly inside the large model's window, and the large steps' mean."""
     import torch
 
+    depth = DEPTH if depth is None else depth
     t_small, t_large = alone(small), alone(large)
     n_small = math.ceil(n_large * t_large / t_small) + 10
     torch.cuda.synchronize()
@@ -138,12 +150,12 @@ def side_by_side(small: Step, large: Step, n_large: int = 30) -> dict:
 
     def small_loop() -> None:
         both.wait()
-        sev.extend(timed(small, n_small))
+        sev.extend(timed(small, n_small, depth))
 
     thread = threading.Thread(target=small_loop, name="corun-small")
     thread.start()
     both.wait()
-    lev = timed(large, n_large)
+    lev = timed(large, n_large, depth)
     thread.join()
     torch.cuda.synchronize()
     start, end = lev[0], lev[-1]
@@ -439,10 +451,15 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=4.0, help="(MPS) how long the large worker steps")
     ap.add_argument("--role", choices=["small", "large"], help=argparse.SUPPRESS)
     ap.add_argument("--kv-tokens", type=int, help="KV pool tokens of each model (default: 50,000)")
+    ap.add_argument("--depth", type=int,
+                    help="replays each model has queued at once side by side (default: DEPTH; 0: all at once)")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.kv_tokens:
         KV_TOKENS.update(dict.fromkeys(KV_TOKENS, args.kv_tokens))
+    if args.depth is not None:
+        global DEPTH  # (side_by_side's default)
+        DEPTH = args.depth
     if args.role == "large":
         large_worker(args)
         return
