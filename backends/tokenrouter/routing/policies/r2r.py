@@ -91,17 +91,6 @@ class R2RRouter(SkinnyRouter):
         return self.head(self.norm(x)).squeeze(-1)
 
 
-def top_logits(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """[S, k]: each row's k largest logits, largest first. On a GPU two Triton kernels (runner/top_k.py), where
-    torch's radix select launches ~12 inside the small model's step; the values are the same."""
-    if logits.is_cuda:
-        from tokenrouter.runner import top_k  # (imported where used, as skinny_router does)
-
-        if top_k.supported(k):
-            return top_k.top_k_values(logits.contiguous(), k)
-    return torch.topk(logits, k, dim=-1, sorted=True).values
-
-
 @register
 class R2RPolicy(LearnedRouterPolicy):
     """R2R: the large model writes one token whenever the router's probability is >= threshold."""
@@ -130,4 +119,5 @@ class R2RPolicy(LearnedRouterPolicy):
         k = self.net.top_k
         if result.logits.shape[-1] < k:
             raise ValueError(f"policy 'r2r': router expects the top {k} logits, the step has {result.logits.shape[-1]}")
-        return result.hidden.float(), top_logits(result.logits.float(), k), result.token_embeddings.float()
+        top = torch.topk(result.logits.float(), k, dim=-1, sorted=True).values
+        return result.hidden.float(), top, result.token_embeddings.float()
