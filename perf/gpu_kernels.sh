@@ -5,12 +5,13 @@
 # With RUNNER=1, last: bench_runner on MODELS with skinny matmuls on and off side by side, writing each model's
 # step-level row cap into the table (perf/bench_runner.py --skinny-gemm both --layer-caps).
 # ROUTERS=r2r:qwen3-0.6b also tunes those router networks' float32 matmuls (a bench_gemm run of their own, so a
-# timeout there keeps the models' entries), and the runner then measures the 0.6B's decode with the router too.
+# timeout there keeps the models' entries; row tiles ROUTER_TILES, default 16,32), and the runner then measures the
+# 0.6B's decode with the router too (gemm_routers.md, runner.md).
 # TESTS='' skips the tests, PROFILES=0 the step profiles; TEST_S, TUNE_S, RUNNER_S bound the steps (seconds).
 # Usage (repository root, on the GPU machine, its image's Python as it is):
 #   bash perf/gpu_kernels.sh OUT_DIR [MODELS]
 #   TESTS=tests/test_skinny_gemm.py TILES=16,32,64 RUNNER=1 bash perf/gpu_kernels.sh OUT_DIR qwen3-32b
-# Results: OUT_DIR/results_kernels.tgz (gpu_tests.log, bench_gemm.log, gemm_h200.md, skinny_gemm_tuned.json,
+# Results: OUT_DIR/results_kernels.tgz (gpu_tests.log, bench_gemm.log, gemm_tuned.md, skinny_gemm_tuned.json,
 # profile.log).
 set -uo pipefail
 out=${1:?output directory}
