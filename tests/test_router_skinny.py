@@ -87,6 +87,7 @@ def test_the_table_decides(monkeypatch: pytest.MonkeyPatch) -> None:
     fast = sg.TunedEntry(sg.GemmConfig(32, 64, 1), 1.0, 2.0)
     table({sg.table_key(n, k, 16): fast for n, k in shapes})  # bfloat16 keys only
     assert not net.use_skinny_gemm(cuda)
+    assert "no torch.float32 entries for" in net.skinny_off  # what the policy logs
     f32 = {sg.table_key(n, k, 16, torch.float32): fast for n, k in shapes}
     table(f32)
     assert net.use_skinny_gemm(cuda) and net.skinny_max_m == 16

@@ -248,20 +248,46 @@ def test_table_decides_the_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     assert sg.max_rows(shapes, DEVICE) == 16
 
 
-def test_shipped_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The committed H200 table parses, runs the 0.6B skinny up to its step-level cap and keeps the 32B on cuBLAS
-    (its layer cap is 0: no faster at the step, and its skinny steps slowed the 0.6B beside it)."""
+@pytest.mark.parametrize("gpu, small_rows, rope_rows, large_reason", [
+    # The 32B's layer cap is 0 on the H200: no faster at the step, and its skinny steps slowed the 0.6B beside it.
+    ("NVIDIA H200", 16, 16, "caps this layer at 0 rows"),
+    # The H100 was measured for the 0.6B (and R2R's router) only (perf/results/h100_table_2026-12-05).
+    ("NVIDIA H100 80GB HBM3", 32, 64, "no torch.bfloat16 entries for 10240x5120, 5120x8192, 51200x5120, 5120x25600"),
+])
+def test_shipped_table(monkeypatch: pytest.MonkeyPatch, gpu: str, small_rows: int, rope_rows: int,
+                       large_reason: str) -> None:
+    """The committed table parses, runs the 0.6B skinny up to its step-level cap on each measured GPU and keeps the
+    32B on cuBLAS, saying why."""
     from tokenrouter.runner.arch import ArchConfig
     from tokenrouter.runner.model import layer_shapes
 
-    monkeypatch.setattr(sg, "_table", lambda device: sg._tuned_table("NVIDIA H200"))
-    rows = {}
+    monkeypatch.setattr(sg, "_table", lambda device: sg._tuned_table(gpu))
+    rows, reasons = {}, {}
     for model in ("qwen3-0.6b", "qwen3-32b"):
         arch = ArchConfig.from_dir(Path(__file__).resolve().parents[1] / "perf" / "models" / model)
         rows[model] = sg.max_rows(layer_shapes(arch), DEVICE)
-    assert rows == {"qwen3-0.6b": 16, "qwen3-32b": 0}
-    # The 0.6B's qkv matmul takes the QKRope epilogue at up to 16 rows (measured faster), not past the tuned tile.
-    assert sg.qk_rope_pays(4096, 1024, 8, DEVICE) and not sg.qk_rope_pays(4096, 1024, 32, DEVICE)
+        reasons[model] = sg.cublas_reason(layer_shapes(arch), DEVICE)
+    assert rows == {"qwen3-0.6b": small_rows, "qwen3-32b": 0}
+    assert large_reason in reasons["qwen3-32b"]
+    # The 0.6B's qkv matmul takes the QKRope epilogue where its tuned entry was measured faster, not past it.
+    assert sg.qk_rope_pays(4096, 1024, 8, DEVICE) and sg.qk_rope_pays(4096, 1024, rope_rows, DEVICE)
+    assert rope_rows == sg.MAX_M or not sg.qk_rope_pays(4096, 1024, 2 * rope_rows, DEVICE)
+
+
+def test_cublas_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the log says when a layer stays on cuBLAS: a GPU the table never measured names the tuning script."""
+    shapes = [(96, 64), (64, 32)]
+    assert sg.cublas_reason(shapes, torch.device("cpu")) == "not a CUDA device"
+    _table(monkeypatch, {})
+    assert "has no entries for" in sg.cublas_reason(shapes, DEVICE)
+    assert "perf/gpu_kernels.sh" in sg.cublas_reason(shapes, DEVICE)
+    _table(monkeypatch, {sg.table_key(96, 64, 16): _entry(1.0, 2.0)})
+    assert "has no torch.bfloat16 entries for 64x32 on" in sg.cublas_reason(shapes, DEVICE)
+    both = {sg.table_key(n, k, 16): _entry(1.0, 2.0) for n, k in shapes}
+    _table(monkeypatch, both, {sg.layer_key(shapes): 0})
+    assert "caps this layer at 0 rows" in sg.cublas_reason(shapes, DEVICE)
+    _table(monkeypatch, {key: _entry(3.0, 2.0) for key in both})
+    assert "measured cuBLAS faster" in sg.cublas_reason(shapes, DEVICE)
 
 
 def test_layer_caps_rule() -> None:

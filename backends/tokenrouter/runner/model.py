@@ -179,12 +179,15 @@ class CausalLM(nn.Module):
         self.skinny_max_m = 0
         # (N, K, head_dim) of the qkv matmul where its layers can take the QKRope epilogue; set by `use_skinny_gemm`.
         self.qk_rope_qkv: tuple[int, int, int] | None = None
+        # Why `use_skinny_gemm` kept the matmuls on cuBLAS, in words for the log ("" when it did not).
+        self.skinny_off = ""
 
     def use_skinny_gemm(self, device: torch.device) -> bool:
         """Route batches of up to `skinny_max_m` tokens (skinny_gemm.max_rows: what the tuned table measured faster
         on this device, for the weights' dtype) through `DecoderLayer.forward_stream` (fused path only; that path
         passes no q/k/v bias). Returns whether it did."""
         if not self.fused or self.arch.qkv_bias:
+            self.skinny_off = "q/k/v biases (the skinny layer has none)" if self.fused else "the unfused (torch) path"
             return False
         from tokenrouter.runner import skinny_gemm
 
@@ -192,6 +195,7 @@ class CausalLM(nn.Module):
         dtype = self.model.embed_tokens.weight.dtype  # float32 weights have table entries (and kernels) of their own
         self.skinny_max_m = skinny_gemm.max_rows(shapes, device, dtype)
         if self.skinny_max_m == 0:
+            self.skinny_off = skinny_gemm.cublas_reason(shapes, device, dtype)
             return False
         a = self.arch
         if skinny_gemm.QKRope.supports(a.head_dim, a.qk_norm, a.qk_norm):

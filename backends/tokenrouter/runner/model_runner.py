@@ -65,6 +65,8 @@ class ModelRunner:
         self.skinny_gemm = cfg.skinny_gemm and self.model.use_skinny_gemm(self.device)
         if self.skinny_gemm:
             log.info("model %s: skinny matmuls for batches of up to %d tokens", cfg.name, self.model.skinny_max_m)
+        elif cfg.skinny_gemm and self.device.type == "cuda":
+            log.info("model %s: matmuls on cuBLAS: %s", cfg.name, self.model.skinny_off)
         # What this model's weights took, whatever else shares the device (other models, other processes).
         self.weight_bytes = (torch.cuda.memory_allocated(self.device) - before) if self.device.type == "cuda" else 0
         self.block_size = cfg.block_size

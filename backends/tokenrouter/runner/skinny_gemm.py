@@ -563,6 +563,24 @@ def max_rows(shapes: list[tuple[int, int]], device: torch.device, dtype: torch.d
     return rows if cap is None else min(rows, cap)
 
 
+def cublas_reason(shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Why `max_rows` keeps a layer of these (N, K) matmuls on cuBLAS on this GPU, for the log: a GPU the table has
+    never measured is the case a deployment on a new kind of GPU meets, and it says how to tune one."""
+    table = _table(device)
+    if table is None:
+        return "not a CUDA device"
+    gpu = _device_name(device) if device.type == "cuda" and torch.cuda.is_available() else str(device)
+    if not table.matmuls:
+        return (f"{TUNED_PATH.name} has no entries for {gpu}; `bash perf/gpu_kernels.sh OUT_DIR MODEL` on this "
+                "GPU measures them (perf/README.md)")
+    missing = [f"{n}x{k}" for n, k in shapes if table_key(n, k, BLOCK_M_SIZES[0], dtype) not in table.matmuls]
+    if missing:
+        return f"{TUNED_PATH.name} has no {dtype} entries for {', '.join(missing)} on {gpu}"
+    if LAYER_CAPS and table.layer_rows.get(layer_key(shapes)) == 0:
+        return f"{TUNED_PATH.name} caps this layer at 0 rows on {gpu} (its steps were measured no faster)"
+    return f"{TUNED_PATH.name} measured cuBLAS faster for this layer on {gpu}"
+
+
 class SplitKWorkspace:
     """Float32 partials and per-tile counters of split-K and stream-K launches, one per model (one CUDA stream):
     launches on one stream run one after another, and each leaves its counters zero for the next."""

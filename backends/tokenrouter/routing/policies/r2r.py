@@ -112,8 +112,12 @@ class R2RPolicy(LearnedRouterPolicy):
 
     def setup(self, device: torch.device, dtype: torch.dtype, hidden_size: int, vocab_size: int) -> None:
         super().setup(device, dtype, hidden_size, vocab_size)
-        if self.net is not None and self.router_kernel == "auto" and self.net.use_skinny_gemm(torch.device(device)):
+        if self.net is None or self.router_kernel != "auto":
+            return
+        if self.net.use_skinny_gemm(torch.device(device)):
             log.info("policy r2r: router matmuls through the skinny kernel for up to %d rows", self.net.skinny_max_m)
+        elif torch.device(device).type == "cuda":
+            log.info("policy r2r: router matmuls on cuBLAS: %s", self.net.skinny_off)
 
     def net_inputs(self, result: StepResult) -> tuple[torch.Tensor, ...]:
         k = self.net.top_k

@@ -59,6 +59,7 @@ class SkinnyRouter(nn.Module):
         super().__init__()
         self.workspace = None  # skinny_gemm.SplitKWorkspace once `use_skinny_gemm` turned the kernel on
         self.skinny_max_m = 0
+        self.skinny_off = ""  # why `use_skinny_gemm` kept cuBLAS, in words for the log
 
     def fused_linears(self) -> list[FusedLinear]:
         raise NotImplementedError
@@ -73,12 +74,16 @@ class SkinnyRouter(nn.Module):
         try:
             from tokenrouter.runner import skinny_gemm
         except ImportError:  # no Triton: the torch modules it is
+            self.skinny_off = "Triton is not installed"
             return False
         shapes = [f.shape for f in self.fused_linears()]
         if max_rows is None:
             if device.type != "cuda":
+                self.skinny_off = "not a CUDA device"
                 return False
             max_rows = skinny_gemm.max_rows(shapes, device, torch.float32)
+            if max_rows <= 0:
+                self.skinny_off = skinny_gemm.cublas_reason(shapes, device, torch.float32)
         if max_rows <= 0:
             return False
         self.skinny_max_m = min(max_rows, skinny_gemm.MAX_M)
