@@ -43,6 +43,14 @@ fi
 # serve CONFIG REPOSITORY LOG: `tokenrouter serve` in the background (its pid in server_pid); returns 0 once
 # ready, 1 when it exited or was not ready within 300 s. stop_server (after serve): stop that server (it quits
 # the MPS daemon it started), then quit any MPS daemon still running, so that the next serve starts a fresh one.
+# Each such quit has waited ~30 s on the GPU machine (serve's "did not quit within 30 s" warning, every served
+# call since 2026-12-02), device time that KEEP_MPS=1 saves: one daemon, started here, serves every server of the
+# call (serve then neither starts nor quits one) and is quit when the script exits. Not yet run on a GPU.
+if [ "${KEEP_MPS:-0}" = 1 ]; then
+  step "CUDA MPS daemon for the whole call (KEEP_MPS=1)"
+  nvidia-cuda-mps-control -d || exit 1
+  trap 'echo quit | nvidia-cuda-mps-control > /dev/null 2>&1' EXIT
+fi
 serve() {
   python3 -m tokenrouter.cli serve --config "$1" --model-repository "$2" "${envflag[@]}" > "$3" 2>&1 &
   server_pid=$!
@@ -55,6 +63,7 @@ serve() {
 }
 stop_server() {
   kill -INT $server_pid 2> /dev/null; wait $server_pid
+  [ "${KEEP_MPS:-0}" = 1 ] && return 0
   echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
   for _ in $(seq 1 40); do pgrep -f nvidia-cuda-mps > /dev/null || break; sleep 1; done
 }
