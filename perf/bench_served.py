@@ -18,7 +18,10 @@ those ids. Every request generates exactly `--output-len` tokens (`ignore_eos`, 
 Measured per C: output tok/s (all output tokens / first send -> last final response), per-user tok/s
 (output tokens / (E2E - TTFT), the mean over requests), TTFT and E2E latency (mean, p50, p99), TTFT by the model
 that made the first token, the large model's token share and handoffs per request (from each final response's
-routing_stats), and failures.
+routing_stats), failures, and the mean number of requests in flight over the run (the sum of their E2E times /
+the run's span): below C by what the run's ramp and drain took. A workload whose requests differ widely in length
+(R2R's untrained router sends some requests to the large model for every token) drains behind its longest, so its
+output tok/s is then not C's steady state (perf/results/r2r_served_h100_2026-12-05).
 """
 
 from __future__ import annotations
@@ -149,6 +152,7 @@ def summarize(concurrency: int, rows: list[dict]) -> dict[str, Any]:
         "e2e_ms_p99": float(np.percentile(e2e, 99)),
         "large_share": float(np.mean(large)) if large else None,
         "handoffs_per_request": float(np.mean(handoffs)) if handoffs else None,
+        "mean_in_flight": float(e2e.sum() / 1000 / span),
         "ttft_by_first_token_model": ttft_by_first_token_model(ok),
     })
     return out
@@ -192,14 +196,16 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{_fmt(r['engine_ttft_ms_mean'])} | {r['served_errors']} |")
     else:
         lines += ["| C | requests | errors | output tok/s | per-user tok/s | TTFT mean / p50 / p99 ms | "
-                  "E2E mean / p99 ms | large share | handoffs/req |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "E2E mean / p99 ms | large share | handoffs/req | mean in flight |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in report["results"]:
             point = f"{r['concurrency']} (run {r['run']})" if r.get("run") else str(r["concurrency"])
             lines.append(
                 f"| {point} | {r['requests']} | {r['errors']} | {_fmt(r.get('output_tok_s'))} | "
                 f"{_fmt(r.get('per_user_tok_s'))} | {_fmt(r.get('ttft_ms_mean'))} / {_fmt(r.get('ttft_ms_p50'))} / "
                 f"{_fmt(r.get('ttft_ms_p99'))} | {_fmt(r.get('e2e_ms_mean'))} / {_fmt(r.get('e2e_ms_p99'))} | "
-                f"{_fmt(r.get('large_share'), 3)} | {_fmt(r.get('handoffs_per_request'))} |")
+                f"{_fmt(r.get('large_share'), 3)} | {_fmt(r.get('handoffs_per_request'))} | "
+                f"{_fmt(r.get('mean_in_flight'), 2)} |")
         split = [(r, m, g) for r in report["results"] for m, g in (r.get("ttft_by_first_token_model") or {}).items()]
         if split:
             lines += ["", "TTFT by the model that made the first token:", "",
@@ -296,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
                 write(report)  # after every run: a run cut short keeps what it measured
                 print(f"C={c} run {run}: {_fmt(row.get('output_tok_s'))} tok/s, TTFT p50 / p99 "
                       f"{_fmt(row.get('ttft_ms_p50'))} / {_fmt(row.get('ttft_ms_p99'))} ms, large share "
-                      f"{_fmt(row.get('large_share'), 3)}, {row['errors']} errors; TTFT p50 / p99 ms by first-token "
+                      f"{_fmt(row.get('large_share'), 3)}, {_fmt(row.get('mean_in_flight'), 2)} in flight, "
+                      f"{row['errors']} errors; TTFT p50 / p99 ms by first-token "
                       "model: " + ", ".join(f"{m} {_fmt(g['p50'])} / {_fmt(g['p99'])} ({g['requests']})"
                                             for m, g in (row.get("ttft_by_first_token_model") or {}).items()),
                       flush=True)

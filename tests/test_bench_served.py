@@ -1,4 +1,5 @@
-"""perf/bench_served.py's summary: TTFT kept apart by the model that made the first token (issue 11, point 4)."""
+"""perf/bench_served.py's summary: TTFT kept apart by the model that made the first token (issue 11, point 4), and
+the requests in flight on average (a run that drained behind its longest requests is not C's steady state)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,14 @@ def test_ttft_split_by_first_token_model() -> None:
     report = {"title": "t", "command": "c", "date": "d", "machine_line": "m", "workload": {}, "results": [out]}
     text = markdown(report)
     assert "| 8 | 0 | large | 1 | 50.0 | 50.0 |" in text
+
+
+def test_mean_in_flight() -> None:
+    """Two requests over one run: one of 1 s from t=0, one of 3 s from t=1. The run spans 4 s with 4 s of requests:
+    one in flight on average, though C was 2."""
+    rows = [_row(0.0, 0.0, "small"), _row(1.0, 2.0, "small")]
+    out = summarize(2, rows)
+    assert out["duration_s"] == 4.0 and out["mean_in_flight"] == 1.0
+    report = {"title": "t", "command": "c", "date": "d", "machine_line": "m", "workload": {}, "results": [out]}
+    (line,) = [x for x in markdown(report).splitlines() if x.startswith("| 2 | 2 | 0 |")]
+    assert line.endswith("| 1.00 |")
