@@ -48,7 +48,7 @@ fi
 # call (serve then neither starts nor quits one) and is quit when the script exits. Not yet run on a GPU.
 if [ "${KEEP_MPS:-0}" = 1 ]; then
   step "CUDA MPS daemon for the whole call (KEEP_MPS=1)"
-  nvidia-cuda-mps-control -d || exit 1
+  pgrep -f nvidia-cuda-mps-control > /dev/null || nvidia-cuda-mps-control -d || exit 1
   trap 'echo quit | nvidia-cuda-mps-control > /dev/null 2>&1' EXIT
 fi
 serve() {
