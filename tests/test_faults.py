@@ -24,6 +24,7 @@ from triton_harness import (
     generate_stream,
     killed_while_holding,
     metrics,
+    one_stub,
     running_server,
     stream_text,
     stubs_of,
@@ -59,7 +60,7 @@ def _fault_under_streams(server, repo: Path, fault, error: str, within_s: float 
     for t in streams:
         t.start()
     time.sleep(1.0)  # mid-request: 3,000 tokens take far longer than this
-    (large,) = stubs_of(repo, "large")
+    large = one_stub(repo, "large")
     fault(large)
     begun = time.monotonic()
     for t in streams:
@@ -95,7 +96,7 @@ def test_a_stopped_subserver_is_killed_by_the_watchdog_and_reloaded(tiny_dir: Pa
         stopped: list[int] = []
         try:
             # Before any request: the router connects to every model once it listens, so this one is watched too.
-            (idle,) = stubs_of(repo, "large")
+            idle = one_stub(repo, "large")
             stopped.append(idle)
             os.kill(idle, signal.SIGSTOP)
             deadline = time.monotonic() + 60

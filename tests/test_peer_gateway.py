@@ -363,7 +363,7 @@ def test_a_dead_model_on_a_live_peer_is_reloaded(tiny_dir: Path, tmp_path: Path)
     """The peer's `large` process dies while its tritonserver stays up: the request routed there fails with
     a clear error, the peer's gateway reloads the model, the router reconnects, and routed output is
     again the in-process engine's."""
-    from triton_harness import generate_stream, stubs_of
+    from triton_harness import generate_stream, one_stub, stubs_of
 
     env = triton_install.execution_env()
     peer_ports = free_ports(3)
@@ -386,7 +386,7 @@ def test_a_dead_model_on_a_live_peer_is_reloaded(tiny_dir: Path, tmp_path: Path)
     try:
         status, events = generate_stream(router, body)
         assert status == 200 and stream_text(events) == ref.text, events
-        (large,) = stubs_of(peer_repo, "large")
+        large = one_stub(peer_repo, "large")
         long = dict(body, sampling_parameters=json.dumps({**greedy, "max_tokens": 3000}))
         killer = threading.Timer(1.0, os.kill, (large, signal.SIGKILL))
         killer.start()
