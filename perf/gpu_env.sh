@@ -43,12 +43,14 @@ fi
 # serve CONFIG REPOSITORY LOG: `tokenrouter serve` in the background (its pid in server_pid); returns 0 once
 # ready, 1 when it exited or was not ready within 300 s. stop_server (after serve): stop that server (it quits
 # the MPS daemon it started), then quit any MPS daemon still running, so that the next serve starts a fresh one.
-# Each such quit has waited ~30 s on the GPU machine (serve's "did not quit within 30 s" warning, every served
-# call since 2026-12-02), device time that KEEP_MPS=1 saves: one daemon, started here, serves every server of the
-# call (serve then neither starts nor quits one) and is quit when the script exits. Not yet run on a GPU.
+# A daemon that quit stays a zombie on the GPU machine (its parent is init, which does not reap there): live_mps
+# leaves those out (until 2026-12-05 the wait below took all its 40 s after every server for that reason).
+# KEEP_MPS=1: one daemon, started here, serves every server of the call (serve then neither starts nor quits
+# one) and is quit when the script exits.
+live_mps() { ps -eo stat=,comm= | awk '$1 !~ /^Z/ && $2 ~ /^nvidia-cuda-mps/ {n++} END {exit n == 0}'; }
 if [ "${KEEP_MPS:-0}" = 1 ]; then
   step "CUDA MPS daemon for the whole call (KEEP_MPS=1)"
-  pgrep -f nvidia-cuda-mps-control > /dev/null || nvidia-cuda-mps-control -d || exit 1
+  live_mps || nvidia-cuda-mps-control -d || exit 1
   trap 'echo quit | nvidia-cuda-mps-control > /dev/null 2>&1' EXIT
 fi
 serve() {
@@ -64,6 +66,6 @@ serve() {
 stop_server() {
   kill -INT $server_pid 2> /dev/null; wait $server_pid
   [ "${KEEP_MPS:-0}" = 1 ] && return 0
-  echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
-  for _ in $(seq 1 40); do pgrep -f nvidia-cuda-mps > /dev/null || break; sleep 1; done
+  live_mps && echo quit | timeout 30 nvidia-cuda-mps-control > /dev/null 2>&1
+  for _ in $(seq 1 40); do live_mps || break; sleep 1; done
 }

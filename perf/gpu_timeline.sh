@@ -48,8 +48,8 @@ serve() {
 }
 stop_server() {
   kill -INT $serve_pid 2> /dev/null; wait $serve_pid
-  echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
-  for _ in $(seq 1 30); do pgrep -f nvidia-cuda-mps > /dev/null || break; sleep 1; done
+  live_mps && echo quit | timeout 30 nvidia-cuda-mps-control > /dev/null 2>&1
+  for _ in $(seq 1 30); do live_mps || break; sleep 1; done  # (live_mps: gpu_env.sh)
 }
 # Kernels compiled on requests (there should be none): the cache folder of each variant compiled after
 # ready (its __grp__*.json written last) is kept, with its metadata (name, specialization).

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 from tokenrouter.config import EngineConfig
@@ -39,19 +40,29 @@ def daemon_path() -> str | None:
     return None
 
 
-def running() -> bool:
-    """An MPS control daemon of this machine is up (its process exists and its control pipe is there)."""
-    pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")) / "control"
-    if not pipe.exists():
-        return False
+def _live_daemon_processes() -> list[int]:
+    """Pids of this machine's MPS processes (control daemon, servers) that have not exited. One that has exited
+    stays listed as a zombie until its parent reaps it, and the daemon's parent is init: where init does not reap
+    (a container's first process often does not), every daemon that ever quit stays a zombie. Counting those,
+    serve took a daemon that had quit for a running one (2026-12-05, on the GPU machine)."""
+    pids = []
     for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if (proc / "comm").read_text().strip().startswith("nvidia-cuda-mps"):
-                    return True
-            except OSError:
-                continue
-    return False
+        if not proc.name.isdigit():
+            continue
+        try:
+            comm = (proc / "comm").read_text().strip()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]  # the field after "(comm)"
+        except (OSError, IndexError):
+            continue
+        if comm.startswith("nvidia-cuda-mps") and state not in ("Z", "X"):
+            pids.append(int(proc.name))
+    return pids
+
+
+def running() -> bool:
+    """An MPS control daemon of this machine is up (a live process of it exists and its control pipe is there)."""
+    pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")) / "control"
+    return pipe.exists() and bool(_live_daemon_processes())
 
 
 def start() -> None:
@@ -73,8 +84,13 @@ def stop(timeout: float = 30.0) -> bool:
     exe = daemon_path()
     if exe is None:
         return True
+    deadline = time.monotonic() + timeout
     try:
         subprocess.run([exe], input="quit\n", capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return False
-    return not running()
+    while _live_daemon_processes():  # the control client returns as the daemon begins to exit
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
