@@ -145,10 +145,13 @@ def ensure_models(config_path: Path) -> None:
 
 
 def _gpu_available() -> bool:
+    """Counted through NVML where torch can: serve itself never initializes CUDA. `torch.cuda.is_available()`
+    does, and under a running MPS daemon that makes the process the daemon's client, whose `quit` then waits
+    for it to exit (a probe on an H100, 2026-12-05)."""
     try:
         import torch
 
-        return torch.cuda.is_available()
+        return torch.cuda.device_count() > 0
     except ImportError:
         return False
 
