@@ -32,10 +32,10 @@ sys.path.insert(0, str(ROOT / "backends"))
 from tokenrouter.config import ModelConfig  # noqa: E402
 from tokenrouter.engine.block_manager import BlockManager  # noqa: E402
 from tokenrouter.engine.sequence import Sequence  # noqa: E402
-from tokenrouter.runner import pdl  # noqa: E402
+from tokenrouter.runner import cuda_graph, model_runner, pdl  # noqa: E402
 from tokenrouter.runner.arch import ArchConfig  # noqa: E402
 from tokenrouter.runner.forward_batch import ScheduledChunk  # noqa: E402
-from tokenrouter.runner.model_runner import ModelRunner  # noqa: E402
+from tokenrouter.runner.model_runner import ModelRunner, carves  # noqa: E402
 from tokenrouter.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -175,9 +175,10 @@ def set_pdl(mode: str) -> None:
 
 def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_router: bool,
                 skinny: bool = True, profile: bool = False, pdl_mode: str = "on", decode_only: bool = False,
-                carveout: int = 0) -> dict:
+                carveout: int = 0, extends: list[tuple[int, int]] | None = None, extend_context: int = 1024,
+                kv_tokens: int | None = None) -> dict:
     path = ROOT / "perf" / "models" / name
-    kv_tokens = {"qwen3-0.6b": 600_000, "qwen3-8b": 300_000, "qwen3-32b": 160_000}[name]
+    kv_tokens = kv_tokens or {"qwen3-0.6b": 600_000, "qwen3-8b": 300_000, "qwen3-32b": 160_000}[name]
     cfg = ModelConfig(name=name, path=str(path), dtype="bfloat16", device="cuda:0", load_format="dummy",
                       kv_cache_tokens=kv_tokens, max_model_len=16384, attention=attention, skinny_gemm=skinny,
                       cublas_sm_carveout=carveout)
@@ -199,7 +200,8 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
     iters = 5 if quick else 20
     out: dict = {"model": name, "attention": runner.attn_backend.name, "weight_read_floor_ms": floor * 1e3,
                  "skinny_gemm": runner.skinny_gemm, "skinny_max_m": runner.model.skinny_max_m, "pdl": pdl_mode,
-                 "cublas_sm_carveout": carveout,
+                 "cublas_sm_carveout": carveout, "carve_max_tokens": model_runner.CARVEOUT_MAX_TOKENS,
+                 "extend_token_steps": list(cuda_graph._EXTEND_TOKEN_STEPS),
                  "pdl_active": pdl.enabled(runner.device),  # "on" is only asked for: pre-Hopper GPUs run without
                  "load_s": load_s, "num_graphs": num_graphs, "capture_s": capture_s,
                  "graph_pool_mib": torch.cuda.memory_reserved() / 2**20,
@@ -231,14 +233,18 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
     if profile:
         out["profile_b8"] = profile_decode(runner, bm, batch=8, context=1024)
     # Suffixes a returning request brings: 1..64 tokens for one request, and 8 requests x 1..10 tokens.
-    suffixes = ((1, 2), (1, 4), (1, 8), (1, 16), (1, 32), (1, 64), (8, 2), (8, 4), (8, 8), (8, 10))
+    suffixes = extends or ((1, 2), (1, 4), (1, 8), (1, 16), (1, 32), (1, 64), (8, 2), (8, 4), (8, 8), (8, 10))
     for batch, new in () if decode_only else suffixes:
-        g, e = case(batch, 1024, new)
-        row = {"batch": batch, "suffix": new, "tokens": batch * new, "graph_ms": g and g * 1e3, "eager_ms": e * 1e3}
+        g, e = case(batch, extend_context, new)
+        shape = runner.graphs and cuda_graph.pick_shape(runner.graphs.shapes, batch, batch * new)
+        row = {"batch": batch, "suffix": new, "tokens": batch * new, "context": extend_context,
+               "graph_tokens": shape and shape.num_tokens, "carved": bool(shape and carveout and carves(shape)),
+               "graph_ms": g and g * 1e3, "eager_ms": e * 1e3}
         if batch == 8 and g is not None and decode8["graph_ms"]:
             row["graph_x_decode_b8"] = g * 1e3 / decode8["graph_ms"]
         out["extend"].append(row)
-        print(f"{name} extend {batch}x{new} on 1k: graph {_ms(g)} ms, eager {_ms(e)} ms", flush=True)
+        print(f"{name} extend {batch}x{new} on {extend_context}: graph {_ms(g)} ms (graph of {row['graph_tokens']} "
+              f"tokens, carved {row['carved']}), eager {_ms(e)} ms", flush=True)
     # Prompts: one short one, four arriving together (as many requests' first visits to a model), one long one.
     for seqs, length in () if decode_only else ((1, 100), (4, 100), (1, 8192)):
         g, e = case(seqs, 0, length, max(3, iters // 2))
@@ -353,8 +359,8 @@ def markdown(results: dict) -> str:
              "the KV bytes a decode step reads.", ""]
     for m in results["models"]:
         matmuls = f"skinny matmuls up to {m['skinny_max_m']} rows" if m.get("skinny_gemm") else "cuBLAS matmuls"
-        carve = (f" (in graphs of up to 128 tokens through cuBLASLt, {m['cublas_sm_carveout']} SMs carved out)"
-                 if m.get("cublas_sm_carveout") else "")
+        carve = (f" (in graphs of up to {m.get('carve_max_tokens', 128)} tokens through cuBLASLt, "
+                 f"{m['cublas_sm_carveout']} SMs carved out)" if m.get("cublas_sm_carveout") else "")
         lines += [f"## {m['model']}, {matmuls}{carve}, PDL {m.get('pdl', 'on')} (attention: {m['attention']}, "
                   f"weight-read floor {m['weight_read_floor_ms']:.2f} ms, {m['num_graphs']} graphs captured in "
                   f"{m['capture_s']:.1f} s)",
@@ -373,10 +379,12 @@ def markdown(results: dict) -> str:
             lines += ["", f"Kernels of one b{p['batch']} decode replay ({p['context']} context): {p['kernels']:.0f} "
                           f"kernels, {p['kernel_ms']:.2f} ms ({groups} ms); longest: "
                           + "; ".join(f"{k['name'][:40]} {k['us']:.0f} us x{k['launches']:.0f}" for k in p["top"][:3])]
-        lines += ["", "| extend (requests x suffix, 1k context) | tokens | graph ms | eager ms | graph / decode b8 |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {e['batch']} x {e['suffix']} | {e['tokens']} | {_f(e['graph_ms'])} | {e['eager_ms']:.2f} | "
-                  f"{_f(e.get('graph_x_decode_b8'))} |" for e in m["extend"]]
+        lines += ["", "| extend (requests x suffix) | context | tokens | graph of tokens (carved) | graph ms "
+                      "| eager ms | graph / decode b8 |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {e['batch']} x {e['suffix']} | {e.get('context', 1024)} | {e['tokens']} | "
+                  f"{e.get('graph_tokens')} ({'yes' if e.get('carved') else 'no'}) | {_f(e['graph_ms'])} | "
+                  f"{e['eager_ms']:.2f} | {_f(e.get('graph_x_decode_b8'))} |" for e in m["extend"]]
         lines += ["", "| prefill (prompts x tokens) | graph ms | eager ms | tok/s |", "|---|---|---|---|"]
         lines += [f"| {p.get('seqs', 1)} x {p['tokens'] // p.get('seqs', 1)} | {_f(p['graph_ms'], '.1f')} | "
                   f"{p['eager_ms']:.1f} | {p['tok_per_s']:,.0f} |"
@@ -424,6 +432,16 @@ def main() -> int:
                          "(graphs of up to 128 tokens captured through cuBLASLt with that many SMs carved out; 0: "
                          "torch's default)")
     ap.add_argument("--decode-only", action="store_true", help="skip the extend and prefill cases")
+    ap.add_argument("--extends", metavar="BxS,...",
+                    help="the extend cases instead of the default ones: B requests of S new tokens each")
+    ap.add_argument("--extend-context", type=int, default=1024, help="the cached tokens of every extend case")
+    ap.add_argument("--kv-tokens", type=int, metavar="N",
+                    help="the KV pool of every model, in tokens (default: sized for an H200; cases that do not fit are "
+                         "skipped): the 32B on an 80 GB GPU needs ~24000")
+    ap.add_argument("--fine-tokens", type=int, metavar="N",
+                    help="capture extend graphs in steps of 16 tokens up to N (the runner: up to 128, then of 64)")
+    ap.add_argument("--carve-max-tokens", type=int, metavar="N",
+                    help="carve graphs of up to N tokens out (the runner: model_runner.CARVEOUT_MAX_TOKENS)")
     ap.add_argument("--profile", action="store_true",
                     help="also the kernel breakdown of each model's b8 1k decode step (torch.profiler)")
     ap.add_argument("--out", default=str(ROOT / "perf" / "results" / "runner.json"))
@@ -436,6 +454,11 @@ def main() -> int:
         ap.error("--layer-caps takes one --cublas-sm-carveout setting (the caps are for one)")
     if args.layer_caps and not args.caps_from and args.skinny_gemm != "both":
         ap.error("--layer-caps needs --skinny-gemm both (or --caps-from a saved run of it)")
+    extends = [tuple(int(x) for x in c.split("x")) for c in args.extends.split(",")] if args.extends else None
+    if args.fine_tokens:
+        cuda_graph._EXTEND_TOKEN_STEPS = ((args.fine_tokens, 16), (1 << 30, 64))
+    if args.carve_max_tokens is not None:
+        model_runner.CARVEOUT_MAX_TOKENS = args.carve_max_tokens
     if args.caps_from:
         if not args.layer_caps:
             ap.error("--caps-from needs --layer-caps TABLE")
@@ -461,7 +484,8 @@ def main() -> int:
             for skinny in modes:
                 for carve in carveouts:
                     results["models"].append(bench_model(name, bw, args.attention, args.quick, with_router, skinny,
-                                                         args.profile, pdl_mode, args.decode_only, carve))
+                                                         args.profile, pdl_mode, args.decode_only, carve,
+                                                         extends, args.extend_context, args.kv_tokens))
                     Path(args.out).write_text(json.dumps(results, indent=2))
     set_pdl(pdl_modes[0])
     if args.colocate:

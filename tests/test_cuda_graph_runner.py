@@ -37,8 +37,9 @@ def test_graph_shapes_cover_decode_and_short_extends() -> None:
 def test_extend_token_counts_step_16_then_64() -> None:
     # Fine steps where returning requests' short suffixes land, coarse ones for prefills.
     assert extend_token_counts(128) == list(range(16, 129, 16))
-    assert extend_token_counts(512) == list(range(16, 129, 16)) + [192, 256, 320, 384, 448, 512]
-    assert extend_token_counts(200) == list(range(16, 129, 16)) + [192]  # up to the limit, never past it
+    assert extend_token_counts(512) == list(range(16, 257, 16)) + [320, 384, 448, 512]
+    assert extend_token_counts(200) == list(range(16, 193, 16))  # up to the limit, never past it
+    assert extend_token_counts(300) == list(range(16, 257, 16))
     assert extend_token_counts(15) == []
     # The default config's largest extend graph holds four 100-token prompts with their suffixes.
     default = ModelConfig(name="m", path="unused").cuda_graph_max_tokens
@@ -129,7 +130,8 @@ def test_fewest_tokens_bounds_every_batch_a_graph_replays() -> None:
             if shape is not None:
                 assert tokens >= fewest_tokens(shapes, shape), (seqs, tokens, shape)
     assert fewest_tokens(shapes, GraphShape(80, 16)) == 65  # 8 requests x 10 tokens replay (80, 16)
-    assert fewest_tokens(shapes, GraphShape(192, 4)) == 129  # past 128 tokens the step is 64
+    assert fewest_tokens(shapes, GraphShape(192, 4)) == 177  # steps of 16 up to 256 tokens
+    assert fewest_tokens(shapes, GraphShape(320, 4)) == 257  # past 256 tokens the step is 64
 
 
 def test_padded_graph_step_matches_plain_forward(tiny_dir: Path) -> None:
@@ -165,7 +167,7 @@ def test_padded_graph_step_matches_plain_forward(tiny_dir: Path) -> None:
 
 
 def test_prefill_replays_a_graph_past_128_tokens(tiny_dir: Path) -> None:
-    """A batch of prompts (170 tokens) replays the 192-token graph (22 padding tokens, a padding sequence; every
+    """A batch of prompts (170 tokens) replays the 176-token graph (6 padding tokens, a padding sequence; every
     prompt uses one KV split, so the extend kernel writes the output itself); then a returning request's suffix
     beside a decode row replays a 16-token graph. Same logits, tokens and KV as the unpadded eager steps."""
     graphed, plain = _runner(tiny_dir, max_tokens=192), _runner(tiny_dir, max_tokens=192)
@@ -182,7 +184,7 @@ def test_prefill_replays_a_graph_past_128_tokens(tiny_dir: Path) -> None:
         ours, ref = a.step(toks), b.step(toks)
         torch.testing.assert_close(ours[0], ref[0], rtol=TOL, atol=TOL)  # logits
         assert torch.equal(ours[2], ref[2])  # greedy tokens
-    assert replayed == [GraphShape(192, 4), GraphShape(16, 4)]
+    assert replayed == [GraphShape(176, 4), GraphShape(16, 4)]
     torch.testing.assert_close(graphed.kv_cache, plain.kv_cache, rtol=TOL, atol=TOL)
     a.release()
     b.release()

@@ -83,9 +83,9 @@ class ModelConfig:
     # the triton package is importable, else torch).
     attention: Literal["auto", "torch", "triton"] = "auto"
     # CUDA graphs (GPU with the triton attention backend): decode steps of up to cuda_graph_max_batch
-    # sequences and extends of up to cuda_graph_max_tokens tokens (in steps of 16 up to 128, then of 64 over at
-    # most 16 sequences: short prefills too) replay captured graphs; 0 or enforce_eager turns them off. Capture
-    # takes memory (one shared pool, plus each graph's logits) and a few seconds at startup.
+    # sequences and extends of up to cuda_graph_max_tokens tokens (in steps of 16 up to 256, then of 64; past 128
+    # tokens over at most 16 sequences: short prefills too) replay captured graphs; 0 or enforce_eager turns them
+    # off. Capture takes memory (one shared pool, plus each graph's logits) and a few seconds at startup.
     enforce_eager: bool = False
     cuda_graph_max_batch: int = _spec(64, ge=0, accepts="an integer >= 0 (0 turns CUDA graphs off)")
     cuda_graph_max_tokens: int = _spec(512, ge=0, accepts="an integer >= 0 (0 turns CUDA graphs off)")
@@ -115,7 +115,7 @@ class ModelConfig:
     # (perf/results/green_h200_2026-12-03), hence off by default. Hopper hands out SMs in groups of 8. A green
     # context's stream has the normal priority.
     num_sms: int = _spec(0, ge=0, accepts="an integer >= 0 (0: all SMs)")
-    # SMs this model's captured cuBLAS matmuls leave to others: its graphs of up to 128 tokens (bound by memory
+    # SMs this model's captured cuBLAS matmuls leave to others: its graphs of up to 112 tokens (bound by memory
     # bandwidth; runner/model_runner.py CARVEOUT_MAX_TOKENS) are captured through cuBLASLt with torch's SM
     # carve-out, whose heuristics then size the matmuls' grids for the SMs left (0: cuBLAS as torch picks it, all
     # SMs). A soft partition: the model's other kernels still use every SM, and a matmul sized for fewer SMs runs

@@ -36,18 +36,22 @@ log = logging.getLogger(__name__)
 # Decode batch sizes that get a graph (capped by the config's cuda_graph_max_batch): powers of two up to 8,
 # then steps of 8 up to 32 and 16 beyond, so padding wastes at most a quarter of a step's rows.
 _DECODE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
-# Extend graphs: token counts in steps of 16 up to 128 (a matmul over M rows costs nearly the same for M within
-# one 16-row MMA tile), then of 64: batches past 128 tokens mostly hold a prefill (a new prompt, or a request's
-# first visit to a model: its prompt and suffix), and run eagerly they pay ~30 us of host time per kernel launch
+# Extend graphs: token counts in steps of 16 up to 256 (a matmul over M rows costs nearly the same for M within
+# one 16-row MMA tile), then of 64: batches past 256 tokens mostly hold a prefill (new prompts, or requests' first
+# visits to a model: a prompt and its suffix), and run eagerly they pay ~30 us of host time per kernel launch
 # (perf/profile_host.py on an H200: 10-11 ms per step of the 0.6B against 1.9 ms for its graph, 23 ms of
-# launches per step of the 32B), while padding up to 63 tokens costs a prefill little. For each token count a
+# launches per step of the 32B), while padding up to 63 tokens costs a prefill little. Between 128 and 256 tokens
+# are the 32B's steps when many requests return at once (8-13 requests of ~13 tokens at C=16), and there the 32B
+# is bound by compute as much as by bandwidth: in steps of 64 such a step paid its padding (H200, 2026-12-05,
+# perf/results/large_extend_2026-12-05: 144 tokens 24.4 ms, 160 25.4 ms, 192 28.8 ms). For each token count a
 # few sequence counts, so a handful of returning requests does not run the grids of a 64-sequence graph; past
 # 128 tokens at most 16 sequences: the extend kernel's grid covers the longest possible suffix of every sequence
 # (64 x 512 tokens would be ~50,000 programs per layer, nearly all returning at once), and each graph keeps its
 # own [sequences, vocab] float32 logits (39 MB at 64 sequences of Qwen3's vocabulary).
-_EXTEND_TOKEN_STEPS = ((128, 16), (1 << 30, 64))  # (up to this many tokens, in steps of)
+_EXTEND_TOKEN_STEPS = ((256, 16), (1 << 30, 64))  # (up to this many tokens, in steps of)
 _EXTEND_SEQS = (4, 16, 64)
-_PREFILL_SEQS = (4, 16)  # past the first step size's limit (128 tokens)
+_FEW_SEQS = (4, 16)  # for graphs of more than _MANY_SEQS_MAX_TOKENS tokens
+_MANY_SEQS_MAX_TOKENS = 128
 
 StepHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
@@ -68,7 +72,7 @@ def graph_shapes(max_batch: int, max_tokens: int, max_seqs: int | None = None) -
     max_seqs = max_batch if max_seqs is None else max_seqs
     shapes = {GraphShape(b, b) for b in _DECODE_SIZES if b <= min(max_batch, max_seqs)}
     for t in extend_token_counts(max_tokens):
-        for b in _EXTEND_SEQS if t <= _EXTEND_TOKEN_STEPS[0][0] else _PREFILL_SEQS:
+        for b in _EXTEND_SEQS if t <= _MANY_SEQS_MAX_TOKENS else _FEW_SEQS:
             shapes.add(GraphShape(t, min(b, t - 1, max_seqs)))
     return sorted(s for s in shapes if s.num_seqs >= 1)
 

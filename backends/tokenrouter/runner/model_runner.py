@@ -248,8 +248,10 @@ class ModelRunner:
 # The carve-out applies to graphs of up to this many tokens: their matmuls are bound by memory bandwidth, which
 # 84 of an H200's 132 SMs still draw (the 32B's decode and short extends ran 2-10 % faster carved), where a
 # prefill's are bound by compute (the 32B's 4 x 100-token prefill graph: 50.0 ms on every SM, 70.0 carved;
-# perf/results/sm_carveout_h200_2026-12-04). 128: where the extend graphs' steps of 16 tokens end (cuda_graph.py).
-CARVEOUT_MAX_TOKENS = 128
+# perf/results/sm_carveout_h200_2026-12-04). The 32B alone on an H200 by graph size (2026-12-05,
+# perf/results/large_extend_2026-12-05), carved 48 against every SM: 112 tokens 21.5 vs 21.9 ms, 128 tokens 23.9
+# vs 22.0: compute starts to bind between the two.
+CARVEOUT_MAX_TOKENS = 112
 
 
 def carves(shape: GraphShape) -> bool:
