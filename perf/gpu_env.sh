@@ -45,14 +45,7 @@ fi
 # the MPS daemon it started), then quit any MPS daemon still running, so that the next serve starts a fresh one.
 # A daemon that quit stays a zombie on the GPU machine (its parent is init, which does not reap there): live_mps
 # leaves those out (until 2026-12-05 the wait below took all its 40 s after every server for that reason).
-# KEEP_MPS=1: one daemon, started here, serves every server of the call (serve then neither starts nor quits
-# one) and is quit when the script exits.
 live_mps() { ps -eo stat=,comm= | awk '$1 !~ /^Z/ && $2 ~ /^nvidia-cuda-mps/ {n++} END {exit n == 0}'; }
-if [ "${KEEP_MPS:-0}" = 1 ]; then
-  step "CUDA MPS daemon for the whole call (KEEP_MPS=1)"
-  live_mps || nvidia-cuda-mps-control -d || exit 1
-  trap 'echo quit | nvidia-cuda-mps-control > /dev/null 2>&1' EXIT
-fi
 serve() {
   python3 -m tokenrouter.cli serve --config "$1" --model-repository "$2" "${envflag[@]}" > "$3" 2>&1 &
   server_pid=$!
@@ -65,7 +58,6 @@ serve() {
 }
 stop_server() {
   kill -INT $server_pid 2> /dev/null; wait $server_pid
-  [ "${KEEP_MPS:-0}" = 1 ] && return 0
   live_mps && echo quit | timeout 30 nvidia-cuda-mps-control > /dev/null 2>&1
   for _ in $(seq 1 40); do live_mps || break; sleep 1; done
 }

@@ -11,8 +11,6 @@
 # SOAK=N: the first variant's server then takes a served soak (perf/soak.py: N requests at C=16, 20 % cancelled at
 # random points; every other request ends with one final response, the server's accounting agrees, nothing is
 # held once idle).
-# KEEP_MPS=1: one CUDA MPS daemon for the whole call instead of one per server (perf/gpu_env.sh: saves the ~30 s
-# each daemon took to quit; not yet run on a GPU).
 # Usage (repository root, on the GPU machine, .gpu from perf/make_gpu_bundle.sh):
 #   bash perf/gpu_served_ab.sh OUT_DIR CONFIG NAME=TREE[,VAR=VALUE...] ...
 #   bash perf/gpu_served_ab.sh $OUT config/random/qwen3-0.6b_qwen3-32b.yaml new=. base=.baseline \
