@@ -429,7 +429,7 @@ def main() -> int:
                          "setting (the first one's runs set --layer-caps)")
     ap.add_argument("--cublas-sm-carveout", default="0",
                     help="comma list of the models' cublas_sm_carveout settings, each model run once per setting "
-                         "(graphs of up to 128 tokens captured through cuBLASLt with that many SMs carved out; 0: "
+                         "(graphs of up to 112 tokens captured through cuBLASLt with that many SMs carved out; 0: "
                          "torch's default)")
     ap.add_argument("--decode-only", action="store_true", help="skip the extend and prefill cases")
     ap.add_argument("--extends", metavar="BxS,...",
@@ -439,7 +439,7 @@ def main() -> int:
                     help="the KV pool of every model, in tokens (default: sized for an H200; cases that do not fit are "
                          "skipped): the 32B on an 80 GB GPU needs ~24000")
     ap.add_argument("--fine-tokens", type=int, metavar="N",
-                    help="capture extend graphs in steps of 16 tokens up to N (the runner: up to 128, then of 64)")
+                    help="capture extend graphs in steps of 16 tokens up to N (the runner: up to 256, then of 64)")
     ap.add_argument("--carve-max-tokens", type=int, metavar="N",
                     help="carve graphs of up to N tokens out (the runner: model_runner.CARVEOUT_MAX_TOKENS)")
     ap.add_argument("--profile", action="store_true",
@@ -454,7 +454,11 @@ def main() -> int:
         ap.error("--layer-caps takes one --cublas-sm-carveout setting (the caps are for one)")
     if args.layer_caps and not args.caps_from and args.skinny_gemm != "both":
         ap.error("--layer-caps needs --skinny-gemm both (or --caps-from a saved run of it)")
-    extends = [tuple(int(x) for x in c.split("x")) for c in args.extends.split(",")] if args.extends else None
+    try:
+        pairs = (c.split("x") for c in args.extends.split(",")) if args.extends else None
+        extends = [(int(b), int(s)) for b, s in pairs] if pairs is not None else None
+    except ValueError:
+        ap.error(f"--extends takes a comma list of BxS (e.g. 8x10,16x12), got {args.extends!r}")
     if args.fine_tokens:
         cuda_graph._EXTEND_TOKEN_STEPS = ((args.fine_tokens, 16), (1 << 30, 64))
     if args.carve_max_tokens is not None:

@@ -23,31 +23,6 @@ def test_latency_table_fills_unmeasured_sizes_on_a_line() -> None:
     assert StepStats().latency_table(4) is None
 
 
-def test_a_rarely_seen_size_does_not_raise_the_table() -> None:
-    """A served 32B's record: sizes 1-12 seen in many steps, 13 in three odd ones (a burst of prompts, 43 ms). Its
-    mean must not count while so rare: through the per-request bound (sanitize_latency) it raised 9-12 by 3-7 ms,
-    the tuner then avoided holding for that many, and the size stayed rare."""
-    from tokenrouter.tuning.system import sanitize_latency
-
-    s = StepStats()
-    for b in range(1, 13):
-        for _ in range(20):
-            s.record_step(b, 0.019 + 0.001 * b)
-    for _ in range(3):
-        s.record_step(13, 0.043)
-    table = sanitize_latency(s.latency_table(16))
-    assert table[:12] == pytest.approx([0.019 + 0.001 * b for b in range(1, 13)])
-    assert table[12:] == pytest.approx([0.032, 0.033, 0.034, 0.035])  # the line through the sizes seen enough
-    # Its mean counts once seen in enough steps; so do all sizes while none is (a fresh record).
-    for _ in range(2):
-        s.record_step(13, 0.043)
-    assert s.latency_table(16)[12] == pytest.approx(0.043)
-    fresh = StepStats()
-    for b, t in ((1, 0.020), (13, 0.043)):
-        fresh.record_step(b, t)
-    assert fresh.latency_table(13)[12] == pytest.approx(0.043)
-
-
 def test_route_row_from_counts() -> None:
     s = StepStats()
     for _ in range(8):

@@ -6,7 +6,6 @@ quit daemon as gone. Before, the zombie counted as a running daemon: every serve
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,10 +20,17 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="ne
 
 
 def _fake_daemon(tmp_path: Path) -> subprocess.Popen:
-    """A process whose name is the MPS daemon's (a copy of `sleep` under that name), child of this test."""
-    exe = tmp_path / "nvidia-cuda-mps-control"
-    shutil.copy(shutil.which("sleep"), exe)
-    return subprocess.Popen([str(exe), "300"])
+    """A child of this test that names itself as the MPS daemon (its comm, as `ps` and /proc show it), then sleeps."""
+    code = ("import time\nopen('/proc/self/comm', 'w').write('nvidia-cuda-mps-control')\n"
+            "open(__import__('sys').argv[1], 'w').close()\ntime.sleep(300)\n")
+    ready = tmp_path / f"named-{time.monotonic_ns()}"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(ready)])
+    for _ in range(500):
+        if ready.exists():
+            return proc
+        time.sleep(0.01)
+    proc.kill()
+    raise AssertionError("the stand-in daemon did not name itself within 5 s")
 
 
 def _zombie(proc: subprocess.Popen) -> None:
@@ -104,7 +110,9 @@ def test_stop_reports_a_daemon_that_stays(tmp_path: Path, pipe_dir: Path, monkey
     control.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     try:
-        assert not mps.stop(timeout=0.5)
+        t0 = time.monotonic()
+        assert not mps.stop(timeout=2.0)
+        assert time.monotonic() - t0 >= 2.0
         assert mps.running()
     finally:
         daemon.kill()

@@ -308,7 +308,7 @@ class EngineConfig:
             return
         import torch
 
-        count = torch.cuda.device_count()  # through NVML: no CUDA initialized here (serving/server.py)
+        count = torch.cuda.device_count()  # through NVML where it can: no CUDA initialized here (serving/server.py)
         for name, gpu in wanted.items():
             if gpu >= count:
                 have = "no CUDA device" if count == 0 else f"{count} CUDA device(s)"

@@ -24,13 +24,6 @@ RECENT_STEPS = 2048
 much models sharing a GPU slow each other (engine/sharing.py)."""
 MAX_STEP_S = 60.0
 """A longer step is a suspended process or a clock glitch; as a recent step it is not kept."""
-MIN_SIZE_STEPS = 5
-"""Steps a batch size needs before its mean counts in the latency table, once some size has that many: fewer are
-interpolated from the sizes around them like unmeasured ones. A rare size is often an odd one (a burst of new
-prompts: the 32B's 3 steps at 13 requests in one served window carried 267 tokens each, 43 ms against ~30 ms at
-10-12 requests), and through the rule that no smaller batch is cheaper per request (tuning.sanitize_latency) it
-raised the 32B's whole table below it, so the tuner never held the 32B for that many requests, and the size stayed
-rare for the server's life (perf/results/large_extend_2026-12-05: replayed, hold 7 instead of 10-11 at C=16)."""
 MAX_TRANSIT_S = 10.0
 """A longer handoff transit is not one: a stamp from another clock (or a suspended process); it is not counted."""
 
@@ -101,7 +94,6 @@ class StepStats:
     def latency_table(self, max_batch: int) -> list[float] | None:
         """Mean step time for batch sizes 1..max_batch, or None before any step was timed.
 
-        A size counts as measured from :data:`MIN_SIZE_STEPS` steps on (every size seen, until one has that many).
         Unmeasured sizes between two measured ones are interpolated between those two. Outside the measured range
         they follow the least-squares slope (step time grows about linearly with batch size in the decode regime)
         from the nearest measured size, clamped to what batching allows: a smaller batch is no slower and no
@@ -110,9 +102,7 @@ class StepStats:
         tuner's Markov chain.
         """
         with self._lock:
-            counts = {b: c for b, c in self.latency_count.items() if c}
-            enough = max(counts.values(), default=0) >= MIN_SIZE_STEPS
-            points = {b: self.latency_sum[b] / c for b, c in counts.items() if c >= MIN_SIZE_STEPS or not enough}
+            points = {b: self.latency_sum[b] / c for b, c in self.latency_count.items() if c}
         if not points:
             return None
         xs = sorted(points)

@@ -40,22 +40,23 @@ def daemon_path() -> str | None:
     return None
 
 
-def _live_daemon_processes() -> list[int]:
-    """Pids of this machine's MPS processes (control daemon, servers) that have not exited. One that has exited
-    stays listed as a zombie until its parent reaps it, and the daemon's parent is init: where init does not reap
-    (a container's first process often does not), every daemon that ever quit stays a zombie. Counting those,
-    serve took a daemon that had quit for a running one (2026-12-05, on the GPU machine)."""
-    pids = []
+def _live_daemon_processes() -> set[int]:
+    """Pids of this user's MPS processes (control daemon, servers) that have not exited. One that has exited stays
+    listed as a zombie until its parent reaps it, and the daemon's parent is init: where init does not reap (a
+    container's first process often does not), every daemon that ever quit stays a zombie. Counting those, serve
+    took a daemon that had quit for a running one (2026-12-05, on the GPU machine)."""
+    pids = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             comm = (proc / "comm").read_text().strip()
             state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]  # the field after "(comm)"
+            mine = proc.stat().st_uid == os.getuid()
         except (OSError, IndexError):
             continue
-        if comm.startswith("nvidia-cuda-mps") and state not in ("Z", "X"):
-            pids.append(int(proc.name))
+        if mine and comm.startswith("nvidia-cuda-mps") and state not in ("Z", "X"):
+            pids.add(int(proc.name))
     return pids
 
 
@@ -85,11 +86,12 @@ def stop(timeout: float = 30.0) -> bool:
     if exe is None:
         return True
     deadline = time.monotonic() + timeout
+    before = _live_daemon_processes()  # (a daemon started later, by someone else, is not waited for)
     try:
         subprocess.run([exe], input="quit\n", capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return False
-    while _live_daemon_processes():  # the control client returns as the daemon begins to exit
+    while before & _live_daemon_processes():  # the control client returns as the daemon begins to exit
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.1)

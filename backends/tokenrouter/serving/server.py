@@ -145,9 +145,9 @@ def ensure_models(config_path: Path) -> None:
 
 
 def _gpu_available() -> bool:
-    """Counted through NVML where torch can: serve itself never initializes CUDA. `torch.cuda.is_available()`
-    does, and under a running MPS daemon that makes the process the daemon's client, whose `quit` then waits
-    for it to exit (a probe on an H100, 2026-12-05)."""
+    """Counted through NVML where torch can (it falls back to CUDA's count where NVML fails), so that serve itself
+    normally never initializes CUDA. `torch.cuda.is_available()` does, and under a running MPS daemon that makes
+    the process the daemon's client, whose `quit` then waits for it to exit (a probe on an H100, 2026-12-05)."""
     try:
         import torch
 

@@ -1,13 +1,15 @@
 """What `thresholds: auto` chooses at moments of a served run, replayed from its raw timeline (the server's
-TOKENROUTER_TIMELINE_DIR), with step_stats.MIN_SIZE_STEPS at 1 (every batch size's mean counts: the rule before)
-and at its value now. An analysis of this folder's calls, not a product tool.
+TOKENROUTER_TIMELINE_DIR): as the tuner is, and with batch sizes of fewer than MIN_STEPS steps left out of the
+latency table once some size has that many (`min_size_steps.patch`, not applied). An analysis of this folder's
+calls, not a product tool.
 
 Each model's steps that ended by moment T (the machine's time.monotonic(), as in the timeline) feed a fresh StepStats
 with their end times, as the subservers record them for the server's life; the routing rows are counted from the
 handoffs. Then engine/autotune.system_model (both models on one device) and tuning.choose_thresholds answer for N
 with the deployment's 50 ms bounded wait. From the repository root:
 
-    PYTHONPATH=backends:perf python3 perf/results/large_extend_2026-12-05/replay_tuner.py TIMELINE_DIR N T1 T2 ...
+    tar -C /tmp -xzf perf/results/large_extend_2026-12-05/served_h200/timeline_raw_base.tgz   # -> /tmp/tl_base
+    PYTHONPATH=backends:perf python3 perf/results/large_extend_2026-12-05/replay_tuner.py /tmp/tl_base 16 145 152 160
 """
 
 from __future__ import annotations
@@ -22,16 +24,27 @@ from tokenrouter.engine import step_stats
 from tokenrouter.engine.autotune import system_model
 from tokenrouter.tuning.choose import choose_thresholds
 
+MIN_STEPS = 5
+_table = step_stats.StepStats.latency_table
+
+
+def _filtered_table(self: step_stats.StepStats, max_batch: int, min_steps: int = 1) -> list[float] | None:
+    """The tuner's table with the sizes of fewer than `min_steps` steps left out, once some size has that many."""
+    if max(self.latency_count.values(), default=0) >= min_steps:
+        for b in [b for b, c in self.latency_count.items() if c < min_steps]:
+            self.latency_sum.pop(b)
+            self.latency_count.pop(b)
+    return _table(self, max_batch)
+
 
 def main(folder: str, n: int, moments: list[float]) -> None:
     events = read_events(Path(folder))
     steps = [e for e in events if e["kind"] == "step"]
     models = list(dict.fromkeys(e["model"] for e in steps))
     models.sort(key=lambda m: m != "small")
-    now = step_stats.MIN_SIZE_STEPS
     for moment in moments:
-        for min_steps in (1, now):
-            step_stats.MIN_SIZE_STEPS = min_steps
+        for min_steps in (1, MIN_STEPS):
+            step_stats.StepStats.latency_table = lambda self, n, k=min_steps: _filtered_table(self, n, k)
             stats = {m: step_stats.StepStats(since=min(e["start"] for e in steps)) for m in models}
             rows: Counter = Counter()
             for e in steps:
@@ -49,9 +62,9 @@ def main(folder: str, n: int, moments: list[float]) -> None:
             model = system_model(models, stats, n, one_device=True)
             choice = choose_thresholds(model, max_wait=0.05)
             large = ", ".join(f"{x * 1e3:.1f}" for x in model.step_latency[-1])
-            print(f"T={moment:7.1f} MIN_SIZE_STEPS={min_steps}: thresholds {choice.thresholds} "
+            print(f"T={moment:7.1f} min steps {min_steps}: thresholds {choice.thresholds} "
                   f"({choice.throughput:,.0f} tok/s expected); {models[-1]} ms by batch [{large}]")
-    step_stats.MIN_SIZE_STEPS = now
+    step_stats.StepStats.latency_table = _table
 
 
 if __name__ == "__main__":
