@@ -57,6 +57,8 @@ def test_a_zombie_daemon_is_not_running(tmp_path: Path, pipe_dir: Path) -> None:
     daemon = _fake_daemon(tmp_path)
     try:
         assert daemon.pid in mps._live_daemon_processes()
+        assert daemon.pid in mps._live_daemon_processes(os.getuid())
+        assert daemon.pid not in mps._live_daemon_processes(os.getuid() + 1)  # stop() waits for its user's only
         assert mps.running()
         _zombie(daemon)
         assert daemon.pid not in mps._live_daemon_processes()

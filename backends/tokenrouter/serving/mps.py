@@ -40,8 +40,9 @@ def daemon_path() -> str | None:
     return None
 
 
-def _live_daemon_processes() -> set[int]:
-    """Pids of this user's MPS processes (control daemon, servers) that have not exited. One that has exited stays
+def _live_daemon_processes(uid: int | None = None) -> set[int]:
+    """Pids of the MPS processes (control daemon, servers) that have not exited, of user `uid` only where given
+    (a daemon another user runs, e.g. the machine's own, still counts as running). One that has exited stays
     listed as a zombie until its parent reaps it, and the daemon's parent is init: where init does not reap (a
     container's first process often does not), every daemon that ever quit stays a zombie. Counting those, serve
     took a daemon that had quit for a running one (2026-12-05, on the GPU machine)."""
@@ -52,10 +53,10 @@ def _live_daemon_processes() -> set[int]:
         try:
             comm = (proc / "comm").read_text().strip()
             state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]  # the field after "(comm)"
-            mine = proc.stat().st_uid == os.getuid()
+            owner = proc.stat().st_uid
         except (OSError, IndexError):
             continue
-        if mine and comm.startswith("nvidia-cuda-mps") and state not in ("Z", "X"):
+        if (uid is None or owner == uid) and comm.startswith("nvidia-cuda-mps") and state not in ("Z", "X"):
             pids.add(int(proc.name))
     return pids
 
@@ -86,7 +87,7 @@ def stop(timeout: float = 30.0) -> bool:
     if exe is None:
         return True
     deadline = time.monotonic() + timeout
-    before = _live_daemon_processes()  # (a daemon started later, by someone else, is not waited for)
+    before = _live_daemon_processes(os.getuid())  # ours: a daemon started later, or another user's, is not waited for
     try:
         subprocess.run([exe], input="quit\n", capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
