@@ -113,6 +113,28 @@ def test_bad_step_timings_are_not_recorded() -> None:
     assert s.latency_table(2) == pytest.approx([0.002, 0.002])
 
 
+def test_a_rarely_seen_slow_batch_size_does_not_reprice_the_smaller_ones() -> None:
+    """Served on an H200 (C=16): three 32B steps at 13 requests carried a burst of prompts, 43 ms against a trend of
+    ~31 ms there. As the table's largest size, their raw mean raised every smaller size through the rule that no
+    smaller batch runs a request more cheaply (12 requests: 43 * 12 / 13 = 39.7 ms for a measured 32)."""
+    def trend(b: int) -> float:
+        return 0.020 + 0.001 * b
+
+    s = StepStats()
+    for b in range(1, 13):
+        for _ in range(40):
+            s.record_step(b, trend(b))
+    for _ in range(3):
+        s.record_step(13, 0.043)
+    table = sanitize_latency(s.latency_table(16))
+    assert table[12] < 0.036  # pooled with the trend: mostly the line while seen 3 times
+    assert table[11] < 0.0335  # lifted by ~1 ms, not ~8
+    assert table[:11] == pytest.approx([trend(b) for b in range(1, 12)], rel=0.01)
+    for _ in range(60):  # seen often, a size's own mean stands
+        s.record_step(13, 0.043)
+    assert s.latency_table(16)[12] > 0.041
+
+
 def test_sanitize_latency() -> None:
     assert sanitize_latency([1e-6, 0.0015, 0.0016]) == pytest.approx([0.00075, 0.0015, 0.0016])
     assert sanitize_latency([math.nan, 0.002, -1.0, 0.0, 0.003]) == pytest.approx([0.002, 0.002, 0.00225, 0.003, 0.003])

@@ -24,6 +24,14 @@ RECENT_STEPS = 2048
 much models sharing a GPU slow each other (engine/sharing.py)."""
 MAX_STEP_S = 60.0
 """A longer step is a suspended process or a clock glitch; as a recent step it is not kept."""
+TREND_STEPS = 8
+"""How many steps on the trend line a batch size's mean step time is pooled with (`StepStats.latency_table`). A size
+seen in a few steps is mostly what those steps carried: in one served C=16 run on an H200 three 32B steps at 13
+requests held a burst of prompts (267 tokens each, 43 ms against ~30 ms at 10-12 requests). As the table's largest
+size, with no cheaper request allowed at a smaller batch (`tuning.system.sanitize_latency`), their raw mean raised
+the entries at 10-12 by 4-7 ms, and the tuner held the 32B for 7 requests where servers without such a burst held
+for 10-12 (perf/results/large_extend_2026-12-05). Pooled with 8 steps on the line they weigh as 36.5 ms, and replayed
+from that server's steps the tuner holds for 10-11 (perf/results/tuner_trend_2026-12-05)."""
 MAX_TRANSIT_S = 10.0
 """A longer handoff transit is not one: a stamp from another clock (or a suspended process); it is not counted."""
 
@@ -94,23 +102,31 @@ class StepStats:
     def latency_table(self, max_batch: int) -> list[float] | None:
         """Mean step time for batch sizes 1..max_batch, or None before any step was timed.
 
-        Unmeasured sizes between two measured ones are interpolated between those two. Outside the measured range
-        they follow the least-squares slope (step time grows about linearly with batch size in the decode regime)
-        from the nearest measured size, clamped to what batching allows: a smaller batch is no slower and no
-        cheaper per request than a larger one. The line alone can dive below zero: noisy means of 10 ms at batch 7
-        and 20 ms at batch 8 extrapolate to -50 ms at batch 1, which used to become a 1 us step and blow up the
-        tuner's Markov chain.
+        Step time grows about linearly with batch size in the decode regime: the trend is the least-squares line
+        over all steps (each size weighs as many steps as it took). A size's mean is pulled toward that line as if
+        :data:`TREND_STEPS` steps on the line were among its own: a size seen a few times is mostly the trend, one
+        seen often mostly its own mean. Unmeasured sizes between two measured ones are interpolated between those
+        two. Outside the measured range they follow the trend's slope from the nearest measured size, clamped to
+        what batching allows: a smaller batch is no slower and no cheaper per request than a larger one. The line
+        alone can dive below zero: noisy means of 10 ms at batch 7 and 20 ms at batch 8 extrapolate to -50 ms at
+        batch 1, which used to become a 1 us step and blow up the tuner's Markov chain.
         """
         with self._lock:
-            points = {b: self.latency_sum[b] / c for b, c in self.latency_count.items() if c}
-        if not points:
+            sums = {b: (self.latency_sum[b], c) for b, c in self.latency_count.items() if c}
+        if not sums:
             return None
-        xs = sorted(points)
+        xs = sorted(sums)
+        weight = sum(c for _, c in sums.values())
+        mx = sum(b * c for b, (_, c) in sums.items()) / weight
+        my = sum(total for total, _ in sums.values()) / weight
+        var = sum(c * (b - mx) ** 2 for b, (_, c) in sums.items())
+        cov = sum((b - mx) * (total - c * my) for b, (total, c) in sums.items())
+        slope = max(0.0, cov / var) if var else 0.0
+        points = {}
+        for b, (total, c) in sums.items():
+            trend = my + slope * (b - mx)
+            points[b] = (total + TREND_STEPS * trend) / (c + TREND_STEPS) if trend > 0.0 else total / c
         ys = [points[x] for x in xs]
-        n = len(xs)
-        mx, my = sum(xs) / n, sum(ys) / n
-        var = sum((x - mx) ** 2 for x in xs)
-        slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var else 0.0
         lo, hi = xs[0], xs[-1]
         table = []
         for b in range(1, max_batch + 1):
