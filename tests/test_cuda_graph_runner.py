@@ -20,6 +20,11 @@ from tokenrouter.runner.forward_batch import ScheduledChunk
 from tokenrouter.runner.model_runner import ModelRunner
 from tokenrouter.sampling_params import SamplingParams
 
+PADDING_ROWS_UNWRITTEN = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+"""For tests of padded steps: padding tokens belong to no sequence, and attention leaves their output rows unwritten
+(zeroing them would cost a memset per layer in every graph step), so the interpreter's numpy may overflow on those
+rows' garbage downstream. Rows are independent: such tests compare the real rows."""
+
 
 def test_graph_shapes_cover_decode_and_short_extends() -> None:
     shapes = graph_shapes(max_batch=8, max_tokens=32)
@@ -134,6 +139,7 @@ def test_fewest_tokens_bounds_every_batch_a_graph_replays() -> None:
     assert fewest_tokens(shapes, GraphShape(320, 4)) == 257  # past 256 tokens the step is 64
 
 
+@PADDING_ROWS_UNWRITTEN
 def test_padded_graph_step_matches_plain_forward(tiny_dir: Path) -> None:
     graphed, plain = _runner(tiny_dir), _runner(tiny_dir)
     hook = _hook(graphed)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from test_cuda_graph_runner import PADDING_ROWS_UNWRITTEN
 from test_routing_vs_naive import naive_generate, prompts_for
 from test_stepped_finals import assert_all_free
 from tokenrouter.engine.engine import Engine
@@ -155,6 +156,7 @@ def test_prefix_cache_sees_only_committed_kv(tiny_dir: Path) -> None:
     assert got == _generate(fresh, follow)
 
 
+@PADDING_ROWS_UNWRITTEN
 def test_through_the_graph_runner_s_static_inputs(tiny_dir: Path) -> None:
     """The padded static-input path of CUDA graphs (run uncaptured on the CPU): the fed tokens are copied into its
     input buffer after the host's placeholders."""
