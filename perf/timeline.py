@@ -8,6 +8,8 @@
     python perf/timeline.py served DIR --out /tmp/timeline-served
     # the tuning model's prediction for the runs of a bench_served.py json, against what they measured
     python perf/timeline.py predict DIR --bench served_c8.json --out /tmp/predict_c8
+    # what `thresholds: auto` would choose at moments of a served run, from what the server had measured by then
+    python perf/timeline.py tuner DIR --concurrency 16 --at 145 152 --max-wait-ms 50 --one-device
 
 Each writes OUT/trace.json (open it in https://ui.perfetto.dev or chrome://tracing: one track per model,
 each step a slice with `forward` and `route+commit` inside, handoffs as arrows), OUT/summary.json and
@@ -123,6 +125,16 @@ def predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def tuner(args: argparse.Namespace) -> int:
+    from timeline_tuner import replay
+
+    events = read_events(Path(args.folder))
+    wait = None if args.max_wait_ms is None else args.max_wait_ms / 1e3
+    for moment in args.at:
+        print(replay(events, args.concurrency, moment, wait, args.one_device, args.commit_on_move))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -150,9 +162,22 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--bench", required=True, help="perf/bench_served.py's json for the runs of that window")
     q.add_argument("--max-wait-ms", type=float, help="the deployment's batching.max_wait_ms (default: no bounded wait)")
     q.add_argument("--out", help="write OUT.md and OUT.json")
+    t = sub.add_parser("tuner", help="what `thresholds: auto` would choose at moments of a served run")
+    t.add_argument("folder", help="the server's TOKENROUTER_TIMELINE_DIR")
+    t.add_argument("--concurrency", type=int, required=True, help="the concurrency the tuner solves for")
+    t.add_argument("--at", type=float, nargs="+", required=True,
+                   help="moments (time.monotonic() seconds, as in the events): the tuner sees what ended by then")
+    t.add_argument("--max-wait-ms", type=float, help="the deployment's batching.max_wait_ms (default: none)")
+    t.add_argument("--one-device", action="store_true", help="every model shares one GPU (as the deployment's)")
+    t.add_argument("--commit-on-move", type=float, default=0.0,
+                   help="the share of rows leaving the entry model that commit their token (R2R, random: 0)")
     args = p.parse_args(argv)
     if args.cmd == "predict":
         return predict(args)
+    if args.cmd == "tuner":
+        if args.concurrency < 1 or not 0.0 <= args.commit_on_move <= 1.0:
+            p.error("--concurrency must be >= 1 and --commit-on-move within [0, 1]")
+        return tuner(args)
     if args.cmd == "record":
         for name in ("concurrency", "num_requests", "prompt_len", "output_len", "repeat"):
             if getattr(args, name) < 1:
