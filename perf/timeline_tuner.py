@@ -5,8 +5,8 @@ A deployment's tuner solves from each model's StepStats, recorded over the serve
 folder a server wrote with TOKENROUTER_TIMELINE_DIR) holds what went into them, so the events up to a moment T
 rebuild them as the subservers recorded them: each step's time by the batch the GPU ran (void rows included) with
 its end (how models sharing a GPU slow each other), where each sampled row went, each handoff's transit to its
-target. Then engine/autotune.solve_thresholds answers as the router's tuner does, but picking freely as its first
-solves do: the rule that keeps the thresholds in force unless beaten by SWITCH_GAIN makes each solve depend on the
+target's process. Then engine/autotune.solve_thresholds answers as the router's tuner does, but picking freely as its
+first solves do: the rule that keeps the thresholds in force unless beaten by SWITCH_GAIN makes each solve depend on the
 ones before (and the coordinator lowers a threshold while fewer requests are in the system, so a step's threshold is
 not the solve's). The concurrency is given, not measured (the tuner's LoadMeter). For comparison, each line names the
 threshold each model's steps ran at most often in the RAN_WINDOW_S before the moment.
@@ -20,8 +20,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
-
-from timeline_analysis import transits
 
 from tokenrouter.engine.autotune import solve_thresholds, system_model
 from tokenrouter.engine.step_stats import StepStats
@@ -67,13 +65,27 @@ def replay_stats(events: list[Event], moment: float, commit_on_move: float = 0.0
                 stats[m].record_route(target, committed)
         for _ in range(max(0, rows[m] - sum(moves[(m, t)] for t in models))):
             stats[m].record_route(None, True)
-    # transit is recorded where a handoff arrives: those that arrived by the moment
-    arrived = [e for e in events if e["kind"] != "arrive" or e.get("source") is None or e["t"] <= moment]
-    for pair, seconds in transits(arrived).items():
-        src, dst = pair.split(" -> ")
-        for x in seconds if dst in stats else ():
-            stats[dst].record_transit(src, x)
+    for src, dst, seconds in _received(events, moment):
+        if dst in stats:
+            stats[dst].record_transit(src, seconds)
     return Replayed(models, stats, {m: c.most_common(1)[0][0] for m, c in ran.items() if c})
+
+
+def _received(events: list[Event], moment: float) -> list[tuple[str, str, float]]:
+    """(source, target, seconds) of each handoff received by `moment`: from the source's handoff to the target
+    process's `receive`, where a subserver measures a transit (Subserver.note_arrival; the wait for its loop after
+    that is queueing, which the tuner's model has). An in-process timeline has no `receive`: its handoffs take
+    microseconds, which the tuner leaves out anyway."""
+    sent: dict[tuple[str, str], Event] = {}
+    out = []
+    for e in events:
+        if e["kind"] == "handoff":
+            sent[(e["request_id"], e["target"])] = e
+        elif e["kind"] == "receive" and e["t"] <= moment:
+            h = sent.pop((e["request_id"], e["model"]), None)
+            if h is not None:
+                out.append((h["source"], e["model"], e["t"] - h["t"]))
+    return out
 
 
 def replay(events: list[Event], concurrency: int, moment: float, max_wait: float | None = None,

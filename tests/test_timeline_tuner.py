@@ -2,8 +2,9 @@
 solves from them.
 
 On test_timeline_predict's synthetic timeline (one request; the small model steps 1 ms and escalates every fourth
-step, dropping its token; the large model steps 10 ms and hands back; each handoff takes 0.7 ms to arrive), with the
-large model's steps after the first cycles made batches of two that take 12 ms."""
+step, dropping its token; the large model steps 10 ms and hands back; each handoff takes 0.7 ms to reach the other
+process), with the large model's steps after the first second made batches of two that take 12 ms, and 1 ms more
+before each handoff's target takes it on."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def events_and_end() -> tuple[list[dict], float]:
     for e in events:
         if e["kind"] == "step" and e["model"] == "large" and e["start"] > 1.0:
             e["batch"], e["end"], e["threshold"] = 2, e["start"] + 0.012, 2
+        if e["kind"] == "arrive" and e["source"] is not None:
+            e["t"] += 0.001  # waited for the target's loop: queueing, not transit
     return events, runs[0]["monotonic_until"]
 
 
@@ -45,7 +48,8 @@ def test_the_record_stands_as_at_the_moment() -> None:
     probs, tokens = r.stats["small"].route_row(r.models, "small")
     assert probs == pytest.approx([0.75, 0.25], abs=0.01) and tokens == [1.0, 0.0]  # the escalated token dropped
     assert r.stats["large"].route_row(r.models, "large")[0][0] > 0.45  # rows of 2 counted, one handed back per step
-    assert r.stats["large"].mean_transit("small") == pytest.approx(0.0007)
+    assert r.stats["large"].mean_transit("small") == pytest.approx(0.0007)  # to the target's process
+    assert r.stats["small"].mean_transit("large") == pytest.approx(0.0007)
     assert r.ran == {"small": 1, "large": 2}
     later = replay_stats(events, end)
     assert sum(later.stats["small"].latency_count.values()) > sum(r.stats["small"].latency_count.values())
