@@ -34,7 +34,7 @@ def test_numbers_as_strings_like_vllm_backend() -> None:
         ('{"seed": 1180591620717411303424}', r"^seed must be an integer in \[0, "),
         ('{"seed": "1.5"}', r"^seed must be an integer in \[0, \d+\], got '1\.5'$"),
         ('{"stop": 5}', r"^stop must be a non-empty string or a list of them \(.*\), got 5$"),
-        ('{"stop_token_ids": 5}', "^stop_token_ids must be a list of non-negative integers, got 5$"),
+        ('{"stop_token_ids": 5}', "^stop_token_ids must be a list of at most 256 non-negative integers, got 5$"),
         ('{"ignore_eos": "true"}', "^ignore_eos must be a boolean, got 'true'$"),
         ('{"beam_width": 2}', r"^unknown sampling parameter\(s\) \['beam_width'\]; supported: \["),
         ('{"max_tokens": ' + "1" * 5000 + "}", "^sampling_parameters is not valid JSON: Exceeds the limit"),
