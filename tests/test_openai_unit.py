@@ -77,6 +77,10 @@ def test_parse_json_body() -> None:
     assert parse_json_body(b'{"a": 1}') == {"a": 1}
     raises_400(parse_json_body, b"{not json", match="not valid JSON")
     raises_400(parse_json_body, b"\xff\xfe", match="not valid JSON")
+    # JSON can escape a lone UTF-16 surrogate, which no tokenizer takes (it failed the request with a 500)
+    raises_400(parse_json_body, b'{"prompt": "a\\ud800b"}', match="not Unicode text: a lone surrogate")
+    raises_400(parse_json_body, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', match="lone surrogate")
+    assert parse_json_body(b'{"prompt": "a\\ud83d\\ude00b"}') == {"prompt": "a\U0001f600b"}  # a surrogate pair
     raises_400(parse_json_body, b"[1, 2]", match="must be a JSON object, got list")
 
 
@@ -201,6 +205,8 @@ def test_chat_request() -> None:
         ({"messages": ["hi"]}, r"messages\[0\] must be an object"),
         ({"messages": [{"content": "hi"}]}, r"messages\[0\].role"),
         ({"messages": [{"role": "user", "content": 5}]}, r"messages\[0\].content"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, r"messages\[0\].role must be one of system, "),
+        ({"messages": [{"role": "user", "content": None}]}, r"messages\[0\].content is required for role 'user'"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "only text parts"),
         ({"messages": [{"role": "user", "content": "x"}], "n": 3}, "only n=1"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),

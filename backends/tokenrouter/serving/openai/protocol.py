@@ -47,6 +47,11 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise OpenAIError("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise OpenAIError(f"request body must be a JSON object, got {type(body).__name__}")
+    try:  # JSON may escape a lone UTF-16 surrogate ("\ud800"): no tokenizer takes such a string
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise OpenAIError(f"request body holds a string that is not Unicode text: a lone surrogate "
+                          f"{e.object[e.start:e.end]!r}") from None
     return body
 
 
@@ -172,10 +177,16 @@ def parse_completion_request(body: Any, served_model: str = DEFAULT_MODEL_NAME) 
     )
 
 
-def _message_text(content: Any, index: int) -> str:
-    """A message's content as plain text: a string, null, or a list of text parts."""
+# The roles OpenAI's chat API takes without tools (a "tool" turn answers a tool call, and tools are not supported).
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def _message_text(content: Any, index: int, role: str) -> str:
+    """A message's content as plain text: a string, a list of text parts, or null for an assistant turn."""
+    if content is None and role == "assistant":
+        return ""  # an assistant turn that only carried tool calls (OpenAI allows null there alone)
     if content is None:
-        return ""  # e.g. an assistant turn that only carried tool calls
+        raise OpenAIError(f"messages[{index}].content is required for role '{role}'", param="messages")
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -204,9 +215,10 @@ def parse_chat_request(body: Any, served_model: str = DEFAULT_MODEL_NAME) -> Gen
         if not isinstance(m, dict):
             raise OpenAIError(f"messages[{i}] must be an object", param="messages")
         role = m.get("role")
-        if not isinstance(role, str) or not role:
-            raise OpenAIError(f"messages[{i}].role must be a non-empty string", param="messages")
-        msg: dict[str, Any] = {"role": role, "content": _message_text(m.get("content"), i)}
+        if role not in CHAT_ROLES:
+            raise OpenAIError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                              param="messages")
+        msg: dict[str, Any] = {"role": role, "content": _message_text(m.get("content"), i, role)}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
         normalised.append(msg)
