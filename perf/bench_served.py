@@ -235,9 +235,11 @@ def compare(served_path: str, engine_path: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--url", help="gRPC address of the running server")
-    p.add_argument("--config", help="the deployment YAML the server runs (for its tokenizer)")
-    p.add_argument("--compare", nargs=2, metavar=("SERVED_JSON", "ENGINE_JSON"))
+    p.add_argument("--url", help="gRPC address of the running server (required, unless --compare)")
+    p.add_argument("--config", help="the deployment YAML the server runs, for its tokenizer (required, unless "
+                   "--compare)")
+    p.add_argument("--compare", nargs=2, metavar=("SERVED_JSON", "ENGINE_JSON"),
+                   help="compare a served results JSON with an in-process one (perf/bench_engine.py)")
     p.add_argument("--concurrency", default="1,8,16")
     p.add_argument("--num-requests", type=int, default=0, help="per point; 0: max(16, 4 x C)")
     p.add_argument("--prompt-len", type=int, default=100)
@@ -247,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="unmeasured rounds of C short requests per point (0: measure a fresh server's first requests)")
     p.add_argument("--repeat", type=int, default=1, help="measured runs per point (fresh prompts each run)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for any one response")
-    p.add_argument("--out", help="results name (a bare name goes to perf/results/)")
+    p.add_argument("--out", help="results name (a bare name goes to perf/results/); required")
     p.add_argument("--write-prompts", metavar="FILE",
                    help="only write --num-requests prompts (JSON list) for other tools, e.g. perf/perf_analyzer.py")
     args = p.parse_args(argv)
