@@ -167,10 +167,10 @@ class Scheduler:
     def _room_for(self, seq: Sequence, prefix: list[int], chunk_tokens: int, owed: int) -> bool:
         """Whether the pool takes `seq` now, over `prefix` (cached blocks it takes over): its whole prompt, beside
         the `owed` blocks the running sequences still need. Admitted on their first chunk alone, long prompts that
-        could not all finish their prefill together preempted each other over and over: 24 prompts of ~4,000
-        tokens in a 65,536-token pool took 446 s with 185 preemptions, against 3.2 s for one alone (served, CPU,
-        2026-12-05). Where nothing runs here, only what this step computes (`chunk_tokens`, the prefix included):
-        a prompt larger than the pool still makes progress."""
+        could not all finish their prefill together preempted each other (in process on the CPU, 24 prompts of
+        ~4,000 tokens into pools of 65,536: 10 preemptions, none with this rule; perf/results/
+        kv_admission_cpu_2026-12-05). Where nothing runs here, only what this step computes (`chunk_tokens`, the
+        prefix included): a prompt larger than the pool still makes progress."""
         if not self.running:
             return self._admission_cost(prefix, chunk_tokens) <= self.bm.num_free_blocks
         return self._admission_cost(prefix, seq.num_tokens) + owed <= self.bm.num_free_blocks
