@@ -65,13 +65,18 @@ def test_the_model_of_a_window_predicts_it() -> None:
     assert out["no_transit"]["predicted_tok_s"] == pytest.approx(4 / 0.014, rel=0.03)
 
 
-def test_the_cli_reads_a_timeline_folder(tmp_path: Path) -> None:
-    events, runs = synthetic()
-    folder = tmp_path / "tl"
+def timeline_folder(events: list[dict], folder: Path) -> Path:
+    """`events` as a served deployment writes them: one file per process (each model's, the router's)."""
     folder.mkdir()
     for model in ("small", "large", "router"):
         mine = [e for e in events if e.get("model", "router") == model]
         (folder / f"{model}.1.jsonl").write_text("".join(json.dumps(e) + "\n" for e in mine))
+    return folder
+
+
+def test_the_cli_reads_a_timeline_folder(tmp_path: Path) -> None:
+    events, runs = synthetic()
+    folder = timeline_folder(events, tmp_path / "tl")
     (tmp_path / "bench.json").write_text(json.dumps({"results": runs}))
     proc = subprocess.run([sys.executable, str(REPO / "perf" / "timeline.py"), "predict", str(folder),
                            "--bench", str(tmp_path / "bench.json"), "--out", str(tmp_path / "p")],

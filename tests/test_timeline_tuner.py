@@ -9,7 +9,6 @@ before each handoff's target takes it on."""
 from __future__ import annotations
 
 import ast
-import json
 import re
 import subprocess
 import sys
@@ -22,7 +21,7 @@ sys.path.insert(0, str(REPO / "perf"))
 
 from timeline_tuner import RAN_WINDOW_S, replay, replay_stats  # noqa: E402
 
-from test_timeline_predict import synthetic  # noqa: E402
+from test_timeline_predict import synthetic, timeline_folder  # noqa: E402
 from tokenrouter.tuning.system import is_feasible  # noqa: E402
 
 
@@ -70,11 +69,7 @@ def test_the_solve_answers_feasible_thresholds() -> None:
 
 def test_the_cli(tmp_path: Path) -> None:
     events, _ = events_and_end()
-    folder = tmp_path / "tl"
-    folder.mkdir()
-    for model in ("small", "large", "router"):
-        mine = [e for e in events if e.get("model", "router") == model]
-        (folder / f"{model}.1.jsonl").write_text("".join(json.dumps(e) + "\n" for e in mine))
+    folder = timeline_folder(events, tmp_path / "tl")
     cmd = [sys.executable, str(REPO / "perf" / "timeline.py"), "tuner", str(folder), "--concurrency", "4",
            "--at", "1.5", "3.0", "--max-wait-ms", "50"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
