@@ -2,7 +2,8 @@
 # new (a batch size's mean step time pooled with 8 steps on the trend line) against base (.baseline = c840342, raw
 # means). Five C=16 runs each, alternating which variant is served first is up to the caller (VARIANTS). Prepare
 # from the repository root: rm -rf .baseline; mkdir .baseline; git archive c840342 backends perf config
-# ':!perf/results' | tar -x -C .baseline; carry [".gpu-slim", ".baseline"].
+# ':!perf/results' | tar -x -C .baseline; carry [".gpu-slim", ".baseline"]. Later commits also changed KV admission
+# (whole prompts, dbb0094), which cannot bind here: 100-token prompts in pools sized for the 32B.
 set -uo pipefail
 VARIANTS=${VARIANTS:-new=. base=.baseline}
 out=$1
