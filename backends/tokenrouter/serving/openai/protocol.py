@@ -52,6 +52,8 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     except UnicodeEncodeError as e:
         raise OpenAIError(f"request body holds a string that is not Unicode text: a lone surrogate "
                           f"{e.object[e.start:e.end]!r}") from None
+    except RecursionError:  # (loads just managed it: the encoder's frames may not)
+        raise OpenAIError("request body is nested too deeply") from None
     return body
 
 
