@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import reprlib
 import time
 import uuid
 from collections.abc import Mapping
@@ -218,7 +219,7 @@ def parse_chat_request(body: Any, served_model: str = DEFAULT_MODEL_NAME) -> Gen
             raise OpenAIError(f"messages[{i}] must be an object", param="messages")
         role = m.get("role")
         if role not in CHAT_ROLES:
-            raise OpenAIError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+            raise OpenAIError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {reprlib.repr(role)}",
                               param="messages")
         msg: dict[str, Any] = {"role": role, "content": _message_text(m.get("content"), i, role)}
         if isinstance(m.get("name"), str):
