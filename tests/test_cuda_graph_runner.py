@@ -172,6 +172,7 @@ def test_padded_graph_step_matches_plain_forward(tiny_dir: Path) -> None:
     b.release()
 
 
+@PADDING_ROWS_UNWRITTEN
 def test_prefill_replays_a_graph_past_128_tokens(tiny_dir: Path) -> None:
     """A batch of prompts (170 tokens) replays the 176-token graph (6 padding tokens, a padding sequence; every
     prompt uses one KV split, so the extend kernel writes the output itself); then a returning request's suffix
