@@ -36,6 +36,27 @@ def measured_rate(runs: list[dict[str, Any]]) -> float:
     return sum(r["output_tokens"] for r in runs) / sum(r["duration_s"] for r in runs)
 
 
+def entry_first(events: list[Event], models: list[str]) -> tuple[str, list[str]]:
+    """(the entry model: where new requests arrive, else the first of `models`; `models` with it first)."""
+    entry = next((e["model"] for e in events if e["kind"] == "arrive" and e.get("source") is None), models[0])
+    return entry, sorted(models, key=lambda m: m != entry)
+
+
+def steps_as_recorded(models: list[str], steps: list[Event], with_ends: bool = False
+                      ) -> tuple[dict[str, StepStats], Counter]:
+    """Each model's StepStats fed `steps` as its subserver records them (the batch the GPU ran, void rows included;
+    `with_ends`: each step's end too, a record of recent steps from the first one's start on), and the rows each
+    model sampled (without void ones)."""
+    since = min((e["start"] for e in steps), default=0.0)
+    stats = {m: StepStats(since=since) for m in models}
+    rows: Counter = Counter()
+    for e in steps:
+        stats[e["model"]].record_step(e["batch"] + e.get("void", 0), e["end"] - e["start"],
+                                      e["end"] if with_ends else None)
+        rows[e["model"]] += e["batch"]
+    return stats, rows
+
+
 def system_model(events: list[Event], concurrency: int, output_tokens: int,
                  with_transit: bool) -> tuple[SystemModel, tuple[int, ...], dict[str, Any]]:
     """(the model, the thresholds the steps ran with, what went into it) from the window's events."""
@@ -43,14 +64,8 @@ def system_model(events: list[Event], concurrency: int, output_tokens: int,
     models = list(dict.fromkeys(e["model"] for e in steps))
     if len(models) < 2:
         raise ValueError(f"the window holds steps of {len(models)} model(s); a routed deployment needs two or more")
-    entry = next((e["model"] for e in events if e["kind"] == "arrive" and e.get("source") is None), models[0])
-    models.sort(key=lambda m: m != entry)  # the simulator starts every request at model 0: the entry model
-    stats = {m: StepStats() for m in models}
-    rows = Counter()
-    for e in steps:
-        # the batch the GPU ran, as the deployment's tuner records it; the rows that routed, without void ones
-        stats[e["model"]].record_step(e["batch"] + e.get("void", 0), e["end"] - e["start"])
-        rows[e["model"]] += e["batch"]
+    entry, models = entry_first(events, models)  # the simulator starts every request at model 0: the entry model
+    stats, rows = steps_as_recorded(models, steps)
     moves = Counter((e["source"], e["target"]) for e in events if e["kind"] == "handoff")
     escalated = sum(n for (src, _), n in moves.items() if src == entry)
     sure = sum(rows.values()) - escalated  # rows that stayed, and rows handed back to the entry model

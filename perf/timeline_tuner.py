@@ -21,6 +21,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from timeline_predict import entry_first, steps_as_recorded
+
 from tokenrouter.engine.autotune import solve_thresholds, system_model
 from tokenrouter.engine.step_stats import StepStats
 
@@ -44,15 +46,10 @@ def replay_stats(events: list[Event], moment: float, commit_on_move: float = 0.0
     models = list(dict.fromkeys(e["model"] for e in steps))
     if not models:
         raise ValueError(f"no step ended by {moment}")
-    entry = next((e["model"] for e in events if e["kind"] == "arrive" and e.get("source") is None), models[0])
-    models.sort(key=lambda m: m != entry)
-    since = min(e["start"] for e in steps)
-    stats = {m: StepStats(since=since) for m in models}
-    rows: Counter = Counter()
+    entry, models = entry_first(events, models)
+    stats, rows = steps_as_recorded(models, steps, with_ends=True)
     ran: dict[str, Counter] = {m: Counter() for m in models}
     for e in steps:
-        stats[e["model"]].record_step(e["batch"] + e.get("void", 0), e["end"] - e["start"], e["end"])
-        rows[e["model"]] += e["batch"]
         if e["end"] > moment - RAN_WINDOW_S:
             ran[e["model"]][int(e.get("threshold", 1))] += 1
     moves = Counter((e["source"], e["target"]) for e in events if e["kind"] == "handoff" and e["t"] <= moment)
