@@ -82,8 +82,9 @@ class Scheduler:
             if seq.status is SeqStatus.RUNNING:
                 i += 1  # (a preempted `seq` left the list: index i already holds the next one)
         # Blocks the running sequences still need for the tokens they hold (the rest of a chunked prompt, a suffix
-        # beyond this step's budget): promised to them, not free for a newcomer.
-        owed = sum(self.bm.blocks_needed(s, s.num_tokens) for s in self.running)
+        # beyond this step's budget): promised to them, not free for a newcomer. (Summed only where one waits: every
+        # step of a model passes here.)
+        owed = sum(self.bm.blocks_needed(s, s.num_tokens) for s in self.running) if self.waiting else 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             prefix = self.bm.match_prefix(seq.token_ids) if not seq.block_table else []
