@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import reprlib
 import time
 import uuid
@@ -38,6 +39,9 @@ class GenerationRequest:
             self.request_id = f"{prefix}-{uuid.uuid4().hex}"
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # the JSON escape of a UTF-16 surrogate, \ud800-\udfff
+
+
 def parse_json_body(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object, or a 400."""
     try:
@@ -49,7 +53,8 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise OpenAIError(f"request body must be a JSON object, got {type(body).__name__}")
     try:  # JSON may escape a lone UTF-16 surrogate ("\ud800"): no tokenizer takes such a string
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
+        if _SURROGATE_ESCAPE.search(raw):  # (the body is encoded again only where one may be)
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as e:
         raise OpenAIError(f"request body holds a string that is not Unicode text: a lone surrogate "
                           f"{e.object[e.start:e.end]!r}") from None
