@@ -5,13 +5,8 @@
 # ':!perf/results' | tar -x -C .baseline; carry [".gpu-slim", ".baseline"]. Later commits also changed KV admission
 # (whole prompts, dbb0094), which cannot bind here: 100-token prompts in pools sized for the 32B.
 set -uo pipefail
-VARIANTS=${VARIANTS:-new=. base=.baseline}
-out=$1
-cfg=config/random/qwen3-0.6b_qwen3-32b.yaml
-nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100 && cfg=config/random/qwen3-0.6b_qwen3-32b_h100.yaml
-echo "config $cfg"
-BUNDLE=.gpu-slim BUDGET_S=${BUDGET_S:-340} POINTS="${POINTS:-16:5 8:2}" bash perf/gpu_served_ab.sh $out $cfg \
-  $VARIANTS 2>&1 | grep -vE "^\s*$" | tail -60
+# The same served A/B as ../large_extend_2026-12-05/call3.sh (config by GPU, the slim bundle), with more C=16 runs.
+BUDGET_S=${BUDGET_S:-340} POINTS="${POINTS:-16:5 8:2}" bash perf/results/large_extend_2026-12-05/call3.sh "$1"
 # The 32B's threshold over each server's steps (the question this call answers: does the hold at C=16 still vary?)
 for tl in /tmp/gpu-*/tl_*; do
   PYTHONPATH=perf python3 -c "import sys, collections; from pathlib import Path; from timeline import read_events
