@@ -81,3 +81,33 @@ def test_a_handoff_to_a_model_that_just_died_is_taken_back_not_failed(coordinato
     assert rid not in coord.requests
     assert [o.finished for o in outputs].count(True) == 1 and outputs[-1].finished
     assert outputs[-1].finish_reason == "length" and outputs[-1].error is None and outputs[-1].token_ids == [11]
+
+
+def test_what_a_dead_model_sent_before_it_died_is_dropped_once_its_request_was_taken_back(coordinator) -> None:
+    """The large model sent a commit and handed its request back to the small model just before it died; the router
+    learnt of its death first (a send to it failed) and took the request back to the small model. What its reader
+    thread read off the socket afterwards is stale: that model no longer holds the request. Relaying the handoff
+    would make the small model take a request it is already running ("returned but is not parked here": a CI
+    failure of tests/test_faults.py::test_routing_around_a_killed_subserver), and the commit would add tokens the
+    small model computes again."""
+    coord, loop, small = coordinator
+    rid = coord.add_request([5, 6, 7], PARAMS)
+    coord._handle_events([Commit(rid, "small", [9], None)])
+    # The handoff to the large model went out (as from small's reader thread) and it took the request on.
+    to_large = Handoff("small", "large", Arrive(rid, [5, 6, 7, 9], True, 3, PARAMS, {}, "small",
+                                                {"small": 4, "large": 4}))
+    assert coord._forward_now(to_large, lambda model, msg: True)
+    coord._model_gone("large")
+    _run(loop)
+    req = coord.requests[rid]
+    assert req.owner == "small" and req.holders == {"small"} and req.output_ids == [9]
+    sent = len(small.sent)
+    # Read off the dead model's socket after the router took the request back: both on the loop and as the reader
+    # thread would relay the handoff itself.
+    back = Handoff("large", "small", Arrive(rid, [10], False, 3, PARAMS, {}, "large", {"small": 5, "large": 5}))
+    assert not coord._forward_now(back, lambda model, msg: True)
+    coord._handle_events([Commit(rid, "large", [10], None), back])
+    _run(loop)
+    assert req.output_ids == [9] and req.owner == "small" and req.holders == {"small"}
+    assert not [m for m in small.sent[sent:] if isinstance(m, Arrive)], small.sent[sent:]
+    assert not req.finished and req.error is None

@@ -170,6 +170,13 @@ class Coordinator:
             req = self.requests.get(ev.request_id if not isinstance(ev, Handoff) else ev.arrive.request_id)
             if req is None:
                 return
+            if not isinstance(ev, Released) and ev.model not in req.holders:
+                # Stale: from a model whose part of the request is gone already. Routing around a model that went
+                # down takes the request back to the entry model; what the dead model sent just before (a commit,
+                # a handoff, a send to it that failed), read or handled after that, must not add tokens the entry
+                # model computes again, hand it a request it already runs, or fail the request
+                # (tests/test_route_around_races.py).
+                return
             if isinstance(ev, Commit):
                 req.on_commit(ev)
                 if ev.finish_reason is not None:
@@ -190,11 +197,7 @@ class Coordinator:
                     req.forwarded[ev.model] = ev.num_forwarded_tokens
                     req.cached[ev.model] = ev.num_cached_tokens
             elif isinstance(ev, Failed):
-                # From a model no longer among its holders, it is stale: that model's part of the request is gone
-                # already. Routing around a model that went down takes the request back to the entry model; a send
-                # to that model which failed just before (its failure posted to the loop, handled after) must not
-                # then fail the request (tests/test_route_around_races.py).
-                if not req.finished and ev.model in req.holders:
+                if not req.finished:
                     req.finish_reason, req.error = "error", ev.error
                     for model in req.holders - {ev.model}:
                         self._deliver(model, Release(req.request_id, "error"))
@@ -208,7 +211,8 @@ class Coordinator:
         the coordinator's thread: forwarding them from the loops measured no shorter on the CPU,
         perf/results/handoff_short_way_cpu_2026-12-05.)"""
         req = self.requests.get(ev.arrive.request_id)
-        if req is None or req.finished or self._unavailable(ev.target) or not send(ev.target, ev.arrive):
+        if (req is None or req.finished or ev.model not in req.holders or self._unavailable(ev.target)
+                or not send(ev.target, ev.arrive)):
             return False
         self._note_handoff(req, ev)
         return True
