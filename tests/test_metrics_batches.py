@@ -78,7 +78,7 @@ def test_scheduler_counters_become_prometheus_counters() -> None:
     import time
 
     pb = _PbUtils()
-    sched = SimpleNamespace(num_preemptions=0, num_graph_waits=0)
+    sched = SimpleNamespace(num_preemptions=0, num_reclaims=0, num_graph_waits=0)
     sub = SimpleNamespace(block_manager=SimpleNamespace(num_blocks=64, num_free_blocks=64), seqs={},
                           last_batch_size=0, threshold=1, num_steps=0, drain_queue_waits=lambda: [],
                           scheduler=sched, num_ahead_steps=0, num_void_rows=0)
@@ -97,8 +97,9 @@ def test_scheduler_counters_become_prometheus_counters() -> None:
         assert increments(name) == total, name
 
     try:
-        sched.num_preemptions, sched.num_graph_waits = 2, 1
+        sched.num_preemptions, sched.num_reclaims, sched.num_graph_waits = 2, 5, 1
         wait_for("tokenrouter_preemptions_total", 2)
+        wait_for("tokenrouter_kv_reclaims_total", 5)
         wait_for("tokenrouter_graph_waits_total", 1)
         sched.num_graph_waits = 4
         wait_for("tokenrouter_graph_waits_total", 4)
@@ -108,4 +109,4 @@ def test_scheduler_counters_become_prometheus_counters() -> None:
     finally:
         stop.set()
         thread.join()
-    assert increments("tokenrouter_preemptions_total") == 2
+    assert increments("tokenrouter_preemptions_total") == 2 and increments("tokenrouter_kv_reclaims_total") == 5

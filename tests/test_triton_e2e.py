@@ -211,6 +211,7 @@ def test_metrics_after_routed_requests(deployment) -> None:
         assert m[f'tokenrouter_queue_wait_seconds_count{{model="{model}"}}'] > 0
         assert m[f'tokenrouter_kv_blocks_total{{model="{model}"}}'] > 0
         assert m[f'tokenrouter_preemptions_total{{model="{model}"}}'] >= 0  # exported (KeyError if not)
+        assert m[f'tokenrouter_kv_reclaims_total{{model="{model}"}}'] >= 0
         assert m[f'tokenrouter_graph_waits_total{{model="{model}"}}'] == 0  # no CUDA graphs on the CPU
         assert m[f'tokenrouter_ahead_void_rows_total{{model="{model}"}}'] >= 0
     assert m['tokenrouter_handoffs_total{from="small",to="large"}'] > 0

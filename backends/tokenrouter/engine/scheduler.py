@@ -4,7 +4,8 @@ Never touches a tensor. Every scheduled sequence runs a chunk `token_ids[num_com
 a whole prompt (prefill), its next piece (chunked prefill), a suffix appended from elsewhere (extend) or
 the last sampled token (decode). Running sequences go first, in arrival order; then waiting ones are
 admitted while the token budget, the sequence cap and the KV pool allow (room for a newcomer's whole prompt beside
-what the running sequences still need). When the pool runs dry a running
+what the running sequences still need; a new request, held by no model yet, waits rather than take the blocks of
+requests parked here). When the pool runs dry a running
 sequence first takes the blocks of the longest-parked request (in flight on another model; it re-prefills
 on return), then the most recently admitted sequence is preempted (its blocks freed, recomputed later).
 
@@ -36,13 +37,17 @@ class Scheduler:
         self.running: list[Sequence] = []
         # Requests decoding elsewhere, oldest first: their blocks are the first to go under pressure.
         self.parked: OrderedDict[str, Sequence] = OrderedDict()
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # running sequences whose blocks were freed (recomputed later)
+        self.num_reclaims = 0  # parked requests whose blocks were taken back (prefilled again on return)
         # (number of sequences, number of tokens) -> whether a step of them replays a CUDA graph; None: admission
         # does not look at graphs.
         self.graph_fits: Callable[[int, int], bool] | None = None
         self.num_graph_waits = 0
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, new_request: bool = False) -> None:
+        """`new_request`: held by no model yet (a request's first arrival at the entry model), which makes its
+        admission wait for room rather than take parked requests' blocks."""
+        seq.new_request = new_request
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
@@ -94,16 +99,18 @@ class Scheduler:
             # re-prefill on return, and with a pool smaller than the working set every return then evicts another
             # (thrash: a whole prompt per handoff). So a newcomer waits for running requests to free blocks, and
             # reclaims parked blocks only when nothing runs here (no progress otherwise; and requests parked on
-            # each model while waiting for the other could wait for ever).
+            # each model while waiting for the other could wait for ever). A new request, held nowhere yet, never
+            # does: it waits while the requests in the system finish (they progress without it), so the entry
+            # model admits no more requests than its pool holds, and those are all that any model then holds.
             while not self._room_for(seq, prefix, cached + n, owed):
-                if self.running or not self._reclaim_parked():
+                if self.running or seq.new_request or not self._reclaim_parked():
                     break
             if not self._room_for(seq, prefix, cached + n, owed):
                 break
             if self._wait_for_graph(chunks, seq, cached, n, budget):
                 break
             self.waiting.popleft()
-            seq.waited_for_graph = False
+            seq.waited_for_graph = seq.new_request = False  # (in the system now: preempted, it may reclaim)
             self.bm.allocate_prefix(seq, prefix)
             ok = self.bm.ensure(seq, seq.num_computed_tokens + n)
             assert ok
@@ -171,8 +178,9 @@ class Scheduler:
         could not all finish their prefill together preempted each other (in process on the CPU, 24 prompts of
         ~4,000 tokens into pools of 65,536: 10 preemptions, none with this rule; perf/results/
         kv_admission_cpu_2026-12-05). Where nothing runs here, only what this step computes (`chunk_tokens`, the
-        prefix included): a prompt larger than the pool still makes progress."""
-        if not self.running:
+        prefix included): a prompt larger than the pool still makes progress; a new request so only where nothing
+        is parked here either (it would take their blocks as its prompt grows)."""
+        if not self.running and not (seq.new_request and any(s.block_table for s in self.parked.values())):
             return self._admission_cost(prefix, chunk_tokens) <= self.bm.num_free_blocks
         return self._admission_cost(prefix, seq.num_tokens) + owed <= self.bm.num_free_blocks
 
@@ -185,7 +193,7 @@ class Scheduler:
         for seq in self.parked.values():
             if seq.block_table:
                 self.bm.release(seq)
-                self.num_preemptions += 1
+                self.num_reclaims += 1
                 return True
         return False
 

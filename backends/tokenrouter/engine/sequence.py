@@ -52,6 +52,8 @@ class Sequence:
     seen: dict[str, int] = field(default_factory=dict)
     ready_since: float | None = None  # when it last became ready to be scheduled here (queue-wait metric)
     waited_for_graph: bool = False  # admission held it back one step to keep a step in a CUDA graph (scheduler)
+    # A new request, held by no model yet: admitting it never takes parked requests' blocks (scheduler).
+    new_request: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -338,7 +338,7 @@ class Subserver:
         if timeline is not None:
             timeline.arrive(msg.request_id, msg.source, seq.ready_since)
         if msg.first_visit:
-            self.scheduler.add(seq)
+            self.scheduler.add(seq, new_request=msg.source is None)
         else:
             self.scheduler.resume(seq)
 

@@ -108,7 +108,7 @@ def warm_up(sub: Subserver, max_seqs: int = 16) -> float:
         _finish(sub, seqs)
         sub.stats = StepStats()
         sub.num_steps = 0
-        sub.scheduler.num_preemptions = 0
+        sub.scheduler.num_preemptions = sub.scheduler.num_reclaims = 0
         sub.scheduler.num_graph_waits = 0
         sub.runner.num_forwarded_tokens = 0
         if sub.runner.graphs is not None:

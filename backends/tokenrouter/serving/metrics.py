@@ -37,6 +37,8 @@ class SubserverMetrics:
         self.steps = mf("tokenrouter_steps_total", "Forward passes", mf.mf.COUNTER).Metric(labels)
         self.preemptions = mf("tokenrouter_preemptions_total", "Running requests preempted for KV blocks (recomputed "
                               "later)", mf.mf.COUNTER).Metric(labels)
+        self.reclaims = mf("tokenrouter_kv_reclaims_total", "Parked requests (in flight on another model) whose KV "
+                           "blocks were taken back (prefilled again on return)", mf.mf.COUNTER).Metric(labels)
         self.graph_waits = mf("tokenrouter_graph_waits_total", "Times admission held new prompts back a step to keep "
                               "steps in CUDA graphs (graph-aware admission)", mf.mf.COUNTER).Metric(labels)
         self.ahead_steps = mf("tokenrouter_ahead_steps_total", "Forward passes launched ahead, before the step "
@@ -87,6 +89,7 @@ class SubserverMetrics:
         # Counters raised to the subserver's running totals (`counted`: what each was last raised to).
         totals = [(self.steps, lambda: self.sub.num_steps),
                   (self.preemptions, lambda: self.sub.scheduler.num_preemptions),
+                  (self.reclaims, lambda: self.sub.scheduler.num_reclaims),
                   (self.graph_waits, lambda: self.sub.scheduler.num_graph_waits),
                   (self.ahead_steps, lambda: self.sub.num_ahead_steps),
                   (self.void_rows, lambda: self.sub.num_void_rows)]

@@ -1,0 +1,89 @@
+"""Which KV is lost under pressure, served on the CPU: N concurrent non-streaming HTTP requests of ~4,000 prompt
+tokens (../kv_admission_cpu_2026-12-05/served_pressure.py's prompts, 90 tokens out) into the served default with both
+pools at KV_TOKENS; per model, the running requests preempted and the parked requests' KV taken back
+(`tokenrouter_preemptions_total`, `tokenrouter_kv_reclaims_total`), sampled once a second. From the repository root,
+with the tree under test the one the venv's editable path points at:
+
+    python perf/results/kv_reclaims_cpu_2026-12-06/pressure.py N KV_TOKENS
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "perf"))
+sys.path.insert(0, str(REPO / "perf/results/kv_admission_cpu_2026-12-05"))
+
+from _common import serving  # noqa: E402
+from served_pressure import prompt  # noqa: E402
+
+COUNTERS = ("tokenrouter_preemptions_total", "tokenrouter_kv_reclaims_total", "tokenrouter_kv_blocks_used",
+            "tokenrouter_requests_held")
+
+
+def sample(server) -> dict[str, float]:  # noqa: ANN001
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r'(\w+)\{model="(\w+)"\} (\S+)', line)
+        if m and m[1] in COUNTERS:
+            out[f"{m[1].removeprefix('tokenrouter_')}[{m[2]}]"] = float(m[3])
+    return out
+
+
+def main(n: int, kv_tokens: int) -> None:
+    cfg = yaml.safe_load((REPO / "config/r2r/pair-small_pair-large.yaml").read_text())
+    base = REPO / "config/r2r"
+    for m in cfg["models"].values():
+        m["path"] = str((base / m["path"]).resolve())
+        m["kv_cache_tokens"] = kv_tokens
+    cfg["policy"]["checkpoint"] = str((base / cfg["policy"]["checkpoint"]).resolve())
+    with tempfile.TemporaryDirectory() as work:
+        path = Path(work) / "deployment.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        with serving(str(path), Path(work)) as server:
+            url = f"http://127.0.0.1:{server.http_port}/v2/models/tokenrouter/generate"
+            results: list = [None] * n
+
+            def run(i: int) -> None:
+                body = {"text_input": prompt(i), "exclude_input_in_output": True, "return_finish_reason": True,
+                        "sampling_parameters": json.dumps({"max_tokens": 90, "ignore_eos": True, "temperature": 0})}
+                req = urllib.request.Request(url, data=json.dumps(body).encode())
+                try:
+                    results[i] = json.loads(urllib.request.urlopen(req, timeout=1800).read()).get("finish_reason")
+                except Exception as e:  # noqa: BLE001 (reported, not raised: one failure is a finding)
+                    results[i] = f"{type(e).__name__}: {e}"[:120]
+
+            before = sample(server)
+            t0 = time.perf_counter()
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+            for t in threads:
+                t.start()
+            while any(t.is_alive() for t in threads):
+                time.sleep(1.0)
+                now = sample(server)
+                print(f"{time.perf_counter() - t0:6.1f} s " + " ".join(
+                    f"{k}={v - before.get(k, 0) if 'total' in k else v:.0f}" for k, v in sorted(now.items())),
+                    flush=True)
+            took = time.perf_counter() - t0
+            time.sleep(1.0)
+            after = sample(server)
+    import tokenrouter
+    print(f"{tokenrouter.__file__}: {n} requests, pools of {kv_tokens} tokens: {took:.1f} s, "
+          f"finishes {dict(Counter(map(str, results)))}; " + ", ".join(
+              f"{k} {v - before.get(k, 0):.0f}" for k, v in sorted(after.items()) if "total" in k))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))
