@@ -84,3 +84,33 @@ def test_a_new_request_with_an_empty_pool_is_admitted_chunk_by_chunk() -> None:
     sched.add(new, new_request=True)
     _run(sched)
     assert new.status.value == "running" and new.num_computed_tokens == 8
+
+
+def test_new_requests_are_admitted_while_the_requests_in_the_system_fit_the_budget() -> None:
+    """kv_budget: the smallest pool of the other models. The entry model's own pool holds three requests of 12
+    tokens, the budget (the large model's pool) two: the third waits until one finishes, though the pool here
+    has room for it, even with the other two parked here (at the other model)."""
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    sched.kv_budget = 24  # 6 blocks
+    a, b, c = _seq("a", 12), _seq("b", 12), _seq("c", 12)
+    for s in (a, b, c):
+        sched.add(s, new_request=True)
+    _run(sched)
+    assert a.status.value == b.status.value == "running" and c.status.value == "waiting"
+    sched.park(a)
+    sched.park(b)
+    _run(sched)
+    assert c.status.value == "waiting" and a.block_table and b.block_table and sched.num_reclaims == 0
+    sched.resume(a)
+    sched.finish(a)
+    _run(sched)
+    assert c.status.value == "running"
+    # Alone in the system a new request goes in whatever its size (a prompt no pool holds fails where it does not
+    # fit).
+    sched.finish(b)
+    sched.finish(c)
+    big = _seq("big", 40)
+    sched.add(big, new_request=True)
+    _run(sched)
+    assert big.status.value == "running"

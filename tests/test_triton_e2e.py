@@ -215,6 +215,8 @@ def test_metrics_after_routed_requests(deployment) -> None:
         assert m[f'tokenrouter_graph_waits_total{{model="{model}"}}'] == 0  # no CUDA graphs on the CPU
         assert m[f'tokenrouter_ahead_void_rows_total{{model="{model}"}}'] >= 0
     assert m['tokenrouter_handoffs_total{from="small",to="large"}'] > 0
+    # The large model told the router its pool (its first heartbeat): new requests are admitted against it.
+    assert m['tokenrouter_kv_budget_tokens{model="tokenrouter"}'] == 4096  # (kv_cache_tokens, every model)
     assert m['tokenrouter_time_to_first_token_seconds_count{model="tokenrouter"}'] > 0
     assert m['tokenrouter_inter_token_latency_seconds_count{model="tokenrouter"}'] > 0
     assert any(k.startswith("tokenrouter_batch_size") for k in m)

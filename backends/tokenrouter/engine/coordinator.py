@@ -53,6 +53,7 @@ class Coordinator:
         self.num_solves = 0  # `thresholds: auto` solves that answered (the first ones come sooner: autotune.py)
         self.load = LoadMeter()  # the concurrency `thresholds: auto` solves for
         self.thresholds: dict[str, int] = {}
+        self.pool_tokens: dict[str, int] = {}  # each model's KV pool in tokens, where known (kv_budget)
         self._prompt_char_bound: PromptCharBound | None = None
         if tokenizer is not None:
             self._warm_tokenizer()
@@ -139,9 +140,17 @@ class Coordinator:
             req.holders.add(self.config.entry)
             self.requests[rid] = req
             self._update_thresholds()
-        arrive = Arrive(rid, list(ids), True, len(ids), params, state, None, {})
+        arrive = Arrive(rid, list(ids), True, len(ids), params, state, None, {}, kv_budget=self.kv_budget())
         self._deliver(self.config.entry, arrive)
         return rid
+
+    def kv_budget(self) -> int | None:
+        """The smallest KV pool (tokens) of the models other than the entry, of those known: what the requests the
+        entry model holds must fit, since each may come to hold KV on every model. A model whose pool is smaller
+        than the entry's otherwise took parked requests' blocks for every first visit once the entry admitted
+        more than it holds (perf/results/kv_reclaims_cpu_2026-12-06)."""
+        pools = [n for m, n in self.pool_tokens.items() if m != self.config.entry]
+        return min(pools) if pools else None
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request on every model and free its KV; returns its final output if it was live."""

@@ -43,6 +43,8 @@ class Scheduler:
         # does not look at graphs.
         self.graph_fits: Callable[[int, int], bool] | None = None
         self.num_graph_waits = 0
+        # Tokens that the requests this (entry) model holds must fit, for the other models' pools (Arrive.kv_budget).
+        self.kv_budget: int | None = None
 
     def add(self, seq: Sequence, new_request: bool = False) -> None:
         """`new_request`: held by no model yet (a request's first arrival at the entry model), which makes its
@@ -90,6 +92,7 @@ class Scheduler:
         # beyond this step's budget): promised to them, not free for a newcomer. (Summed only where one waits: every
         # step of a model passes here.)
         owed = sum(self.bm.blocks_needed(s, s.num_tokens) for s in self.running) if self.waiting else 0
+        live: int | None = None  # blocks of the requests in the system (kv_budget), counted once one needs it
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             prefix = self.bm.match_prefix(seq.token_ids) if not seq.block_table else []
@@ -107,6 +110,12 @@ class Scheduler:
                     break
             if not self._room_for(seq, prefix, cached + n, owed):
                 break
+            if seq.new_request and self.kv_budget is not None:
+                live = self._live_blocks() if live is None else live
+                need = -(-seq.num_tokens // self.bm.block_size)
+                if live and live + need > self.kv_budget // self.bm.block_size:
+                    break  # the other models' pools could not hold it beside them: it waits for one to finish
+                live += need
             if self._wait_for_graph(chunks, seq, cached, n, budget):
                 break
             self.waiting.popleft()
@@ -183,6 +192,14 @@ class Scheduler:
         if not self.running and not (seq.new_request and any(s.block_table for s in self.parked.values())):
             return self._admission_cost(prefix, chunk_tokens) <= self.bm.num_free_blocks
         return self._admission_cost(prefix, seq.num_tokens) + owed <= self.bm.num_free_blocks
+
+    def _live_blocks(self) -> int:
+        """Blocks the requests in the system need for the tokens they hold (running, parked, or waiting to run
+        again), as any model holding them all would: new requests not admitted yet are not in it. Alone in the
+        system, a new request goes in whatever its size (a prompt no pool holds fails where it does not fit)."""
+        bs = self.bm.block_size
+        seqs = (*self.running, *self.parked.values(), *(s for s in self.waiting if not s.new_request))
+        return sum(-(-s.num_tokens // bs) for s in seqs)
 
     def _admission_cost(self, prefix: list[int], num_tokens: int) -> int:
         new_blocks = max(0, -(-num_tokens // self.bm.block_size) - len(prefix))

@@ -338,6 +338,8 @@ class Subserver:
         if timeline is not None:
             timeline.arrive(msg.request_id, msg.source, seq.ready_since)
         if msg.first_visit:
+            if msg.source is None:
+                self.scheduler.kv_budget = msg.kv_budget
             self.scheduler.add(seq, new_request=msg.source is None)
         else:
             self.scheduler.resume(seq)

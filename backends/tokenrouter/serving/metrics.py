@@ -139,6 +139,14 @@ class RouterMetrics:
             mf.mf.GAUGE,
         )
         self._up: dict[str, Any] = {}
+        self._kv_budget = mf(
+            "tokenrouter_kv_budget_tokens", "Tokens the requests in the system may hold: the smallest KV pool of the "
+            "models other than the entry (new requests wait at the entry model beyond it; 0: none known)",
+            mf.mf.GAUGE,
+        ).Metric(labels)
+
+    def kv_budget(self, tokens: int | None) -> None:
+        self._kv_budget.set(tokens or 0)
 
     def model_up(self, model: str, up: bool) -> None:
         if model not in self._up:

@@ -103,6 +103,7 @@ class SocketCoordinator(Coordinator):
         # Models the watchdog killed, with why: what their requests are told when the socket closes.
         self.killed: dict[str, str] = {}
         self.on_model_down: Callable[[str], None] = lambda model: None
+        self.on_kv_budget: Callable[[int | None], None] = lambda tokens: None  # (a model's pool became known)
         # Each model's latest step statistics as it reported them (StepStats.snapshot()): checked only by the
         # solve's child process, off this loop.
         self.step_reports: dict[str, dict[str, Any]] = {}
@@ -162,7 +163,12 @@ class SocketCoordinator(Coordinator):
             if isinstance(ev, StepStatsReport):
                 self.step_reports[ev.model] = ev.stats
             elif isinstance(ev, Heartbeat):
-                pass  # its arrival was noted where it was read (ModelLink.last_heard)
+                # (its arrival was noted where it was read: ModelLink.last_heard)
+                tokens = ev.kv_tokens
+                if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 and (
+                        self.pool_tokens.get(ev.model) != tokens):
+                    self.pool_tokens[ev.model] = tokens
+                    self.on_kv_budget(self.kv_budget())
             else:
                 if timeline is not None and isinstance(ev, Handoff):  # before the send: the target may be quicker
                     timeline.relay(ev.arrive.request_id, ev.model, ev.target, time.monotonic())
@@ -289,6 +295,7 @@ class RouterModel:
         self.coordinator = SocketCoordinator(self.config, self.loop)
         self.coordinator.on_model_down = self._model_down
         self.metrics = RouterMetrics(pb_utils, args["model_name"])
+        self.coordinator.on_kv_budget = self.metrics.kv_budget
         for model in self.config.models:
             self.metrics.model_up(model, True)
         self.clients: dict[str, _Client] = {}

@@ -143,6 +143,9 @@ class SubserverModel:
                 return f"num_prompt_tokens {n!r} does not fit the request"
             if msg.threshold is not None and (not isinstance(msg.threshold, int) or msg.threshold < 1):
                 return f"threshold {msg.threshold!r} must be an integer >= 1"
+            if msg.kv_budget is not None and (isinstance(msg.kv_budget, bool) or not isinstance(msg.kv_budget, int)
+                                              or msg.kv_budget < 1):
+                return f"kv_budget {msg.kv_budget!r} must be an integer >= 1"
             try:
                 msg.params.validate()
             except (ValueError, TypeError, AttributeError) as e:
@@ -245,13 +248,20 @@ class SubserverModel:
 
     def _beat_forever(self) -> None:
         """Heartbeats to the routers that heard nothing for a while, and the loop's watchdog (serving/watchdog.py).
-        A thread of its own that does nothing else: the response thread can wait on a send to a slow router."""
+        A thread of its own that does nothing else: the response thread can wait on a send to a slow router.
+        A new connection gets one at once: it tells the router this model's KV pool (its admission budget)."""
+        bm = self.sub.block_manager
+        beat = Heartbeat(self.name, bm.num_blocks * bm.block_size)
+        greeted: set[ipc.Peer] = set()
         while not self._stop.wait(CHECK_EVERY_S):
             now = time.monotonic()
-            for peer in self.listener.peers() if self.listener is not None else []:
-                if now - peer.last_sent >= HEARTBEAT_S:
+            peers = self.listener.peers() if self.listener is not None else []
+            greeted &= set(peers)
+            for peer in peers:
+                if now - peer.last_sent >= HEARTBEAT_S or peer not in greeted:
+                    greeted.add(peer)
                     try:
-                        peer.send([Heartbeat(self.name)])
+                        peer.send([beat])
                     except OSError:
                         peer.close()
             if self._watchdog is not None:

@@ -32,6 +32,10 @@ class Arrive:
     # between the models (the tuner's transit). One clock for the processes of one machine; a link to another
     # machine drops it (transport/grpc_link.py).
     sent_at: float | None = None
+    # On a new request's arrival at the entry model: the smallest KV pool, in tokens, of the other models whose
+    # size the coordinator knows. Every request the entry model holds may come to hold KV on each of them, so it
+    # admits new requests while what it holds fits this (scheduler); None: no limit but its own pool.
+    kv_budget: int | None = None
 
 
 @dataclass
@@ -120,9 +124,12 @@ class StepStatsReport:
 @dataclass
 class Heartbeat:
     """`model`'s process is alive: sent on a connection that has carried nothing else for a while, so that the
-    router can tell a quiet model from a stopped one (serving/watchdog.py). Not about one request."""
+    router can tell a quiet model from a stopped one (serving/watchdog.py), and at once on each new connection.
+    Not about one request. `kv_tokens`: its KV pool's size in tokens (the entry model's admission budget,
+    Arrive.kv_budget)."""
 
     model: str
+    kv_tokens: int | None = None
 
 
 Event = Commit | Handoff | Released | Failed

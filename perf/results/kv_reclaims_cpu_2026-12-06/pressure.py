@@ -4,7 +4,9 @@ pools at KV_TOKENS; per model, the running requests preempted and the parked req
 (`tokenrouter_preemptions_total`, `tokenrouter_kv_reclaims_total`), sampled once a second. From the repository root,
 with the tree under test the one the venv's editable path points at:
 
-    python perf/results/kv_reclaims_cpu_2026-12-06/pressure.py N KV_TOKENS
+    python perf/results/kv_reclaims_cpu_2026-12-06/pressure.py N KV_TOKENS [LARGE_KV_TOKENS]
+
+LARGE_KV_TOKENS: the large model's pool apart (by default KV_TOKENS too).
 """
 
 from __future__ import annotations
@@ -42,12 +44,14 @@ def sample(server) -> dict[str, float]:  # noqa: ANN001
     return out
 
 
-def main(n: int, kv_tokens: int) -> None:
+def main(n: int, kv_tokens: int, large_kv_tokens: int | None = None) -> None:
     cfg = yaml.safe_load((REPO / "config/r2r/pair-small_pair-large.yaml").read_text())
     base = REPO / "config/r2r"
     for m in cfg["models"].values():
         m["path"] = str((base / m["path"]).resolve())
         m["kv_cache_tokens"] = kv_tokens
+    if large_kv_tokens is not None:
+        cfg["models"]["large"]["kv_cache_tokens"] = large_kv_tokens
     cfg["policy"]["checkpoint"] = str((base / cfg["policy"]["checkpoint"]).resolve())
     with tempfile.TemporaryDirectory() as work:
         path = Path(work) / "deployment.yaml"
@@ -80,10 +84,11 @@ def main(n: int, kv_tokens: int) -> None:
             time.sleep(1.0)
             after = sample(server)
     import tokenrouter
-    print(f"{tokenrouter.__file__}: {n} requests, pools of {kv_tokens} tokens: {took:.1f} s, "
+    print(f"{tokenrouter.__file__}: {n} requests, pools of {kv_tokens} tokens (large: {large_kv_tokens or kv_tokens}): "
+          f"{took:.1f} s, "
           f"finishes {dict(Counter(map(str, results)))}; " + ", ".join(
               f"{k} {v - before.get(k, 0):.0f}" for k, v in sorted(after.items()) if "total" in k))
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None)
