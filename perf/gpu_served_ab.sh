@@ -15,7 +15,9 @@
 #   bash perf/gpu_served_ab.sh OUT_DIR CONFIG NAME=TREE[,VAR=VALUE...] ...
 #   bash perf/gpu_served_ab.sh $OUT config/random/qwen3-0.6b_qwen3-32b.yaml new=. base=.baseline \
 #     nopdl=.,TOKENROUTER_PDL=0 green=.,CONFIG=config/random/other.yaml
-# Results: OUT_DIR/results_served_ab.tgz (served_NAME_c{8,1,16}.{json,md}, timeline_NAME_c8/, serve_NAME.log).
+# PROMPT_LEN: prompt tokens per request (default 100).
+# Results: OUT_DIR/results_served_ab.tgz (served_NAME_c{8,1,16}.{json,md}, timeline_NAME_c8/, serve_NAME.log,
+# metrics_NAME.txt: the server's Prometheus metrics after its points).
 set -uo pipefail
 out=${1:?output directory}
 cfg=${2:?deployment YAML}
@@ -24,7 +26,7 @@ archive=results_served_ab.tgz
 bundle=${BUNDLE:-.gpu}
 source perf/gpu_env.sh  # (also: work, res, step, envflag, serve, stop_server)
 sp=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-load=(--config "$cfg" --prompt-len 100 --output-len 256)
+load=(--config "$cfg" --prompt-len ${PROMPT_LEN:-100} --output-len 256)
 t_start=$(date +%s)
 first=${FIRST:-0}
 
@@ -38,7 +40,7 @@ for variant in "$@"; do
   env_settings=()
   for s in "${settings[@]}"; do if [[ $s == CONFIG=* ]]; then vcfg=${s#CONFIG=}; else env_settings+=("$s"); fi; done
   settings=("${env_settings[@]}")
-  load=(--config "$vcfg" --prompt-len 100 --output-len 256)
+  load=(--config "$vcfg" --prompt-len ${PROMPT_LEN:-100} --output-len 256)
   if [ $(( $(date +%s) - t_start )) -gt ${BUDGET_S:-400} ]; then step "$name skipped: past ${BUDGET_S:-400} s"; continue; fi
   # The stubs import tokenrouter through the interpreter's path: this variant's tree, for every process.
   echo "$tree/backends" > "$sp/tokenrouter-checkout.pth"
@@ -70,6 +72,7 @@ for variant in "$@"; do
       > $res/soak_$name.log 2>&1
     echo "soak $name: exit $?"; tail -12 $res/soak_$name.log
   fi
+  curl -s 127.0.0.1:8002/metrics > $res/metrics_$name.txt  # (the server's counters after its points)
   stop_server
   unset "${settings[@]%%=*}" PYTHONPATH TOKENROUTER_TIMELINE_DIR
   for run in first c8 c1 c16; do
