@@ -114,3 +114,23 @@ def test_new_requests_are_admitted_while_the_requests_in_the_system_fit_the_budg
     sched.add(big, new_request=True)
     _run(sched)
     assert big.status.value == "running"
+
+
+def test_a_prefix_the_requests_share_counts_once_in_the_budget() -> None:
+    """Requests sharing a cached prefix hold its blocks once, here as on any model caching prefixes: 6 requests of
+    a 40-token shared prefix and 8 tokens of their own take 10 + 6 x 2 = 22 blocks, within a budget of 30, though
+    each alone is 12 (72 counted apart)."""
+    bm = BlockManager(num_blocks=128, block_size=4, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=512)
+    sched.kv_budget = 120  # 30 blocks
+    shared = list(range(1000, 1040))
+    seqs = [Sequence(f"r{i}", shared + [i] * 8, 48, SamplingParams(temperature=0.0)) for i in range(6)]
+    sched.add(seqs[0], new_request=True)
+    for c in sched.schedule():
+        c.seq.num_computed_tokens += c.num_new_tokens
+        bm.register_full_blocks(c.seq)
+    for s in seqs[1:]:
+        sched.add(s, new_request=True)
+    _run(sched)
+    assert all(s.status.value == "running" for s in seqs)
+    assert len({b for s in seqs for b in s.block_table}) == 22

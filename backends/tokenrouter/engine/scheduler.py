@@ -92,7 +92,8 @@ class Scheduler:
         # beyond this step's budget): promised to them, not free for a newcomer. (Summed only where one waits: every
         # step of a model passes here.)
         owed = sum(self.bm.blocks_needed(s, s.num_tokens) for s in self.running) if self.waiting else 0
-        live: int | None = None  # blocks of the requests in the system (kv_budget), counted once one needs it
+        live: set[int] | None = None  # blocks of the requests in the system (kv_budget), once one needs them
+        owing = 0  # and the blocks they still need for the tokens they hold
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             prefix = self.bm.match_prefix(seq.token_ids) if not seq.block_table else []
@@ -111,11 +112,13 @@ class Scheduler:
             if not self._room_for(seq, prefix, cached + n, owed):
                 break
             if seq.new_request and self.kv_budget is not None:
-                live = self._live_blocks() if live is None else live
-                need = -(-seq.num_tokens // self.bm.block_size)
-                if live and live + need > self.kv_budget // self.bm.block_size:
+                if live is None:
+                    live, owing = self._live_blocks()
+                need = -(-seq.num_tokens // self.bm.block_size) - sum(b in live for b in prefix)
+                if (live or owing) and len(live) + owing + need > self.kv_budget // self.bm.block_size:
                     break  # the other models' pools could not hold it beside them: it waits for one to finish
-                live += need
+                live.update(prefix)
+                owing += need
             if self._wait_for_graph(chunks, seq, cached, n, budget):
                 break
             self.waiting.popleft()
@@ -193,13 +196,18 @@ class Scheduler:
             return self._admission_cost(prefix, chunk_tokens) <= self.bm.num_free_blocks
         return self._admission_cost(prefix, seq.num_tokens) + owed <= self.bm.num_free_blocks
 
-    def _live_blocks(self) -> int:
-        """Blocks the requests in the system need for the tokens they hold (running, parked, or waiting to run
-        again), as any model holding them all would: new requests not admitted yet are not in it. Alone in the
-        system, a new request goes in whatever its size (a prompt no pool holds fails where it does not fit)."""
-        bs = self.bm.block_size
-        seqs = (*self.running, *self.parked.values(), *(s for s in self.waiting if not s.new_request))
-        return sum(-(-s.num_tokens // bs) for s in seqs)
+    def _live_blocks(self) -> tuple[set[int], int]:
+        """The blocks the requests in the system hold here (a prefix they share counted once, as a model caching
+        prefixes holds it), and the blocks they still need for the tokens they hold (running, parked, or waiting
+        to run again): what any model holding them all would. New requests not admitted yet are not in it.
+        Alone in the system, a new request goes in whatever its size (a prompt no pool holds fails where it does
+        not fit)."""
+        held: set[int] = set()
+        owing = 0
+        for s in (*self.running, *self.parked.values(), *(s for s in self.waiting if not s.new_request)):
+            held.update(s.block_table)
+            owing += self.bm.blocks_needed(s, s.num_tokens)
+        return held, owing
 
     def _admission_cost(self, prefix: list[int], num_tokens: int) -> int:
         new_blocks = max(0, -(-num_tokens // self.bm.block_size) - len(prefix))
