@@ -68,3 +68,36 @@ def test_without_another_pool_known_the_entry_admits_what_its_own_pool_holds(tin
     assert len(rids) == 8
     assert_all_free(engine)
     engine.shutdown()
+
+
+def test_a_loop_whose_ready_requests_cannot_be_scheduled_waits_instead_of_spinning(tiny_dir: Path) -> None:
+    """A new request waits for KV blocks that only a message can free (every block held by a request parked here
+    while the other model runs it): the model's loop then waits for a message (up to 50 ms at a time) rather than
+    going round at once. Before, it scheduled nothing thousands of times a second, a core and its process's GIL
+    (the reader threads that receive the messages) spent on nothing."""
+    import threading
+    import time
+
+    from tokenrouter.engine.sequence import Sequence
+
+    engine = _engine(tiny_dir, 64, 1024)
+    small = engine.subservers["small"]
+    sched, bm = small.scheduler, small.block_manager
+    parked = Sequence("parked", list(range(3, 3 + bm.num_blocks * bm.block_size)), 8, SamplingParams())
+    assert bm.ensure(parked, parked.num_tokens) and bm.num_free_blocks == 0
+    sched.parked[parked.request_id] = parked
+    sched.add(Sequence("new", [5, 6, 7], 3, SamplingParams()), new_request=True)
+    calls = []
+    schedule = sched.schedule
+    sched.schedule = lambda: calls.append(1) or schedule()
+    stop = threading.Event()
+    loop = threading.Thread(target=small.serve_forever, args=(stop,))
+    loop.start()
+    time.sleep(0.5)
+    stop.set()
+    small._wake.set()
+    loop.join(timeout=5)
+    assert not loop.is_alive()
+    assert 1 <= len(calls) <= 20, len(calls)
+    assert [s.request_id for s in sched.waiting] == ["new"]
+    engine.shutdown()

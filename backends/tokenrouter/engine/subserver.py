@@ -182,6 +182,8 @@ class Subserver:
         self.num_ahead_steps = 0  # steps launched ahead
         # Rows of those whose request had gone elsewhere, finished or changed: computed for nothing.
         self.num_void_rows = 0
+        # The last step found requests ready but none it could schedule (they wait for KV blocks): the loop waits.
+        self.stalled = False
         # When the decoding loop last went round (`serve_forever`; None before it runs): an idle loop still goes
         # round every max_wait_s or 50 ms, so a beat much older than any step means the loop is stuck
         # (serving/watchdog.py).
@@ -423,6 +425,7 @@ class Subserver:
             chunks = self.scheduler.schedule()
             if not chunks:
                 self.flush_events()  # ready requests that cannot be scheduled yet: no launch to wait for
+                self.stalled = True
                 return 0
             t0, start = time.perf_counter(), time.monotonic()
         first_ready, last_ready, wait_max = self._begin_step(chunks, start, queued=ahead is None)
@@ -699,10 +702,17 @@ class Subserver:
                 self.loop_beat = time.monotonic()
                 self.drain()
                 if self.should_step():
+                    self.stalled = False
                     self.safe_step()
-                    continue
-                self.flush_events()  # no step launched to overlap with: out now (defer_events)
-                timeout = self.max_wait_s if self.scheduler.num_ready else 0.05
+                    if not self.stalled:
+                        continue
+                    # Ready requests that nothing here can schedule (they wait for KV blocks, which only a
+                    # message frees: a release, a return): wait for one rather than go round at once, a core and
+                    # this process's GIL spent on nothing.
+                    timeout = 0.05
+                else:
+                    self.flush_events()  # no step launched to overlap with: out now (defer_events)
+                    timeout = self.max_wait_s if self.scheduler.num_ready else 0.05
                 self._wake.wait(timeout)
                 self._wake.clear()
         finally:
