@@ -101,3 +101,30 @@ def test_a_loop_whose_ready_requests_cannot_be_scheduled_waits_instead_of_spinni
     assert 1 <= len(calls) <= 20, len(calls)
     assert [s.request_id for s in sched.waiting] == ["new"]
     engine.shutdown()
+
+
+def test_a_model_stops_requests_at_the_deployments_longest_and_refuses_a_return_it_cannot_hold(
+        tiny_dir: Path) -> None:
+    """Served, a model learns the smallest pool of the deployment from the router (Arrive.max_len) and stops a
+    request there. One that came back longer than this model holds anyway (a model that did not know the limit
+    yet) fails with the limit, rather than wait for blocks it can never have (a hostile trial, 2026-12-06: a
+    request grown past the large model's pool on the small one stopped every request)."""
+    from tokenrouter.engine.sequence import SeqStatus
+    from tokenrouter.transport.messages import Arrive, Failed
+
+    engine = _engine(tiny_dir, 4096, 1024)
+    large = engine.subservers["large"]
+    events = []
+    large.emit = events.append
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    large.handle(Arrive("r", list(range(3, 103)), True, 100, params, {}, "small", {}, max_len=512))
+    assert large.stop.max_model_len == 512
+    seq = large.seqs["r"]  # as if it ran here and went back to the small model
+    large.scheduler.waiting.remove(seq)
+    seq.status = SeqStatus.PARKED
+    large.scheduler.parked["r"] = seq
+    large.submit(Arrive("r", list(range(3, 1003)), False, 100, params, {}, "small", {}))
+    large.drain()
+    failed = [e for e in events if isinstance(e, Failed)]
+    assert failed and "can hold at most" in failed[0].error, events
+    engine.shutdown()

@@ -111,3 +111,17 @@ def test_what_a_dead_model_sent_before_it_died_is_dropped_once_its_request_was_t
     assert req.output_ids == [9] and req.owner == "small" and req.holders == {"small"}
     assert not [m for m in small.sent[sent:] if isinstance(m, Arrive)], small.sent[sent:]
     assert not req.finished and req.error is None
+
+
+def test_the_router_learns_the_pools_from_heartbeats_and_tells_the_models(coordinator) -> None:
+    """Each model's first heartbeat carries its KV pool: a new request's Arrive then carries the smallest other
+    pool (the entry's admission budget) and every Arrive the deployment's longest request (the smallest pool of
+    all), at which each model stops a request as at its own limit."""
+    from tokenrouter.transport.messages import Heartbeat
+
+    coord, loop, small = coordinator
+    coord._handle_events([Heartbeat("small", 4096), Heartbeat("large", 1024)])
+    assert coord.pool_tokens == {"small": 4096, "large": 1024} and coord.kv_budget() == 1024
+    coord.add_request([5, 6, 7], PARAMS)
+    arrive = [m for m in small.sent if isinstance(m, Arrive)][-1]
+    assert arrive.kv_budget == 1024 and arrive.max_len == 1024

@@ -134,3 +134,27 @@ def test_a_prefix_the_requests_share_counts_once_in_the_budget() -> None:
     _run(sched)
     assert all(s.status.value == "running" for s in seqs)
     assert len({b for s in seqs for b in s.block_table}) == 22
+
+
+def test_a_return_that_must_prefill_again_goes_ahead_of_new_requests_the_budget_holds() -> None:
+    """A parked request whose blocks were taken back returns and must prefill again. New requests at the head of
+    the queue wait for the budget, which waits for that very request to finish: it goes ahead of them (queued
+    behind them it never ran again, and the whole model stopped; a hostile trial, 2026-12-06)."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    sched.kv_budget = 32  # 8 blocks
+    back = _seq("back", 24)
+    sched.add(back, new_request=True)
+    _run(sched)
+    sched.park(back)
+    sched._reclaim_parked()  # (taken for another: it holds no blocks now, 6 still to compute on return)
+    back.num_computed_tokens = 0
+    new = [_seq(f"new{i}", 12) for i in range(2)]
+    for s in new:
+        sched.add(s, new_request=True)
+    _run(sched)
+    assert all(s.status.value == "waiting" for s in new)  # 6 + 3 blocks > 8: held for the budget
+    sched.resume(back)
+    assert [s.request_id for s in sched.waiting] == ["back", "new0", "new1"]
+    _run(sched)
+    assert back.status.value == "running" and back.num_computed_tokens == 24

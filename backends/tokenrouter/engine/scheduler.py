@@ -51,7 +51,14 @@ class Scheduler:
         admission wait for room rather than take parked requests' blocks."""
         seq.new_request = new_request
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        if new_request:
+            self.waiting.append(seq)
+            return
+        # A request in the system (a return whose blocks were taken back, a first visit from another model) goes
+        # ahead of every new request: a new one at the head that the budget holds back must not stop it, for the
+        # budget waits on exactly such requests to finish (a deadlock a hostile trial found, 2026-12-06).
+        i = next((i for i, s in enumerate(self.waiting) if s.new_request), len(self.waiting))
+        self.waiting.insert(i, seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -301,6 +301,8 @@ class Subserver:
     def _arrive(self, msg: Arrive) -> None:
         if msg.threshold is not None:
             self.threshold = msg.threshold
+        if msg.max_len is not None:
+            self.stop.max_model_len = min(self.stop.max_model_len, msg.max_len)
         if msg.request_id in self._tombstones:
             # Released before it arrived (a cancel overtook the handoff): never take it on.
             self.emit(Released(msg.request_id, self.name, 0, 0, held=False))
@@ -322,6 +324,10 @@ class Subserver:
         else:
             if seq is None or seq.status is not SeqStatus.PARKED:
                 raise RuntimeError(f"{self.name}: request {msg.request_id} returned but is not parked here")
+            if len(seq.token_ids) + len(msg.tokens) >= self.runner.max_model_len:
+                # Grown elsewhere past what this model holds (a model that did not know its limit yet): fails
+                # clearly rather than wait for blocks it can never have.
+                raise ValueError(self._too_long(len(seq.token_ids) + len(msg.tokens)))
             seq.token_ids.extend(msg.tokens)
             if not msg.tokens and seq.num_pending_tokens == 0 and seq.num_computed_tokens > 0:
                 # Taken back with nothing new (model_down: route_around; its target went down before it produced

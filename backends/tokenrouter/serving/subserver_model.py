@@ -143,9 +143,10 @@ class SubserverModel:
                 return f"num_prompt_tokens {n!r} does not fit the request"
             if msg.threshold is not None and (not isinstance(msg.threshold, int) or msg.threshold < 1):
                 return f"threshold {msg.threshold!r} must be an integer >= 1"
-            if msg.kv_budget is not None and (isinstance(msg.kv_budget, bool) or not isinstance(msg.kv_budget, int)
-                                              or msg.kv_budget < 1):
-                return f"kv_budget {msg.kv_budget!r} must be an integer >= 1"
+            for name in ("kv_budget", "max_len"):
+                value = getattr(msg, name)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                    return f"{name} {value!r} must be an integer >= 1"
             try:
                 msg.params.validate()
             except (ValueError, TypeError, AttributeError) as e:

@@ -36,6 +36,11 @@ class Arrive:
     # size the coordinator knows. Every request the entry model holds may come to hold KV on each of them, so it
     # admits new requests while what it holds fits this (scheduler); None: no limit but its own pool.
     kv_budget: int | None = None
+    # The longest request the deployment holds (tokens): the smallest KV pool of all its models that the router
+    # knows. A model stops a request there (finish reason "length") as at its own limit: a request grown past
+    # another model's pool could not go back there. Stamped by the served router on every Arrive it sends (in
+    # process the engine sets each model's limit itself).
+    max_len: int | None = None
 
 
 @dataclass

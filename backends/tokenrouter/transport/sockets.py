@@ -44,6 +44,7 @@ class SocketTransport(Transport):
         self.on_lost = on_lost
         self.closing = False
         self.thresholds: dict[str, int] = {}
+        self.max_len: int | None = None  # stamped on every Arrive (Arrive.max_len)
         self.links: dict[str, ipc.ModelLink | GrpcLink] = {}
         for m in models:
             items, lost = functools.partial(self._items_from, m), functools.partial(self._lost, m)
@@ -51,7 +52,7 @@ class SocketTransport(Transport):
 
     def deliver(self, model: str, msg: Message) -> None:
         if isinstance(msg, Arrive):
-            msg.threshold = self.thresholds.get(model)
+            msg.threshold, msg.max_len = self.thresholds.get(model), self.max_len
         try:
             self.links[model].send([msg])
         except ConnectionError as e:
@@ -68,7 +69,7 @@ class SocketTransport(Transport):
         link = self.links.get(model)
         if not isinstance(link, ipc.ModelLink):
             return False
-        msg.threshold = self.thresholds.get(model)
+        msg.threshold, msg.max_len = self.thresholds.get(model), self.max_len
         return link.try_send([msg])
 
     def fail(self, model: str, request_id: str, error: str) -> None:
