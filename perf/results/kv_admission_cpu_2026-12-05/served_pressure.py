@@ -37,28 +37,42 @@ def metric(server, name: str) -> float:  # noqa: ANN001
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
-def main(n: int, kv_tokens: int) -> None:
+def deployment(work: Path, kv_tokens: int, large_kv_tokens: int | None = None) -> Path:
+    """The served default with both pools at `kv_tokens` (the large model's at `large_kv_tokens` if given), written
+    into `work`."""
     cfg = yaml.safe_load((REPO / "config/r2r/pair-small_pair-large.yaml").read_text())
     base = REPO / "config/r2r"
     for m in cfg["models"].values():
         m["path"] = str((base / m["path"]).resolve())
         m["kv_cache_tokens"] = kv_tokens
+    if large_kv_tokens is not None:
+        cfg["models"]["large"]["kv_cache_tokens"] = large_kv_tokens
     cfg["policy"]["checkpoint"] = str((base / cfg["policy"]["checkpoint"]).resolve())
+    path = work / "deployment.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def finish_of(server, i: int) -> str:  # noqa: ANN001
+    """Request `i` (its prompt, 90 tokens out, non-streaming HTTP generate): its finish reason, or the failure."""
+    url = f"http://127.0.0.1:{server.http_port}/v2/models/tokenrouter/generate"
+    body = {"text_input": prompt(i), "exclude_input_in_output": True, "return_finish_reason": True,
+            "sampling_parameters": json.dumps({"max_tokens": 90, "ignore_eos": True, "temperature": 0})}
+    req = urllib.request.Request(url, data=json.dumps(body).encode())
+    try:
+        return json.loads(urllib.request.urlopen(req, timeout=1800).read()).get("finish_reason")
+    except Exception as e:  # noqa: BLE001 (reported, not raised: one failure is a finding)
+        return f"{type(e).__name__}: {e}"[:120]
+
+
+def main(n: int, kv_tokens: int) -> None:
     with tempfile.TemporaryDirectory() as work:
-        path = Path(work) / "deployment.yaml"
-        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        path = deployment(Path(work), kv_tokens)
         with serving(str(path), Path(work)) as server:
-            url = f"http://127.0.0.1:{server.http_port}/v2/models/tokenrouter/generate"
             results: list = [None] * n
 
             def run(i: int) -> None:
-                body = {"text_input": prompt(i), "exclude_input_in_output": True, "return_finish_reason": True,
-                        "sampling_parameters": json.dumps({"max_tokens": 90, "ignore_eos": True, "temperature": 0})}
-                req = urllib.request.Request(url, data=json.dumps(body).encode())
-                try:
-                    results[i] = json.loads(urllib.request.urlopen(req, timeout=1800).read()).get("finish_reason")
-                except Exception as e:  # noqa: BLE001 (reported, not raised: one failure is a finding)
-                    results[i] = f"{type(e).__name__}: {e}"[:120]
+                results[i] = finish_of(server, i)
 
             before = metric(server, "tokenrouter_preemptions_total")
             t0 = time.perf_counter()

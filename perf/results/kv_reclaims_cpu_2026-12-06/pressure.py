@@ -11,7 +11,6 @@ LARGE_KV_TOKENS: the large model's pool apart (by default KV_TOKENS too).
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import tempfile
@@ -21,14 +20,12 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "perf"))
 sys.path.insert(0, str(REPO / "perf/results/kv_admission_cpu_2026-12-05"))
 
 from _common import serving  # noqa: E402
-from served_pressure import prompt  # noqa: E402
+from served_pressure import deployment, finish_of  # noqa: E402
 
 COUNTERS = ("tokenrouter_preemptions_total", "tokenrouter_kv_reclaims_total", "tokenrouter_kv_blocks_used",
             "tokenrouter_requests_held")
@@ -45,30 +42,14 @@ def sample(server) -> dict[str, float]:  # noqa: ANN001
 
 
 def main(n: int, kv_tokens: int, large_kv_tokens: int | None = None) -> None:
-    cfg = yaml.safe_load((REPO / "config/r2r/pair-small_pair-large.yaml").read_text())
-    base = REPO / "config/r2r"
-    for m in cfg["models"].values():
-        m["path"] = str((base / m["path"]).resolve())
-        m["kv_cache_tokens"] = kv_tokens
-    if large_kv_tokens is not None:
-        cfg["models"]["large"]["kv_cache_tokens"] = large_kv_tokens
-    cfg["policy"]["checkpoint"] = str((base / cfg["policy"]["checkpoint"]).resolve())
     with tempfile.TemporaryDirectory() as work:
-        path = Path(work) / "deployment.yaml"
-        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        path = deployment(Path(work), kv_tokens, large_kv_tokens)
         with serving(str(path), Path(work)) as server:
-            url = f"http://127.0.0.1:{server.http_port}/v2/models/tokenrouter/generate"
             results: list = [None] * n
             ends = [0.0] * n  # when each response came (the wall time is the last; the sampling below is 1 s apart)
 
             def run(i: int) -> None:
-                body = {"text_input": prompt(i), "exclude_input_in_output": True, "return_finish_reason": True,
-                        "sampling_parameters": json.dumps({"max_tokens": 90, "ignore_eos": True, "temperature": 0})}
-                req = urllib.request.Request(url, data=json.dumps(body).encode())
-                try:
-                    results[i] = json.loads(urllib.request.urlopen(req, timeout=1800).read()).get("finish_reason")
-                except Exception as e:  # noqa: BLE001 (reported, not raised: one failure is a finding)
-                    results[i] = f"{type(e).__name__}: {e}"[:120]
+                results[i] = finish_of(server, i)
                 ends[i] = time.perf_counter()
 
             before = sample(server)
