@@ -9,8 +9,8 @@ no graph), so the ratio is side by side. At the end the three models are loaded 
 
     python perf/bench_runner.py --out perf/results/runner_h200.json [--models qwen3-0.6b,qwen3-32b] [--quick]
 
-`--pdl on,off` runs each model once per setting of programmatic dependent launch (runner/pdl.py), side by side in
-one process.
+`--pdl on,off,wait,prefetch,release` runs each model once per setting of programmatic dependent launch (runner/pdl.py;
+PDL_MODES below), side by side in one process.
 """
 
 from __future__ import annotations
@@ -165,18 +165,25 @@ def r2r_hook(runner: ModelRunner, skinny: bool = True):
     return hook
 
 
-PDL_MODES = ("on", "off")
+# on: PDL as the runner launches (weights prefetched before the wait, successors released early); wait: PDL with
+# neither (every kernel waits first and releases at exit); prefetch / release: one of the two; off: no PDL.
+PDL_MODES = ("on", "off", "wait", "prefetch", "release")
 
 
 def set_pdl(mode: str) -> None:
     """Programmatic dependent launch for kernels launched from now on (graphs captured after this call)."""
-    pdl.ENABLED = mode == "on"
+    from tokenrouter.runner import skinny_gemm
+
+    pdl.ENABLED = mode != "off"
+    pdl.RELEASE = pdl.DEFAULT_RELEASE if mode in ("on", "off") else \
+        frozenset(pdl.RELEASE_KINDS) if mode == "release" else frozenset()
+    skinny_gemm.PREFETCH = skinny_gemm.DEFAULT_PREFETCH if mode in ("on", "off") else 2 if mode == "prefetch" else 0
 
 
 def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_router: bool,
                 skinny: bool = True, profile: bool = False, pdl_mode: str = "on", decode_only: bool = False,
                 carveout: int = 0, extends: list[tuple[int, int]] | None = None, extend_context: int = 1024,
-                kv_tokens: int | None = None) -> dict:
+                kv_tokens: int | None = None, contexts: tuple[int, ...] = (1024, 8192)) -> dict:
     path = ROOT / "perf" / "models" / name
     kv_tokens = kv_tokens or {"qwen3-0.6b": 600_000, "qwen3-8b": 300_000, "qwen3-32b": 160_000}[name]
     cfg = ModelConfig(name=name, path=str(path), dtype="bfloat16", device="cuda:0", load_format="dummy",
@@ -217,7 +224,7 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
 
     # KV bytes one decode token reads per context token (K and V of every layer).
     kv_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 2
-    for context in (1024, 8192):
+    for context in contexts:
         for batch in (1, 4, 8, 16, 32, 64):
             if batch * (context + 1) > runner.num_blocks * runner.block_size:
                 continue
@@ -229,7 +236,7 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
             out["decode"].append(row)
             print(f"{name} decode b={batch:3d} ctx={context:5d}: graph {_ms(g)} ms ({row['graph_x_floor'] or 0:.2f}x "
                   f"floor; replay alone {_ms(r)} ms), eager {_ms(e)} ms", flush=True)
-    decode8 = next(d for d in out["decode"] if d["batch"] == 8 and d["context"] == 1024)
+    decode8 = next((d for d in out["decode"] if d["batch"] == 8 and d["context"] == 1024), None)
     if profile:
         out["profile_b8"] = profile_decode(runner, bm, batch=8, context=1024)
     # Suffixes a returning request brings: 1..64 tokens for one request, and 8 requests x 1..10 tokens.
@@ -240,7 +247,7 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
         row = {"batch": batch, "suffix": new, "tokens": batch * new, "context": extend_context,
                "graph_tokens": shape and shape.num_tokens, "carved": bool(shape and carveout and carves(shape)),
                "graph_ms": g and g * 1e3, "eager_ms": e * 1e3}
-        if batch == 8 and g is not None and decode8["graph_ms"]:
+        if batch == 8 and g is not None and decode8 and decode8["graph_ms"]:
             row["graph_x_decode_b8"] = g * 1e3 / decode8["graph_ms"]
         out["extend"].append(row)
         print(f"{name} extend {batch}x{new} on {extend_context}: graph {_ms(g)} ms (graph of {row['graph_tokens']} "
@@ -425,13 +432,14 @@ def main() -> int:
     ap.add_argument("--caps-from", metavar="RESULTS_JSON",
                     help="no benchmark: compute the row limits from a saved --skinny-gemm both run into --layer-caps")
     ap.add_argument("--pdl", default="on",
-                    help="comma list of on, off: programmatic dependent launch settings, each model run once per "
-                         "setting (the first one's runs set --layer-caps)")
+                    help="comma list of on, off, wait, prefetch, release (PDL_MODES): programmatic dependent launch "
+                         "settings, each model run once per setting (the first one's runs set --layer-caps)")
     ap.add_argument("--cublas-sm-carveout", default="0",
                     help="comma list of the models' cublas_sm_carveout settings, each model run once per setting "
                          "(graphs of up to 112 tokens captured through cuBLASLt with that many SMs carved out; 0: "
                          "torch's default)")
     ap.add_argument("--decode-only", action="store_true", help="skip the extend and prefill cases")
+    ap.add_argument("--contexts", default="1024,8192", help="comma list of the decode cases' context lengths")
     ap.add_argument("--extends", metavar="BxS,...",
                     help="the extend cases instead of the default ones: B requests of S new tokens each")
     ap.add_argument("--extend-context", type=int, default=1024, help="the cached tokens of every extend case")
@@ -489,7 +497,8 @@ def main() -> int:
                 for carve in carveouts:
                     results["models"].append(bench_model(name, bw, args.attention, args.quick, with_router, skinny,
                                                          args.profile, pdl_mode, args.decode_only, carve,
-                                                         extends, args.extend_context, args.kv_tokens))
+                                                         extends, args.extend_context, args.kv_tokens,
+                                                         tuple(int(c) for c in args.contexts.split(","))))
                     Path(args.out).write_text(json.dumps(results, indent=2))
     set_pdl(pdl_modes[0])
     if args.colocate:
