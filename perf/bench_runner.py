@@ -9,8 +9,8 @@ no graph), so the ratio is side by side. At the end the three models are loaded 
 
     python perf/bench_runner.py --out perf/results/runner_h200.json [--models qwen3-0.6b,qwen3-32b] [--quick]
 
-`--pdl on,off,wait,prefetch,release` runs each model once per setting of programmatic dependent launch (runner/pdl.py;
-PDL_MODES below), side by side in one process.
+`--pdl on,off` runs each model once per setting of programmatic dependent launch (runner/pdl.py), side by side in
+one process.
 """
 
 from __future__ import annotations
@@ -165,19 +165,12 @@ def r2r_hook(runner: ModelRunner, skinny: bool = True):
     return hook
 
 
-# on: PDL as the runner launches (weights prefetched before the wait, successors released early); wait: PDL with
-# neither (every kernel waits first and releases at exit); prefetch / release: one of the two; off: no PDL.
-PDL_MODES = ("on", "off", "wait", "prefetch", "release")
+PDL_MODES = ("on", "off")
 
 
 def set_pdl(mode: str) -> None:
     """Programmatic dependent launch for kernels launched from now on (graphs captured after this call)."""
-    from tokenrouter.runner import skinny_gemm
-
-    pdl.ENABLED = mode != "off"
-    pdl.RELEASE = pdl.DEFAULT_RELEASE if mode in ("on", "off") else \
-        frozenset(pdl.RELEASE_KINDS) if mode == "release" else frozenset()
-    skinny_gemm.PREFETCH = skinny_gemm.DEFAULT_PREFETCH if mode in ("on", "off") else 2 if mode == "prefetch" else 0
+    pdl.ENABLED = mode == "on"
 
 
 def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_router: bool,
@@ -432,8 +425,8 @@ def main() -> int:
     ap.add_argument("--caps-from", metavar="RESULTS_JSON",
                     help="no benchmark: compute the row limits from a saved --skinny-gemm both run into --layer-caps")
     ap.add_argument("--pdl", default="on",
-                    help="comma list of on, off, wait, prefetch, release (PDL_MODES): programmatic dependent launch "
-                         "settings, each model run once per setting (the first one's runs set --layer-caps)")
+                    help="comma list of on, off: programmatic dependent launch settings, each model run once per "
+                         "setting (the first one's runs set --layer-caps)")
     ap.add_argument("--cublas-sm-carveout", default="0",
                     help="comma list of the models' cublas_sm_carveout settings, each model run once per setting "
                          "(graphs of up to 112 tokens captured through cuBLASLt with that many SMs carved out; 0: "

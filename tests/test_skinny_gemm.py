@@ -157,36 +157,6 @@ def test_split_k_is_deterministic(cfg: sg.GemmConfig) -> None:
     assert all(torch.equal(first, sg.skinny_linear(x, w, ws, config=cfg)) for _ in range(3))
 
 
-@pytest.mark.parametrize("prologue", ["rms_norm", "silu_mul", "none"])
-@pytest.mark.parametrize("cfg", [sg.GemmConfig(16, 32, 2), sg.GemmConfig(16, 32, 4), sg.GemmConfig(16, 32, 1)])
-def test_prefetched_weight_blocks_change_nothing(monkeypatch: pytest.MonkeyPatch, prologue: str,
-                                                 cfg: sg.GemmConfig) -> None:
-    """The split-K kernel reads its first W blocks before it waits for the previous kernel (PREFETCH 0-2, at most
-    the split's blocks; K = 112 splits into 4, 2 and 1 blocks and a ragged last split): the same bits whatever
-    the depth, the same as torch."""
-    dtype = torch.float32 if INTERPRET else torch.float16
-    gen = torch.Generator().manual_seed(5)
-    n, k = 40, 112
-    x = _randn(5, 2 * k if prologue == "silu_mul" else k, dtype=dtype, gen=gen)
-    w, norm_w = _randn(n, k, dtype=dtype, gen=gen), _randn(k, dtype=dtype, gen=gen) + 1.5
-    ws = sg.SplitKWorkspace(DEVICE, 4 * 16 * n, 64)
-    outs = []
-    for depth in (0, 1, 2):
-        monkeypatch.setattr(sg, "PREFETCH", depth)
-        outs.append(sg.skinny_linear(x, w, ws, prologue=prologue, norm_weight=norm_w, eps=EPS, config=cfg))
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    assert int(ws.counts.count_nonzero()) == 0
-    if prologue == "silu_mul":
-        ref_in = F.silu(x[:, :k]) * x[:, k:]
-    elif prologue == "rms_norm":
-        ref_in = RMSNorm(k, EPS).to(DEVICE, dtype)
-        ref_in.weight.data.copy_(norm_w)
-        ref_in = ref_in(x)
-    else:
-        ref_in = x
-    torch.testing.assert_close(outs[0].float(), F.linear(ref_in, w).float(), **TOL[dtype])
-
-
 @pytest.mark.parametrize("prologue", ["rms_norm", "silu_mul"])
 def test_rows_do_not_depend_on_the_batch(prologue: str) -> None:
     """Batch invariance within a row tile: a row's output is bit-identical whichever rows share its launch and
@@ -414,41 +384,35 @@ def test_model_skinny_path_matches_cublas_path(tiny_dir: Path, monkeypatch: pyte
 
 
 _COMPILE_FOR_HOPPER = """
-import re
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tokenrouter.runner import skinny_gemm as sg
 
-def waits_first(ptx, ops=("ld.global", "st.global", "atom.", "red.", "cp.async")):
-    # PDL: the grid-dependency wait before the kernel's first global memory access (of these kinds; whole
-    # instruction names, so that "red." is not found in "st.shared.")
+def waits_first(ptx):  # PDL: the grid-dependency wait before the kernel's first global memory access
     body = ptx[ptx.index(".entry"):]
-    hits = [m.start() for op in ops for m in [re.search(r"(?<![\\w.])" + re.escape(op), body)] if m]
+    hits = [i for i in (body.find(op) for op in ("ld.global", "st.global", "atom.", "red.", "cp.async")) if i >= 0]
     return 0 <= body.find("griddepcontrol.wait") < min(hits)
 
 # (the row tiles, block_k, warps and stages the H200 table uses)
 # and the float32 router layers (LayerNorm in front, bias and GELU behind; TF32x3 and IEEE dots)
-# and launched with PDL (pdl.py); split 0: the stream-K kernel; prefetch: W blocks read before the wait (the split-K
-# kernel's default is 2, its blocks per split permitting), and under PDL the successor released after the main loop
-for (prologue, residual, split, bm, bk, warps, stages, dot, bias, act, pdl), prefetch in zip((
+# and launched with PDL (pdl.py); split 0: the stream-K kernel
+for prologue, residual, split, bm, bk, warps, stages, dot, bias, act, pdl in (
         (0, True, 1, 16, 128, 4, 4, "", 0, 0, False), (1, False, 2, 16, 256, 4, 3, "", 0, 0, False),
         (2, True, 3, 32, 64, 8, 6, "", 0, 0, False), (1, False, 4, 64, 128, 8, 4, "", 0, 0, False),
         (3, False, 2, 16, 64, 4, 4, "tf32x3", 1, 1, False), (0, True, 4, 16, 128, 4, 3, "ieee", 1, 2, False),
         (1, False, 1, 16, 256, 4, 3, "", 0, 0, True), (2, True, 8, 16, 64, 8, 4, "", 0, 0, True),
         (1, False, 0, 16, 64, 4, 4, "", 0, 0, True), (2, True, 0, 32, 128, 8, 3, "", 0, 0, False),
         (3, False, 0, 16, 64, 4, 4, "tf32x3", 1, 1, True),
-        (1, False, -1, 16, 128, 4, 4, "", 0, 0, True), (1, False, -2, 16, 128, 8, 3, "", 0, 0, False)),
-        (0, 2, 1, 0, 2, 0, 1, 1, 0, 0, 0, 2, 1)):
+        (1, False, -1, 16, 128, 4, 4, "", 0, 0, True), (1, False, -2, 16, 128, 8, 3, "", 0, 0, False)):
     kernel = sg._stream_k_gemm_kernel if split == 0 else sg._skinny_gemm_kernel
     # split -1 / -2: the qkv matmul with the QKRope epilogue (one head of 128 per tile), split 2 / 1, q/k norms or not
     rope = {"QK_ROPE": split < 0, "QK_NORM": split == -1, "NUM_HEADS": 16 if split < 0 else 0,
             "NUM_KV_HEADS": 8 if split < 0 else 0, "SPLIT_K": split if split > 0 else 2 if split == -1 else 1}
     consts = dict(PROLOGUE=prologue, HAS_BIAS=bool(bias), ACTIVATION=act, HAS_RESIDUAL=residual, FP32_DOT=dot,
                   BLOCK_M=bm, BLOCK_N=128 if split < 0 else 64, BLOCK_K=bk, STATS_BLOCK=16 * 512 // bm,
-                  STATS_ITERS=2 if prologue in (1, 3) else 0, PDL=pdl, **(rope if split else {}),
-                  **({"PREFETCH": prefetch, "RELEASE": pdl} if split else {}))
+                  STATS_ITERS=2 if prologue in (1, 3) else 0, PDL=pdl, **(rope if split else {}))
     elem = "*fp32" if dot else "*bf16"
     sig = {n: elem if n.endswith("_ptr") else "fp32" if n.endswith("eps") else "i32" for n in kernel.arg_names}
     sig.update(part_ptr="*fp32", count_ptr="*i32", cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64",
@@ -457,10 +421,7 @@ for (prologue, residual, split, bm, bk, warps, stages, dot, bias, act, pdl), pre
     ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": warps, "num_stages": stages, "launch_pdl": pdl}).asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == pdl, consts  # PDL: the kernel waits for its predecessor
-    # Only W's loads may come before the wait: nothing the predecessor writes is touched (stores and atomics after)
-    assert waits_first(ptx, ("st.global", "atom.", "red.") if prefetch and split else waits_first.__defaults__[0]) \
-        or not pdl, consts
-    assert ("griddepcontrol.launch_dependents" in ptx) == (pdl and split != 0), consts  # the early release
+    assert waits_first(ptx) or not pdl, consts
 print("compiled")
 """
 

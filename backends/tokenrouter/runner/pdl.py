@@ -8,15 +8,7 @@ bit; only the launch gap between links shrinks.
 
 The rule every kernel launched this way keeps: `gdc_wait` comes first, before anything that reads or writes memory,
 on every path through the kernel (early returns included), so each kernel waits for the whole of the one before and
-ordering stays transitive through kernels launched without PDL (torch's and cuBLAS's). One exception: a model's
-weights, which no kernel writes while it runs, may be read before the wait (the skinny matmul's `PREFETCH`).
-
-A kernel may release its successor before it exits (`release_dependents`, `TOKENROUTER_PDL_RELEASE`): the successor
-is launched once every program of this one has released or exited, and its programs then read their weights while
-this kernel's last programs finish; its wait still waits for the whole of this kernel. The skinny matmul releases
-after its main loop (every program has read its weights by then); decode attention's split kernel after its loop
-over the keys, and its reduce right after its wait (it is short): the o_proj matmul that follows reads its weights
-meanwhile.
+ordering stays transitive through kernels launched without PDL (torch's and cuBLAS's).
 
 Measured on an H200 (perf/results/pdl_h200_2026-12-02): a link of a captured chain of tiny kernels costs 1.18 us
 plain and 0.94 us with PDL; the Qwen3-0.6B decode step (skinny matmuls, b1 / b4) 1.22-1.24 -> 1.19 ms and
@@ -39,23 +31,6 @@ import triton
 import triton.language as tl
 
 ENABLED = os.environ.get("TOKENROUTER_PDL", "1").strip().lower() not in ("0", "false", "off", "no")
-RELEASE_KINDS = ("matmul", "attention")  # the kernels that may release their successor early
-
-
-def _release_kinds(value: str) -> frozenset[str]:
-    """TOKENROUTER_PDL_RELEASE: "1" / "all" (the default) both kinds, "0" / "none" / "" neither, or a comma list."""
-    v = value.strip().lower()
-    if v in ("1", "all", "true", "on", "yes"):
-        return frozenset(RELEASE_KINDS)
-    if v in ("0", "none", "", "false", "off", "no"):
-        return frozenset()
-    kinds = frozenset(k.strip() for k in v.split(","))
-    if not kinds <= set(RELEASE_KINDS):
-        raise ValueError(f"TOKENROUTER_PDL_RELEASE={value!r}: name kinds of {RELEASE_KINDS}, or 1 / 0")
-    return kinds
-
-
-DEFAULT_RELEASE = RELEASE = _release_kinds(os.environ.get("TOKENROUTER_PDL_RELEASE", "1"))
 
 
 @cache
@@ -91,19 +66,6 @@ def enabled(device: torch.device) -> bool:
 def launch_args(device: torch.device) -> dict[str, Any]:
     """The keyword arguments a kernel taking the `PDL` constexpr is launched with on `device`."""
     return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
-
-
-def release_args(device: torch.device, kind: str) -> dict[str, Any]:
-    """The `RELEASE` constexpr of a kernel of `kind` (RELEASE_KINDS) launched on `device`."""
-    return {"RELEASE": kind in RELEASE and enabled(device)}
-
-
-@triton.jit
-def release_dependents(RELEASE: tl.constexpr):
-    """Under PDL with RELEASE: let the next kernel launch now (it still waits for this one to complete before it
-    touches what this one writes). A no-op otherwise."""
-    if RELEASE:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

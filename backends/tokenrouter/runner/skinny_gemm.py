@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -50,7 +49,7 @@ import triton
 import triton.language as tl
 
 from tokenrouter.runner import pdl
-from tokenrouter.runner.pdl import release_dependents, wait_for_predecessor
+from tokenrouter.runner.pdl import wait_for_predecessor
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +61,6 @@ ACTIVATIONS = ("none", "gelu", "relu")
 # warps. Wider row tiles load fewer columns at a time, or the unrolled loads spill registers.
 _STATS_ELEMS = 16 * 512
 TUNED_PATH = Path(__file__).with_name("skinny_gemm_tuned.json")
-# K blocks of W each program loads before it waits for the previous kernel (0-2; TOKENROUTER_SKINNY_PREFETCH).
-DEFAULT_PREFETCH = PREFETCH = int(os.environ.get("TOKENROUTER_SKINNY_PREFETCH", "2"))
-if not 0 <= PREFETCH <= 2:
-    raise ValueError(f"TOKENROUTER_SKINNY_PREFETCH must be 0, 1 or 2, got {PREFETCH}")
 # Apply the table's step-level row caps (`layers`). perf/bench_runner.py turns this off to measure a model at the
 # rows the per-matmul table allows, so that a new cap can come out higher than the last.
 LAYER_CAPS = True
@@ -112,55 +107,37 @@ def _row_stats(x_rows, m_ok, K, eps, PROLOGUE: tl.constexpr, BLOCK_M: tl.constex
 
 
 @triton.jit
-def _x_block(x_rows, k0, rk, m_ok, K, norm_w_ptr, norm_b_ptr, mean, rstd, dtype: tl.constexpr, PROLOGUE: tl.constexpr):
-    """prologue(x)[:, k0:k0 + BLOCK_K], the dot's right operand."""
-    k_ok = (k0 + rk) < K
-    x_mask = m_ok[:, None] & k_ok[None, :]
-    if PROLOGUE == 2:
-        gate = tl.load(x_rows + k0 + rk[None, :], mask=x_mask, other=0.0).to(tl.float32)
-        up = tl.load(x_rows + K + k0 + rk[None, :], mask=x_mask, other=0.0).to(tl.float32)
-        # As fused_ops.silu_mul: silu rounded to the dtype, then the product rounded.
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        x = (act * up).to(dtype)
-    else:
-        x = tl.load(x_rows + k0 + rk[None, :], mask=x_mask, other=0.0)
-        if PROLOGUE == 1:
-            nw = tl.load(norm_w_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
-            # As RMSNorm: the normalised value rounded to the dtype, then the weight product rounded.
-            y = (x.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
-            x = (y * nw[None, :]).to(dtype)
-        elif PROLOGUE == 3:
-            nw = tl.load(norm_w_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
-            nb = tl.load(norm_b_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
-            # As nn.LayerNorm: everything in float32, one rounding at the end (masked columns come out 0).
-            y = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
-            x = (y * nw[None, :] + nb[None, :]).to(dtype)
-    return x
-
-
-@triton.jit
-def _w_block(w_rows, k0, rk, n_ok, K):
-    """W[cols, k0:k0 + BLOCK_K], the dot's left operand."""
-    return tl.load(w_rows + k0 + rk[None, :], mask=n_ok[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
-
-
-@triton.jit
-def _dot(acc, w, x, FP32_DOT: tl.constexpr):
-    if FP32_DOT == "":
-        acc += tl.dot(w, tl.trans(x))
-    else:
-        acc += tl.dot(w, tl.trans(x), input_precision=FP32_DOT)
-    return acc
-
-
-@triton.jit
 def _accumulate(acc, x_rows, w_rows, m_ok, n_ok, k_lo, k_hi, K, norm_w_ptr, norm_b_ptr, mean, rstd, dtype: tl.constexpr,
                 PROLOGUE: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] += W[cols, k_lo:k_hi] @ prologue(x)[:, k_lo:k_hi]^T (k_lo a multiple of BLOCK_K)."""
     rk = tl.arange(0, BLOCK_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        x = _x_block(x_rows, k0, rk, m_ok, K, norm_w_ptr, norm_b_ptr, mean, rstd, dtype, PROLOGUE)
-        acc = _dot(acc, _w_block(w_rows, k0, rk, n_ok, K), x, FP32_DOT)
+        k_ok = (k0 + rk) < K
+        x_mask = m_ok[:, None] & k_ok[None, :]
+        if PROLOGUE == 2:
+            gate = tl.load(x_rows + k0 + rk[None, :], mask=x_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_rows + K + k0 + rk[None, :], mask=x_mask, other=0.0).to(tl.float32)
+            # As fused_ops.silu_mul: silu rounded to the dtype, then the product rounded.
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            x = (act * up).to(dtype)
+        else:
+            x = tl.load(x_rows + k0 + rk[None, :], mask=x_mask, other=0.0)
+            if PROLOGUE == 1:
+                nw = tl.load(norm_w_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+                # As RMSNorm: the normalised value rounded to the dtype, then the weight product rounded.
+                y = (x.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
+                x = (y * nw[None, :]).to(dtype)
+            elif PROLOGUE == 3:
+                nw = tl.load(norm_w_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+                nb = tl.load(norm_b_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+                # As nn.LayerNorm: everything in float32, one rounding at the end (masked columns come out 0).
+                y = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
+                x = (y * nw[None, :] + nb[None, :]).to(dtype)
+        w = tl.load(w_rows + k0 + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if FP32_DOT == "":
+            acc += tl.dot(w, tl.trans(x))
+        else:
+            acc += tl.dot(w, tl.trans(x), input_precision=FP32_DOT)
     return acc
 
 
@@ -210,46 +187,28 @@ def _skinny_gemm_kernel(
     STATS_BLOCK: tl.constexpr,  # prologue rms_norm / layer_norm: columns per statistics load
     STATS_ITERS: tl.constexpr,  # prologue rms_norm / layer_norm: cdiv(K, STATS_BLOCK); 0 otherwise
     PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
-    PREFETCH: tl.constexpr = 0,  # K blocks of W (0-2, at most the split's) loaded before the wait for the predecessor
-    RELEASE: tl.constexpr = False,  # under PDL: let the successor launch once every program's weights are read
     QK_ROPE: tl.constexpr = False,  # the qkv epilogue (`QKRope`): a column tile is one head (BLOCK_N == head_dim)
     QK_NORM: tl.constexpr = False,  # ... with Qwen3's per-head q/k RMSNorm first
     NUM_HEADS: tl.constexpr = 0,  # QK_ROPE: Hq, then Hkv k heads, then the v heads
     NUM_KV_HEADS: tl.constexpr = 0,
 ):
-    """Grid (cdiv(N, BLOCK_N), SPLIT_K): program (n, s) owns columns n*BLOCK_N.. over the s-th K range.
-
-    The weights are constant while a model runs, so the first PREFETCH blocks of this program's slice of W are read
-    before the wait for the predecessor (pdl.py's rule, first the wait, covers everything the predecessor may have
-    written): under PDL they load while the predecessor's last programs reduce and store."""
+    """Grid (cdiv(N, BLOCK_N), SPLIT_K): program (n, s) owns columns n*BLOCK_N.. over the s-th K range."""
+    wait_for_predecessor(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
-    k_begin = pid_k * k_per_split
-    rk = tl.arange(0, BLOCK_K)
-    if PREFETCH >= 1:
-        w0 = _w_block(w_rows, k_begin, rk, n_ok, K)
-    if PREFETCH >= 2:
-        w1 = _w_block(w_rows, k_begin + BLOCK_K, rk, n_ok, K)
-    wait_for_predecessor(PDL)
     dtype = out_ptr.dtype.element_ty
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
     mean, rstd = _row_stats(x_rows, m_ok, K, eps, PROLOGUE, BLOCK_M, STATS_BLOCK, STATS_ITERS)
 
+    k_begin = pid_k * k_per_split
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if PREFETCH >= 1:
-        x0 = _x_block(x_rows, k_begin, rk, m_ok, K, norm_w_ptr, norm_b_ptr, mean, rstd, dtype, PROLOGUE)
-        acc = _dot(acc, w0, x0, FP32_DOT)
-    if PREFETCH >= 2:
-        x1 = _x_block(x_rows, k_begin + BLOCK_K, rk, m_ok, K, norm_w_ptr, norm_b_ptr, mean, rstd, dtype, PROLOGUE)
-        acc = _dot(acc, w1, x1, FP32_DOT)
-    acc = _accumulate(acc, x_rows, w_rows, m_ok, n_ok, k_begin + PREFETCH * BLOCK_K, k_begin + k_per_split, K,
-                      norm_w_ptr, norm_b_ptr, mean, rstd, dtype, PROLOGUE, FP32_DOT, BLOCK_K)
-    release_dependents(RELEASE)
+    acc = _accumulate(acc, x_rows, w_rows, m_ok, n_ok, k_begin, k_begin + k_per_split, K, norm_w_ptr, norm_b_ptr,
+                      mean, rstd, dtype, PROLOGUE, FP32_DOT, BLOCK_K)
 
     out_offs = rm[None, :] * N + rn[:, None]  # [BLOCK_N, BLOCK_M] view of out[M, N]
     out_mask = n_ok[:, None] & m_ok[None, :]
@@ -768,7 +727,6 @@ def skinny_linear(
                     r.cos.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1))
             consts.update(QK_ROPE=True, QK_NORM=r.q_norm_weight is not None, NUM_HEADS=r.num_heads,
                           NUM_KV_HEADS=r.num_kv_heads)
-        _skinny_gemm_kernel[(triton.cdiv(N, cfg.block_n), cfg.split_k)](
-            *args, k_per_split, *rest, *rope, SPLIT_K=cfg.split_k, PREFETCH=min(PREFETCH, k_per_split // cfg.block_k),
-            **pdl.release_args(x.device, "matmul"), **consts)
+        _skinny_gemm_kernel[(triton.cdiv(N, cfg.block_n), cfg.split_k)](*args, k_per_split, *rest, *rope,
+                                                                        SPLIT_K=cfg.split_k, **consts)
     return out

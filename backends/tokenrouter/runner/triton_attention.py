@@ -23,7 +23,7 @@ import triton.language as tl
 from tokenrouter.runner import pdl
 from tokenrouter.runner.attention import AttentionBackend
 from tokenrouter.runner.forward_batch import ForwardBatch
-from tokenrouter.runner.pdl import release_dependents, wait_for_predecessor
+from tokenrouter.runner.pdl import wait_for_predecessor
 
 _LOG2E = math.log2(math.e)
 # Cap on KV splits per (sequence, KV head) in decode: more splits than this only grow the reduction.
@@ -144,7 +144,6 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     DIRECT_OUT: tl.constexpr,  # num_splits == 1: write the final output, no reduce kernel
     PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
-    RELEASE: tl.constexpr = False,  # under PDL: let the successor launch once the keys are read (pdl.py)
 ):
     """Grid (B, Hkv, num_splits): one sequence's single query, all GROUP query heads of one KV head, one KV split.
 
@@ -185,7 +184,6 @@ def _decode_split_kernel(
             stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2, d, d_ok,
             PAGE, BLOCK_N, True, False,
         )  # fmt: skip
-    release_dependents(RELEASE)
     out = acc / l_i[:, None]  # [GROUP_PAD, D_PAD]; l_i >= 1 for real rows since the split is non-empty
 
     if DIRECT_OUT:
@@ -214,11 +212,9 @@ def _decode_reduce_kernel(
     BLOCK_N: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # next power of two >= num_splits
     PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
-    RELEASE: tl.constexpr = False,  # under PDL: let the successor launch at once (pdl.py)
 ):
     """Grid (B, Hq): merge one head's split partials, weighting each by exp2(lse_split - lse_max)."""
     wait_for_predecessor(PDL)  # first: the early returns below must have waited too
-    release_dependents(RELEASE)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tok = tl.load(cu_seqlens_q_ptr + seq)
@@ -735,13 +731,12 @@ class TritonAttention(AttentionBackend):
             out.stride(0), out.stride(1), batch.block_tables.stride(0),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group,
             GROUP_PAD=max(16, _next_pow2(group)), PAGE=batch.block_size, DIRECT_OUT=splits == 1, **cfg,
-            **pdl.release_args(q.device, "attention"),
         )  # fmt: skip
         if splits > 1:
             self._launch(_decode_reduce_kernel, (B, num_heads),
                 mid_o, mid_lse, out, batch.cu_seqlens_q, batch.kv_lens, splits, out.stride(0), out.stride(1),
                 NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_N=cfg["BLOCK_N"],
-                SPLITS_PAD=_next_pow2(splits), **pdl.release_args(q.device, "attention"),
+                SPLITS_PAD=_next_pow2(splits),
                 num_warps=4, num_stages=1,
             )  # fmt: skip
 
