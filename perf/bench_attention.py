@@ -116,10 +116,11 @@ def make_batch(batch: int, new: int, context: int, pool_blocks: int, device: tor
 
 
 def time_layers(backend: TritonAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
-                shape: GraphShape, iters: int) -> float:
-    """Seconds per layer of one graph that runs the attention of every layer (k, v: [L, slots, Hkv, D])."""
+                shape: GraphShape, iters: int, max_kv: int = MAX_MODEL_LEN) -> float:
+    """Seconds per layer of one graph that runs the attention of every layer (k, v: [L, slots, Hkv, D]), launched
+    for contexts up to `max_kv` (the runner's graph of that context bound)."""
     scale = q.shape[-1] ** -0.5
-    bounds = (shape.num_seqs, shape.num_tokens, shape.has_extend, MAX_MODEL_LEN)
+    bounds = (shape.num_seqs, shape.num_tokens, shape.has_extend, max_kv)
     if "min_tokens" in inspect.signature(backend.graph_state).parameters:
         fb.attn_state = backend.graph_state(*bounds, min_tokens=fewest_tokens(SHAPES, shape))
     else:  # a tree from before the lower bound (perf/gpu_extend.sh runs this script against a baseline)
@@ -187,6 +188,12 @@ def bench_model(name: str, bandwidth: float, configs: list[tuple[dict[str, int],
             fb, shape = make_batch(batch, new, context, pool_blocks, dev, gen)
             q = torch.randn(shape.num_tokens, hq, d, dtype=torch.bfloat16, device=dev)
             default = time_layers(TritonAttention(), q, k, v, fb, shape, iters)
+            # The graph the runner replays for this case where the backend has one for shorter contexts (a tree
+            # from before those has none).
+            fitting = [b for b in getattr(TritonAttention(), "graph_context_bounds", lambda _: [])(MAX_MODEL_LEN)
+                       if context + new <= b]
+            bounded = (time_layers(TritonAttention(), q, k, v, fb, shape, iters, max_kv=min(fitting))
+                       if fitting else None)
             swept = []
             for cfg, splits in configs:
                 t = time_layers(SweptAttention(cfg, splits), q, k, v, fb, shape, iters)
@@ -195,10 +202,13 @@ def bench_model(name: str, bandwidth: float, configs: list[tuple[dict[str, int],
             case = {"batch": batch, "new": new, "context": context, "graph_seqs": shape.num_seqs,
                     "graph_tokens": shape.num_tokens,
                     "floor_us": floor * 1e6, "decode_us": decode * 1e6, "default_us": default * 1e6,
+                    "bounded_us": None if bounded is None else bounded * 1e6,
                     "best": best, "swept": swept, "decode_best": dec_best, "decode_swept": dec_swept}
             out["cases"].append(case)
             print(f"{name} {batch}x{new} on {context}: floor {floor * 1e6:.1f} us, decode {decode * 1e6:.1f}, "
-                  f"extend default {default * 1e6:.1f}" + (f", best {best['us']:.1f} ({best})" if best else "")
+                  f"extend default {default * 1e6:.1f}"
+                  + (f", as replayed {bounded * 1e6:.1f} (context bound {min(fitting)})" if bounded else "")
+                  + (f", best {best['us']:.1f} ({best})" if best else "")
                   + (f", decode best {dec_best['us']:.1f} ({dec_best})" if dec_best else ""), flush=True)
     del k, v
     torch.cuda.empty_cache()

@@ -83,15 +83,15 @@ class Step:
     its inputs filled once."""
 
     def __init__(self, runner, bm, batch: int, context: int, new: int) -> None:
-        from bench_runner import make_chunks
+        from bench_runner import load_graph, make_chunks
 
         self.runner = runner
         chunks = make_chunks(bm, batch, context, new, runner.arch.vocab_size)
-        shape = runner.graphs.fits(chunks)
-        if shape is None or shape not in runner.graphs.graphs:
+        key = load_graph(runner, chunks)
+        if key is None:
             raise SystemExit(f"no captured graph for {batch} x {new} tokens on {runner.cfg.name}")
-        runner.graphs.inputs.fill(chunks, shape, runner.block_size)
-        self.shape, self.graph, self.out = shape, runner.graphs.graphs[shape], runner.graphs.outputs[shape]
+        self.shape = runner.graphs.fits(chunks)
+        self.graph, self.out = runner.graphs.graphs[key], runner.graphs.outputs[key]
 
     def finite(self) -> bool:
         return bool(self.out.logits.float().isfinite().all())

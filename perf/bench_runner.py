@@ -87,12 +87,23 @@ def time_both(runner: ModelRunner, chunks: list[ScheduledChunk], iters: int) -> 
 def time_replay(runner: ModelRunner, chunks: list[ScheduledChunk], iters: int) -> float | None:
     """Median seconds of the graph replay alone (inputs already on the device): the step's GPU time, without the
     host's batch preparation."""
+    key = load_graph(runner, chunks)
+    return None if key is None else median_gpu_seconds(runner.graphs.graphs[key].replay, iters=iters, warmup=3)
+
+
+def load_graph(runner: ModelRunner, chunks: list[ScheduledChunk]):
+    """Fill the graph inputs with `chunks`; the key of the captured graph that replays them, or None. (A tree from
+    before graphs per context bound keys them by shape: gpu_ab.sh runs this script against baselines.)"""
     graphs = runner.graphs
     shape = graphs.fits(chunks) if graphs is not None else None
-    if shape is None or shape not in graphs.graphs:
+    if shape is None:
         return None
-    graphs.inputs.fill(chunks, shape, runner.block_size)
-    return median_gpu_seconds(graphs.graphs[shape].replay, iters=iters, warmup=3)
+    if hasattr(graphs, "load"):
+        key = graphs.load(chunks, shape)
+    else:
+        graphs.inputs.fill(chunks, shape, runner.block_size)
+        key = shape
+    return key if key in graphs.graphs else None
 
 
 def _ms(t: float | None) -> str:
@@ -130,11 +141,10 @@ def profile_graph(runner: ModelRunner, bm: BlockManager, batch: int, context: in
 
     chunks = make_chunks(bm, batch, context, new, runner.arch.vocab_size)
     try:
-        shape = runner.graphs.fits(chunks) if runner.graphs is not None else None
-        if shape is None or shape not in runner.graphs.graphs:
+        key = load_graph(runner, chunks)
+        if key is None:
             return None
-        runner.graphs.inputs.fill(chunks, shape, runner.block_size)
-        return shape, profile_calls(runner.graphs.graphs[shape].replay, iters=iters)
+        return runner.graphs.fits(chunks), profile_calls(runner.graphs.graphs[key].replay, iters=iters)
     finally:
         release(bm, chunks)
 

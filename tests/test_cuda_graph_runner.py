@@ -144,7 +144,7 @@ def test_padded_graph_step_matches_plain_forward(tiny_dir: Path) -> None:
     graphed, plain = _runner(tiny_dir), _runner(tiny_dir)
     hook = _hook(graphed)
     graphed.setup_step(hook, capture=ON_GPU)
-    assert len(graphed.graphs.graphs) == (len(graphed.graphs.shapes) if ON_GPU else 0)
+    assert len(graphed.graphs.graphs) == (len(graphed.graphs.keys()) if ON_GPU else 0)
     plain.step_hook = hook
     assert graphed.graphs is not None and plain.graphs is None
     g = torch.Generator().manual_seed(0)
@@ -192,6 +192,36 @@ def test_prefill_replays_a_graph_past_128_tokens(tiny_dir: Path) -> None:
         torch.testing.assert_close(ours[0], ref[0], rtol=TOL, atol=TOL)  # logits
         assert torch.equal(ours[2], ref[2])  # greedy tokens
     assert replayed == [GraphShape(176, 4), GraphShape(16, 4)]
+    torch.testing.assert_close(graphed.kv_cache, plain.kv_cache, rtol=TOL, atol=TOL)
+    a.release()
+    b.release()
+
+
+def test_short_contexts_replay_the_unsplit_graph(tiny_dir: Path) -> None:
+    """An extend graph is captured twice: for any context, and for contexts of at most 384 tokens on one KV split.
+    A batch whose longest context is 384 replays the second; one token more, the first. Both compute what the
+    unpadded eager step computes (logits, tokens, KV)."""
+    graphed, plain = _runner(tiny_dir), _runner(tiny_dir)
+    graphed.setup_step(None, capture=ON_GPU)
+    graphs = graphed.graphs
+    full = graphed.max_model_len
+    assert graphs.bounds == [full, 384]
+    extends = [s for s in graphs.shapes if s.has_extend]
+    assert sorted(graphs.keys()) == sorted([(s, full) for s in graphs.shapes] + [(s, 384) for s in extends])
+    g = torch.Generator().manual_seed(2)
+    vocab = graphed.arch.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (380, 30)]
+    a, b = _Driver(graphed, prompts), _Driver(plain, prompts)
+    bounds = []
+    for toks in ([[], []], [[5, 6, 7, 8], [9, 10]], [[11, 12], [13, 14, 15]], [[16], [17]]):
+        before = graphs.num_replays
+        ours, ref = a.step(toks), b.step(toks)
+        if graphs.num_replays > before:
+            bounds.append(graphs.last_bound)
+        torch.testing.assert_close(ours[0], ref[0], rtol=TOL, atol=TOL)  # logits
+        assert torch.equal(ours[2], ref[2])  # greedy tokens
+    # The prompts run eagerly (410 tokens); contexts 384 / 32, then 386 / 35; the decode graph has one bound.
+    assert bounds == [384, full, full]
     torch.testing.assert_close(graphed.kv_cache, plain.kv_cache, rtol=TOL, atol=TOL)
     a.release()
     b.release()

@@ -95,12 +95,14 @@ def _teacher_forced_logits(engine, prompt: list[int], continuation: list[int]) -
     rows = []
     orig = engine.runner.forward
 
-    def record(chunks):
-        out = orig(chunks)
+    def record(chunks, **kw):
+        out = orig(chunks, **kw)
         rows.append(out.logits[0].float().clone())  # a graph's logits buffer is overwritten by the next step
         return out
 
     engine.runner.forward = record
+    # A step launched ahead would feed the sampled token on the device before the forced one replaces it here.
+    ahead, engine.entry.step_ahead = engine.entry.step_ahead, False
     try:
         params = SamplingParams(max_new_tokens=len(continuation) + 1, temperature=0.0, ignore_eos=True)
         rid = engine.add_request(prompt, params)
@@ -112,6 +114,7 @@ def _teacher_forced_logits(engine, prompt: list[int], continuation: list[int]) -
         assert not engine.has_unfinished()
     finally:
         engine.runner.forward = orig
+        engine.entry.step_ahead = ahead
     return torch.stack(rows)
 
 

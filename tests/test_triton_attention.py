@@ -296,10 +296,13 @@ def test_extend_splits_decided_per_sequence_match_torch(monkeypatch: pytest.Monk
     if INTERPRET:
         assert extend_splits([(8, 200, 11), (2, 40, 11)], q_per_prog=8, kv_heads=2, max_splits=4, target=8,
                              block_n=16) == [4, 1]  # fmt: skip
-    # The state a graph of this batch's shape launches with (graph_state), the batch's own lengths as its bounds.
-    b = dataclasses.replace(batch, attn_state=backend.graph_state(batch.num_seqs, q.shape[0], True, 200,
+    # The state a graph of this batch's shape launches with (graph_state): sized for contexts past the bound under
+    # which graphs launch on one split (its own lengths would replay that graph instead).
+    bound = ta._UNSPLIT_EXTEND_CONTEXT + 1
+    b = dataclasses.replace(batch, attn_state=backend.graph_state(batch.num_seqs, q.shape[0], True, bound,
                                                                   min_tokens=11))
     out = backend.forward(q, k, v, b, q.shape[-1] ** -0.5)
+    assert b.attn_state.scratch, "the extend did not take its split path"
     if padded:
         monkeypatch.setattr(torch, "empty_like", real_empty_like)
         assert bool((out[real:] == sentinel).all()), "a kernel wrote a padding token's output row"

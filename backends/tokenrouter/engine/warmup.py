@@ -126,7 +126,7 @@ def _graph_admission(sub: Subserver, rng: random.Random) -> None:
     large model's eager prefill is bound by the GPU's work and keeps admitting as before. The figures and the
     decision go to `sub.graph_admission` (the served model logs them with its warm-up time)."""
     graphs = sub.runner.graphs
-    captured = [s for s in (graphs.graphs if graphs is not None else ()) if s.has_extend]
+    captured = [s for s, _ in (graphs.graphs if graphs is not None else ()) if s.has_extend]
     if not captured:
         return
     shape = max(captured, key=lambda s: (s.num_tokens, s.num_seqs))

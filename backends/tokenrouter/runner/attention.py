@@ -28,6 +28,11 @@ class AttentionBackend(ABC):
         (a backend whose kernels compile on first use); returns how many it compiled or found compiled."""
         return 0
 
+    def graph_context_bounds(self, max_model_len: int) -> list[int]:
+        """Context bounds below `max_model_len` worth a graph of their own: batches whose every context is within
+        one replay a graph whose launch (`graph_state` with that bound) is cheaper. None by default."""
+        return []
+
     def graph_state(self, num_seqs: int, num_tokens: int, has_extend: bool, max_kv_len: int,
                     min_tokens: int = 1) -> Any:
         """Launch state for every batch that a CUDA graph of this shape will replay (lengths unknown on the

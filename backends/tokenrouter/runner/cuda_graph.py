@@ -8,6 +8,11 @@ KV (slot -1). Each graph holds the whole step on the device: the model, the logi
 token, the greedy token, and the routing policy's tensor work on them (`step_hook`), so one replay plus one
 device-to-host copy of its results is a step.
 
+An extend graph is captured twice where the attention backend launches differently for short contexts
+(`graph_context_bounds`; the Triton backend: one KV split, no reduce, for contexts of at most 384 tokens): once sized
+for any context, once for that bound. The host knows every length when it fills the inputs and replays the graph
+of the shortest bound that holds the batch's longest context.
+
 All graphs are captured largest first into one memory pool, so the smaller ones reuse the largest one's
 activation memory. Inputs go through static buffers: the host fills pinned mirrors and copies them with two
 asynchronous copies (the lengths and indices in one, the block tables in the other); nothing synchronizes
@@ -52,6 +57,9 @@ _EXTEND_TOKEN_STEPS = ((256, 16), (1 << 30, 64))  # (up to this many tokens, in 
 _EXTEND_SEQS = (4, 16, 64)
 _FEW_SEQS = (4, 16)  # for graphs of more than _MANY_SEQS_MAX_TOKENS tokens
 _MANY_SEQS_MAX_TOKENS = 128
+
+# A captured graph: its shape and the context bound its attention launch is sized for.
+GraphKey = tuple["GraphShape", int]
 
 StepHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
@@ -168,8 +176,9 @@ class StaticInputs:
         """The first input ids from a device tensor (a step whose tokens the host does not have yet)."""
         self._view(self.dev, "ids", len(tokens)).copy_(tokens)
 
-    def fill(self, chunks: list[ScheduledChunk], shape: GraphShape, block_size: int) -> None:
-        """Write the batch into the host mirrors (padded to `shape`) and start the copies to the device."""
+    def fill(self, chunks: list[ScheduledChunk], shape: GraphShape, block_size: int) -> int:
+        """Write the batch into the host mirrors (padded to `shape`) and start the copies to the device; returns
+        the batch's longest context (cached + new tokens of its longest sequence)."""
         if self._copied is not None:
             # The previous step's copies read the mirrors asynchronously; they are long done when the caller
             # synchronized on that step's results, or, for a step launched ahead, on the results of the step
@@ -201,6 +210,7 @@ class StaticInputs:
         if self.dev.is_cuda:
             self._copied = torch.cuda.Event()
             self._copied.record(torch.cuda.current_stream(self.dev.device))  # named: no current-device lookup
+        return max(h.kv_lens, default=0)
 
 
 class CudaGraphRunner:
@@ -223,6 +233,11 @@ class CudaGraphRunner:
             raise ValueError("no CUDA graph shapes to capture")
         self.model, self.backend, self.device = model, backend, device
         self.block_size, self.max_model_len = block_size, max_model_len
+        # Context bounds an extend graph is captured for, longest first (decode graphs: max_model_len only). The
+        # attention launch is sized for the bound; a batch replays the graph of the shortest bound that holds its
+        # longest context (the host knows it when it fills the inputs).
+        self.bounds = [max_model_len] + sorted(
+            (b for b in backend.graph_context_bounds(max_model_len) if 0 < b < max_model_len), reverse=True)
         self.shapes = sorted(shapes)
         self.step_hook = step_hook
         # Captured on the stream the model steps on: its kernels keep that stream's priority, and (a green
@@ -232,10 +247,11 @@ class CudaGraphRunner:
         self.inputs = StaticInputs(
             max(s.num_seqs for s in shapes), max(s.num_tokens for s in shapes), max_blocks, device
         )
-        self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[GraphShape, GraphOutputs] = {}
-        self.batches: dict[GraphShape, ForwardBatch] = {}
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, GraphOutputs] = {}
+        self.batches: dict[GraphKey, ForwardBatch] = {}
         self.num_replays = 0
+        self.last_bound = 0  # the context bound of the last run's graph
         # time.monotonic() when the last run's inputs were ready and its replay was called: the host's preparation
         # ends here; what `run`'s caller waits for after it is the launch, and the GIL back from other threads.
         self.replayed_at = 0.0
@@ -248,17 +264,34 @@ class CudaGraphRunner:
         values = self.step_hook(logits, last, greedy) if self.step_hook is not None else None
         return GraphOutputs(logits, last, greedy, values, logits.isfinite().all(dim=-1))
 
-    def _batch(self, shape: GraphShape, fresh: bool = False) -> ForwardBatch:
-        """The static batch of `shape`; `fresh` renews its attention state, so that scratch the backend keeps
-        there is allocated again (inside a capture: from the shared pool, not held by each graph)."""
-        if shape not in self.batches or fresh:
+    def _batch(self, key: GraphKey, fresh: bool = False) -> ForwardBatch:
+        """The static batch of `key` (a shape and a context bound); `fresh` renews its attention state, so that
+        scratch the backend keeps there is allocated again (inside a capture: from the shared pool, not held by
+        each graph)."""
+        if key not in self.batches or fresh:
+            shape, bound = key
             batch = self.inputs.batch(shape, self.block_size)
             batch.attn_state = self.backend.graph_state(
-                shape.num_seqs, shape.num_tokens, shape.has_extend, self.max_model_len,
+                shape.num_seqs, shape.num_tokens, shape.has_extend, bound,
                 min_tokens=fewest_tokens(self.shapes, shape),
             )
-            self.batches[shape] = batch
-        return self.batches[shape]
+            self.batches[key] = batch
+        return self.batches[key]
+
+    def keys(self) -> list[GraphKey]:
+        """Every (shape, context bound) a graph is captured for, largest first."""
+        return [(shape, bound) for shape in sorted(self.shapes, reverse=True)
+                for bound in (self.bounds if shape.has_extend else self.bounds[:1])]
+
+    def load(self, chunks: list[ScheduledChunk], shape: GraphShape) -> GraphKey:
+        """Fill the static inputs with `chunks` (padded to `shape`); the key of the graph that runs them."""
+        return shape, self.bound_for(shape, self.inputs.fill(chunks, shape, self.block_size))
+
+    def bound_for(self, shape: GraphShape, context: int) -> int:
+        """The context bound of the graph of `shape` that a batch whose longest context is `context` replays."""
+        if not shape.has_extend:
+            return self.max_model_len
+        return min((b for b in self.bounds if b >= context), default=self.max_model_len)
 
     @torch.inference_mode()
     def capture(self, context: Callable[[GraphShape], contextlib.AbstractContextManager] | None = None) -> None:
@@ -269,22 +302,23 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = self.stream if self.stream is not None else torch.cuda.Stream(self.device)
-        for shape in sorted(self.shapes, reverse=True):
+        for key in self.keys():
+            shape = key[0]
             with context(shape) if context is not None else contextlib.nullcontext():
-                batch = self._batch(shape)
+                batch = self._batch(key)
                 self.inputs.clear()
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     self._step(batch)  # warm-up on the side stream: compiles the Triton kernels, sizes cuBLAS
                 torch.cuda.current_stream(self.device).wait_stream(stream)
-                batch = self._batch(shape, fresh=True)
+                batch = self._batch(key, fresh=True)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[shape] = self._step(batch)
-            self.graphs[shape] = graph
+                    self.outputs[key] = self._step(batch)
+            self.graphs[key] = graph
             # The graph keeps raw addresses; dropping the batch's attention scratch returns it to the shared pool
             # for the next captures (its content is dead between replays). Only the outputs stay owned.
-            del self.batches[shape], batch
+            del self.batches[key], batch
         torch.cuda.synchronize(self.device)
         log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - t0)
 
@@ -305,16 +339,17 @@ class CudaGraphRunner:
         """Replay `shape` for `chunks`; the returned tensors are the graph's own buffers, valid until the next
         run (callers copy what they keep). Rows are cut to the real sequences. `fed`: the input tokens, one per
         chunk of one token, on the device (copied in after the host's placeholders, in stream order)."""
-        self.inputs.fill(chunks, shape, self.block_size)
+        key = self.load(chunks, shape)
         if fed is not None:
             self.inputs.feed(fed[: len(chunks)])
         self.replayed_at = time.monotonic()
-        if shape in self.graphs:
-            self.graphs[shape].replay()
-            out = self.outputs[shape]
+        if key in self.graphs:
+            self.graphs[key].replay()
+            out = self.outputs[key]
         else:
             # No capture (CPU): the same padded static batch, executed directly.
-            out = self._step(self._batch(shape))
+            out = self._step(self._batch(key))
+        self.last_bound = key[1]
         self.num_replays += 1
         n = len(chunks)
         values = None if out.step_values is None else out.step_values[:n]

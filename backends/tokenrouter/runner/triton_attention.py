@@ -44,6 +44,13 @@ _SHORT_EXTEND_TOKENS = 128
 _EVERY_SPLIT = 1 << 30
 # A split shorter than this does too little work to pay for its share of the reduction.
 _MIN_TOKENS_PER_SPLIT = 256
+# Extend graphs are also captured for batches whose every context is at most this many tokens, launched on one KV
+# split: no partials, no reduce kernel. The split path costs ~10-13 us a layer whatever its split count (H200, per
+# layer in graphs: Qwen3-32B 8 x 10 tokens over 256 keys 27.7 us split, 14.7 on one split; 4 x 10 17.3 / 13.1;
+# 12 x 10, where no sequence splits, 27.0 on the split path), and one split stays about as fast as the split path for
+# a single sequence up to ~384 keys (1 x 10 over 256 keys 12.8 / 13.1 us, over 1k 30.5 / 18.1; the 0.6B alike:
+# perf/results/flat_extend_grid_h200_2026-12-05).
+_UNSPLIT_EXTEND_CONTEXT = 384
 # Sequences whose ends the extend reduce compares at once to find a token's sequence (one load for most batches).
 _SEQ_CHUNK = tl.constexpr(64)
 # Decode programs to aim for per SM: a few resident programs per SM hide the block-table -> K/V load latency. Also
@@ -566,6 +573,11 @@ class TritonAttention(AttentionBackend):
             max_extend_kv_len=max((kv for q, kv in zip(batch.q_lens_cpu, batch.kv_lens_cpu) if q != 1), default=0),
         )
 
+    def graph_context_bounds(self, max_model_len: int) -> list[int]:
+        """Shorter context bounds than `max_model_len` for which an extend graph launches differently (one KV split
+        at most _UNSPLIT_EXTEND_CONTEXT keys)."""
+        return [_UNSPLIT_EXTEND_CONTEXT] if _UNSPLIT_EXTEND_CONTEXT < max_model_len else []
+
     def graph_state(self, num_seqs: int, num_tokens: int, has_extend: bool, max_kv_len: int,
                     min_tokens: int = 1) -> _TritonState:
         # Every row may be a decode row (the decode grid covers all sequences and skips the others on the
@@ -762,6 +774,8 @@ class TritonAttention(AttentionBackend):
         per_split = q.shape[0] * num_heads * (head_dim + 1) * 4  # float32 partial output + lse per split
         if self.num_kv_splits is not None:
             splits, target = max(1, self.num_kv_splits), _EVERY_SPLIT
+        elif state.in_graph and state.max_extend_kv_len <= _UNSPLIT_EXTEND_CONTEXT:
+            splits, target = 1, _EVERY_SPLIT  # (a graph replayed only by batches of short contexts)
         elif state.in_graph:
             # A graph replays batches whose lengths the host never sees: each sequence decides on the device how
             # many of the launched splits it uses (_extend_num_splits).
