@@ -125,3 +125,22 @@ def test_the_router_learns_the_pools_from_heartbeats_and_tells_the_models(coordi
     coord.add_request([5, 6, 7], PARAMS)
     arrive = [m for m in small.sent if isinstance(m, Arrive)][-1]
     assert arrive.kv_budget == 1024 and arrive.max_len == 1024
+
+
+def test_a_prompt_the_smallest_pool_cannot_hold_is_refused_at_once(coordinator) -> None:
+    """Once the models have told the router their pools, a prompt of the smallest pool's length or more is refused
+    when it is added, naming the limit, before any model prefills it (each model would stop it there: it could
+    only fail later, after the entry model's prefill). One token shorter is taken."""
+    from tokenrouter.transport.messages import Heartbeat
+
+    coord, loop, small = coordinator
+    declared = coord.max_model_len
+    assert declared > 1024
+    coord._handle_events([Heartbeat("small", 4096), Heartbeat("large", 1024)])
+    assert coord.context_limit() == 1024
+    sent = len(small.sent)
+    with pytest.raises(ValueError, match="prompt has 1024 tokens, but the context limit is 1024 .the smallest KV pool"):
+        coord.add_request([5] * 1024, PARAMS)
+    assert small.sent[sent:] == [] and not coord.requests
+    coord.add_request([5] * 1023, PARAMS)
+    assert [m for m in small.sent[sent:] if isinstance(m, Arrive)]

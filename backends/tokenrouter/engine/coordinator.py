@@ -86,12 +86,20 @@ class Coordinator:
             self._check_token_ids(ids, "prompt")
         else:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if len(ids) >= self.max_model_len:
+        limit = self.context_limit()
+        if len(ids) >= limit:
+            held = " (the smallest KV pool of the deployment's models)" if limit < self.max_model_len else ""
             raise ValueError(
-                f"prompt has {len(ids)} tokens, but the context limit is {self.max_model_len} "
+                f"prompt has {len(ids)} tokens, but the context limit is {limit}{held} "
                 "(prompt plus at least one generated token)"
             )
         return ids
+
+    def context_limit(self) -> int:
+        """The most tokens a request (prompt and output) may reach: the models' declared limit, lowered to the
+        smallest KV pool once the models have told it (`pool_tokens`; each model stops requests there, so a longer
+        prompt could only fail after a model had prefilled it)."""
+        return min([self.max_model_len, *self.pool_tokens.values()])
 
     def _warm_tokenizer(self) -> None:
         """What the first text prompt would otherwise pay for, before any request: the vocabulary scan behind

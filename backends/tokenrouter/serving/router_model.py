@@ -168,7 +168,7 @@ class SocketCoordinator(Coordinator):
                 if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 and (
                         self.pool_tokens.get(ev.model) != tokens):
                     self.pool_tokens[ev.model] = tokens
-                    self.transport.max_len = min(self.pool_tokens.values())
+                    self.transport.max_len = self.context_limit()
                     self.on_kv_budget(self.kv_budget())
             else:
                 if timeline is not None and isinstance(ev, Handoff):  # before the send: the target may be quicker
