@@ -139,7 +139,7 @@ def test_a_prompt_the_smallest_pool_cannot_hold_is_refused_at_once(coordinator) 
     coord._handle_events([Heartbeat("small", 4096), Heartbeat("large", 1024)])
     assert coord.context_limit() == 1024
     sent = len(small.sent)
-    with pytest.raises(ValueError, match="prompt has 1024 tokens, but the context limit is 1024 .the smallest KV pool"):
+    with pytest.raises(ValueError, match="prompt has 1024 tokens, but the context limit is 1024, the smallest KV pool"):
         coord.add_request([5] * 1024, PARAMS)
     assert small.sent[sent:] == [] and not coord.requests
     coord.add_request([5] * 1023, PARAMS)

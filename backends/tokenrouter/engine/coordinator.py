@@ -88,7 +88,7 @@ class Coordinator:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         limit = self.context_limit()
         if len(ids) >= limit:
-            held = " (the smallest KV pool of the deployment's models)" if limit < self.max_model_len else ""
+            held = ", the smallest KV pool among the deployment's models" if limit < self.max_model_len else ""
             raise ValueError(
                 f"prompt has {len(ids)} tokens, but the context limit is {limit}{held} "
                 "(prompt plus at least one generated token)"
