@@ -134,3 +134,35 @@ def test_a_lost_model_fails_sends_at_once_until_it_is_reconnected() -> None:
     finally:
         link.close()
         listener.close()
+
+
+def test_a_new_connection_is_greeted_before_anything_is_read_from_it() -> None:
+    """`on_open` runs as a router's connection is accepted: what it sends (a subserver's heartbeat, which tells the
+    router the model's KV pool) reaches the router first, before the answer to anything the router sends, on every
+    new connection; an on_open that fails to send closes that connection alone."""
+    from tokenrouter.transport.messages import Heartbeat
+
+    addr = _addr()
+    opened: list[ipc.Peer] = []
+
+    def on_open(peer: ipc.Peer) -> None:
+        opened.append(peer)
+        peer.send([Heartbeat("m", 4096)])
+
+    def on_messages(peer: ipc.Peer, msgs: list) -> None:
+        peer.send([Commit(m.request_id, "m", [1]) for m in msgs])
+
+    listener = ipc.ModelListener("m", on_messages, lambda p: None, addr=addr, on_open=on_open)
+    events: queue.Queue = queue.Queue()
+    link = ipc.ModelLink("m", lambda evs: [events.put(e) for e in evs], lambda: None, addr=addr)
+    try:
+        for round_ in range(2):
+            link.send([Release(f"r{round_}")])
+            first, second = events.get(timeout=5), events.get(timeout=5)
+            assert isinstance(first, Heartbeat) and first.kv_tokens == 4096, first
+            assert isinstance(second, Commit) and second.request_id == f"r{round_}", second
+            link.close()  # the next round connects anew and is greeted again
+        assert len(opened) == 2
+    finally:
+        link.close()
+        listener.close()

@@ -89,7 +89,7 @@ class SubserverModel:
         ]
         for t in self._threads:
             t.start()
-        self.listener = ipc.ModelListener(name, self._on_messages, self._on_router_gone)
+        self.listener = ipc.ModelListener(name, self._on_messages, self._on_router_gone, on_open=self._greet)
 
     # -- from the router (connection reader threads) ----------------------------------------------------
 
@@ -247,20 +247,25 @@ class SubserverModel:
                     self._queued -= len(batch)
             self.metrics.observe(batch)  # (counted here, sent to tritonserver by the metrics thread)
 
+    def _heartbeat(self) -> Heartbeat:
+        """This model's heartbeat: it tells the router this model's KV pool (the deployment's admission budget and
+        longest request)."""
+        bm = self.sub.block_manager
+        return Heartbeat(self.name, bm.num_blocks * bm.block_size)
+
+    def _greet(self, peer: ipc.Peer) -> None:
+        """A router's new connection gets a heartbeat at once, before any request can come through it: so the
+        router knows the pools before its first request, not a check interval later."""
+        peer.send([self._heartbeat()])
+
     def _beat_forever(self) -> None:
         """Heartbeats to the routers that heard nothing for a while, and the loop's watchdog (serving/watchdog.py).
-        A thread of its own that does nothing else: the response thread can wait on a send to a slow router.
-        A new connection gets one at once: it tells the router this model's KV pool (its admission budget)."""
-        bm = self.sub.block_manager
-        beat = Heartbeat(self.name, bm.num_blocks * bm.block_size)
-        greeted: set[ipc.Peer] = set()
+        A thread of its own that does nothing else: the response thread can wait on a send to a slow router."""
+        beat = self._heartbeat()
         while not self._stop.wait(CHECK_EVERY_S):
             now = time.monotonic()
-            peers = self.listener.peers() if self.listener is not None else []
-            greeted &= set(peers)
-            for peer in peers:
-                if now - peer.last_sent >= HEARTBEAT_S or peer not in greeted:
-                    greeted.add(peer)
+            for peer in self.listener.peers() if self.listener is not None else []:
+                if now - peer.last_sent >= HEARTBEAT_S:
                     try:
                         peer.send([beat])
                     except OSError:

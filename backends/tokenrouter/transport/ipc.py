@@ -142,7 +142,8 @@ def _read_forever(peer: Peer, on_items: Callable[[Peer, list[Any]], None], on_cl
 
 class ModelListener:
     """The subserver's side: accepts the router's connections; `on_messages(peer, msgs)` runs on the
-    connection's reader thread, `on_close(peer)` once when that router goes away."""
+    connection's reader thread, `on_close(peer)` once when that router goes away, and `on_open(peer)` on the
+    accepting thread as a connection opens, before anything is read from it."""
 
     def __init__(
         self,
@@ -150,6 +151,7 @@ class ModelListener:
         on_messages: Callable[[Peer, list[Any]], None],
         on_close: Callable[[Peer], None],
         addr: str | None = None,
+        on_open: Callable[[Peer], None] | None = None,
     ) -> None:
         self.address = addr or address(model)
         self.model = model
@@ -158,7 +160,7 @@ class ModelListener:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(self.address)
         self._sock.listen(64)
-        self._on_messages, self._on_close = on_messages, on_close
+        self._on_messages, self._on_close, self._on_open = on_messages, on_close, on_open
         self._stopped = False
         self._peers_lock = threading.Lock()
         self._peers: set[Peer] = set()  # the routers' connections now open
@@ -183,6 +185,11 @@ class ModelListener:
             peer = Peer(conn, f"{self.model}<-router")
             with self._peers_lock:
                 self._peers.add(peer)
+            if self._on_open is not None:
+                try:
+                    self._on_open(peer)
+                except OSError:
+                    peer.close()  # (its reader thread, started below, then reports it closed)
             threading.Thread(
                 target=_read_forever, args=(peer, self._on_messages, self._closed),
                 name=f"tr-{self.model}-reader", daemon=True,
