@@ -144,3 +144,54 @@ def test_a_prompt_the_smallest_pool_cannot_hold_is_refused_at_once(coordinator) 
     assert small.sent[sent:] == [] and not coord.requests
     coord.add_request([5] * 1023, PARAMS)
     assert [m for m in small.sent[sent:] if isinstance(m, Arrive)]
+    # A text prompt longer than the pool's tokens could cover is refused by its length alone, before it is tokenized
+    per_token = coord._prompt_bound().max_chars // 1024
+    with pytest.raises(ValueError, match="more than a context limit of 1024 tokens can hold"):
+        coord.tokenize("a" * (1024 * per_token + 1))
+
+
+def test_the_first_requests_wait_for_the_models_pools_once(tiny_dir: Path) -> None:
+    """tritonserver may report ready before the router has connected to the last model loaded. The first request
+    (`await_pools`, on a tokenizing thread) connects to each model and waits until its greeting heartbeat, sent as
+    the model accepts the connection, has told the router its KV pool: a prompt the smallest pool cannot hold is then
+    refused from the first request on. A model that never greets holds that first wait for its timeout only; every
+    later request goes through at once."""
+    import os
+    import threading
+    import time
+    import uuid
+
+    from tokenrouter.transport import ipc
+    from tokenrouter.transport.messages import Heartbeat
+
+    cfg = yaml.safe_load((REPO / "config" / "random" / "tiny-small_tiny-large.yaml").read_text())
+    for name, m in cfg["models"].items():
+        m["path"] = str(tiny_dir / name)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    coord = SocketCoordinator(load_config(cfg), loop)
+    listeners = []
+    try:
+        for name, link in coord.transport.links.items():
+            link.address = f"\0tokenrouter-test/{os.getpid()}/{uuid.uuid4().hex}"
+            # The large model greets; the small one (as a subserver from before greetings) does not.
+            greet = (lambda p: p.send([Heartbeat("large", 1024)])) if name == "large" else None
+            listeners.append(ipc.ModelListener(name, lambda p, msgs: None, lambda p: None, addr=link.address,
+                                               on_open=greet))
+        assert coord.pool_tokens == {} and coord.context_limit() == coord.max_model_len > 1024
+        start = time.monotonic()
+        coord.await_pools(timeout=0.5)
+        waited = time.monotonic() - start
+        assert coord.pool_tokens == {"large": 1024} and 0.5 <= waited < 3.0, (coord.pool_tokens, waited)
+        with pytest.raises(ValueError, match="context limit is 1024, the smallest KV pool"):
+            coord.tokenize([5] * 1024)
+        start = time.monotonic()
+        coord.await_pools(timeout=0.5)  # settled: no second wait for the model that never greets
+        assert time.monotonic() - start < 0.1
+    finally:
+        coord.transport.closing = True
+        for link in coord.transport.links.values():
+            link.close()
+        for listener in listeners:
+            listener.close()
+        loop.call_soon_threadsafe(loop.stop)

@@ -40,6 +40,10 @@ class PromptCharBound:
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
         return cls(max_model_len, 4 * max_model_len * max(1, longest))
 
+    def for_limit(self, max_model_len: int) -> PromptCharBound:
+        """The same bound for another context limit (no second scan: the characters per token stay)."""
+        return PromptCharBound(max_model_len, self.max_chars // self.max_model_len * max_model_len)
+
     def check(self, num_chars: int, what: str = "prompt") -> None:
         """ValueError naming the length and the bound when `num_chars` is over it."""
         if num_chars > self.max_chars:

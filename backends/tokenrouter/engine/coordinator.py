@@ -110,10 +110,13 @@ class Coordinator:
         self.tokenizer("warm-up")
 
     def _prompt_bound(self) -> PromptCharBound:
-        """The character bound on text prompts (the OpenAI frontend applies the same one), built once."""
+        """The character bound on text prompts (the OpenAI frontend applies the same one) for the context limit now
+        (`context_limit`: lower once the models' pools are known); the vocabulary is scanned once."""
         if self._prompt_char_bound is None:
             self._prompt_char_bound = PromptCharBound.of(self.tokenizer, self.max_model_len)
-        return self._prompt_char_bound
+        limit = self.context_limit()
+        bound = self._prompt_char_bound
+        return bound if bound.max_model_len == limit else bound.for_limit(limit)
 
     def _check_token_ids(self, ids: list[int], what: str) -> None:
         for i, t in enumerate(ids):

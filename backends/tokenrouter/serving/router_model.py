@@ -75,6 +75,9 @@ TOKENIZE_WORKERS = 2
 # How long a link's reader thread waits for the coordinator's lock to forward a handoff itself before it leaves the
 # handoff to the loop (`SocketCoordinator._from_link`): it must never wait on whatever holds the lock.
 FORWARD_LOCK_WAIT_S = 0.002
+# How long the first requests after start may wait for every model's KV pool (`SocketCoordinator.await_pools`):
+# each model sends it as it accepts the router's connection, a few ms at most once the model is loaded.
+POOLS_WAIT_S = 2.0
 # What a request still unanswered when the router unloads is told.
 SHUTTING_DOWN = "the server is shutting down"
 
@@ -113,6 +116,34 @@ class SocketCoordinator(Coordinator):
         self._update_thresholds()
         # TOKENROUTER_TIMELINE_DIR: when each handoff passed through here (perf/timeline.py served)
         self.timeline = Timeline.from_env("router")
+        self._pools_settled = threading.Event()  # await_pools has run
+        self._pools_lock = threading.Lock()
+
+    def await_pools(self, timeout: float = POOLS_WAIT_S) -> None:
+        """Before the first requests (on a tokenizing thread, not the loop): connect to each model of this server
+        whose KV pool is not known yet and wait, `timeout` at most, until its greeting heartbeat (sent as it
+        accepts the connection) has been handled, so that the first requests are limited and admitted by the
+        pools as all later ones are. tritonserver reports ready as soon as every model is loaded, which can be
+        before the router's watchdog thread has connected to the last one. Returns at once after the first
+        wait, whatever it found (a model that never reports must not hold every request)."""
+        if self._pools_settled.is_set():
+            return
+        with self._pools_lock:  # one thread waits, the others wait for it
+            if self._pools_settled.is_set():
+                return
+            deadline = time.monotonic() + timeout
+            links = {m: link for m, link in self.transport.links.items()
+                     if isinstance(link, ipc.ModelLink) and m not in self.down}
+            for link in links.values():
+                with contextlib.suppress(ConnectionError):
+                    link.connect(timeout=max(0.0, deadline - time.monotonic()))
+            while any(m not in self.pool_tokens for m in links) and time.monotonic() < deadline:
+                time.sleep(0.002)
+            missing = [m for m in links if m not in self.pool_tokens]
+            if missing:
+                log.warning("no KV pool heard from %s within %.1f s: requests are admitted without it", missing,
+                            timeout)
+            self._pools_settled.set()
 
     # -- on a link's reader thread ----------------------------------------------------------------------
 
@@ -359,6 +390,7 @@ class RouterModel:
             return
         try:
             self.coordinator._check_open()  # a model down: refused before the tokenizer's seconds
+            self.coordinator.await_pools()  # (the first requests after start: the context limit needs the pools)
             ids = self.coordinator.tokenize(gen.prompt)
         except ValueError as e:
             self._refuse(sender, str(e), request)
