@@ -166,3 +166,36 @@ def test_a_new_connection_is_greeted_before_anything_is_read_from_it() -> None:
     finally:
         link.close()
         listener.close()
+
+
+def test_a_connection_that_lost_a_race_to_connect_is_not_a_lost_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two threads of the router connect to one model at once (its watchdog, and the first request waiting for the
+    models' pools): the one that finds the other's connection made closes its own. That closing is not the model
+    going away: no `on_lost` (which made the router reload both models of a fresh server), and the link works on."""
+    addr = _addr()
+    got: queue.Queue = queue.Queue()
+    listener = ipc.ModelListener("m", lambda p, msgs: [got.put(m) for m in msgs], lambda p: None, addr=addr)
+    lost = threading.Event()
+    link = ipc.ModelLink("m", lambda evs: None, lost.set, addr=addr)
+    try:
+        link.connect()
+        first = link._peer
+        real = ipc.ModelLink.connected
+        seen = {"first": True}
+
+        def connected(self) -> bool:  # the racing thread's first look: nothing connected yet
+            if seen["first"]:
+                seen["first"] = False
+                return False
+            return real.fget(self)
+
+        monkeypatch.setattr(ipc.ModelLink, "connected", property(connected))
+        link.connect()  # opens a second connection, finds the first one made, and closes its own
+        monkeypatch.undo()
+        assert link._peer is first and not seen["first"]
+        assert not lost.wait(0.5)
+        link.send([Release("r1")])
+        assert got.get(timeout=5).request_id == "r1"
+    finally:
+        link.close()
+        listener.close()

@@ -76,6 +76,7 @@ class Peer:
         self.conn, self.name = conn, name
         self._lock = threading.Lock()
         self.closed = False
+        self.discarded = False  # closed by this side as one connection too many (ModelLink.connect): no loss
         self.last_sent = time.monotonic()  # when a batch last left through this connection
         self._room: int | None = None  # try_send's bound for this socket, read on first use
 
@@ -106,16 +107,15 @@ class Peer:
             self._lock.release()
 
     def close(self) -> None:
-        """Shut the socket down first: a plain close() would neither wake this side's reader thread, blocked
-        in recv on the same socket, nor tell the other side."""
+        """Shut the socket down: that wakes this side's reader thread (blocked in recv on it, or about to be) with
+        the end of the stream and tells the other side. The reader thread closes the descriptor as it ends
+        (`_read_forever`): closed here, its number could be reused by the next socket opened while the reader was
+        on its way into recv, which would then read that socket's bytes (a reconnect's greeting went missing
+        that way in a test under load)."""
         self.closed = True
         try:
             with socket.socket(fileno=os.dup(self.conn.fileno())) as s:
                 s.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        try:
-            self.conn.close()
         except OSError:
             pass
 
@@ -137,6 +137,10 @@ def _read_forever(peer: Peer, on_items: Callable[[Peer, list[Any]], None], on_cl
             log.exception("%s: connection reader failed", peer.name)
     finally:
         peer.closed = True
+        try:
+            peer.conn.close()  # (here, not in Peer.close: see there)
+        except OSError:
+            pass
         on_close(peer)
 
 
@@ -276,6 +280,8 @@ class ModelLink:
         self._on_events(events)
 
     def _closed(self, peer: Peer) -> None:
+        if peer.discarded:
+            return  # a second connection that lost a race to connect: the model is fine
         with self._lock:
             if self._peer is peer:
                 self._peer = None
@@ -292,6 +298,7 @@ class ModelLink:
         peer = self._open(self.connect_timeout if timeout is None else timeout)
         with self._lock:
             if self.connected:  # another thread won the race
+                peer.discarded = True
                 peer.close()
                 return
             self._peer, self._ever_connected, self._down_until, self._lost_told = peer, True, 0.0, False
