@@ -40,9 +40,18 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free)
 
+    @property
+    def num_tokens(self) -> int:
+        """The pool's size in tokens (what a model tells the router: Heartbeat.kv_tokens)."""
+        return self.num_blocks * self.block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks `seq` needs so that its table covers `num_tokens` tokens."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+        return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
 
     # -- prefix cache -------------------------------------------------------------------------------
 

@@ -69,8 +69,7 @@ class Engine(Coordinator):
         for sub in self.subservers.values():
             sub.stop.max_model_len = max_len
         super().__init__(config, tokenizer, vocab_size, max_len, entry.policy)
-        self.pool_tokens = {name: s.block_manager.num_blocks * s.block_manager.block_size
-                            for name, s in self.subservers.items()}
+        self.pool_tokens = {name: s.block_manager.num_tokens for name, s in self.subservers.items()}
         self._update_thresholds()
 
     @classmethod

@@ -121,7 +121,7 @@ class Scheduler:
             if seq.new_request and self.kv_budget is not None:
                 if live is None:
                     live, owing = self._live_blocks()
-                need = -(-seq.num_tokens // self.bm.block_size) - sum(b in live for b in prefix)
+                need = self.bm.blocks_for(seq.num_tokens) - sum(b in live for b in prefix)
                 if (live or owing) and len(live) + owing + need > self.kv_budget // self.bm.block_size:
                     break  # the other models' pools could not hold it beside them: it waits for one to finish
                 live.update(prefix)
@@ -217,7 +217,7 @@ class Scheduler:
         return held, owing
 
     def _admission_cost(self, prefix: list[int], num_tokens: int) -> int:
-        new_blocks = max(0, -(-num_tokens // self.bm.block_size) - len(prefix))
+        new_blocks = max(0, self.bm.blocks_for(num_tokens) - len(prefix))
         return self.bm.cost_of_prefix(prefix) + new_blocks
 
     def _reclaim_parked(self) -> bool:

@@ -250,8 +250,7 @@ class SubserverModel:
     def _heartbeat(self) -> Heartbeat:
         """This model's heartbeat: it tells the router this model's KV pool (the deployment's admission budget and
         longest request)."""
-        bm = self.sub.block_manager
-        return Heartbeat(self.name, bm.num_blocks * bm.block_size)
+        return Heartbeat(self.name, self.sub.block_manager.num_tokens)
 
     def _greet(self, peer: ipc.Peer) -> None:
         """A router's new connection gets a heartbeat at once, before any request can come through it: so the
