@@ -10,6 +10,7 @@ import logging
 import math
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,8 +22,9 @@ from tokenrouter.routing.policies.citer import CiterPolicy
 from tokenrouter.routing.policies.collm import CoLLMPolicy
 from tokenrouter.routing.policies.glimprouter import top_k_entropy
 from tokenrouter.routing.policies.query import QueryPolicy
-from tokenrouter.routing.policies.r2r import R2RPolicy
+from tokenrouter.routing.policies.r2r import R2RPolicy, R2RRouter
 from tokenrouter.routing.policy import POLICIES, Lease, Policy, RouteRequest, StepResult, make_policy, resolve
+from tokenrouter.runner.model import CausalLM
 
 # Deliberately not "small"/"large": policies must read the names from `models`.
 S, L = "draft", "target"
@@ -454,6 +456,36 @@ def test_collm_architecture_rule_and_checkpoint(tmp_path: Path) -> None:
         assert set(built(CoLLMPolicy, checkpoint=str(path)).route(batch_of(n), result)) == {expected}
     assert p.send(req([1]), L, 1) is False
     assert built(CoLLMPolicy, model=L).receive(req([1]), S) == Lease(return_to=S, max_tokens=1)
+
+
+def test_r2r_folds_in_proj_and_mix_at_setup() -> None:
+    """The policy runs mix(in_proj(x)) as one folded map: the same logits to float32 rounding, R2R's layers and
+    state_dict untouched (checkpoints still load and save as trained)."""
+    policy = built(R2RPolicy, hidden_dim=32)
+    net = policy.net
+    assert len(net._folded) == 1 and [f.name for f in net.fused_linears()][:2] == ["logits_proj", "in_proj+mix"]
+    assert set(net.state_dict()) == set(R2RRouter(H, 100, 32).state_dict())
+    result = step(64, seed=3)
+    folded = policy.logits(result)
+    net._folded = ()
+    unfolded = policy.logits(result)
+    torch.testing.assert_close(folded, unfolded, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(folded, torch.zeros_like(folded))
+
+
+def test_r2r_top_k_in_the_model_dtype() -> None:
+    """A bfloat16 small model's logits arrive widened to float32; the policy takes their top k back in bfloat16
+    (half the radix passes): the router's logits are bit-identical to a float32 policy's."""
+    lm = SimpleNamespace(lm_head=nn.Linear(H, V, bias=False, dtype=torch.bfloat16), model=None)
+    logits = CausalLM.compute_logits(lm, torch.randn(8, H, dtype=torch.bfloat16))
+    assert logits.dtype == torch.float32 and torch.equal(logits.to(torch.bfloat16).float(), logits)
+    result = step(8, seed=4, logits=logits)
+    wide = R2RPolicy(MODELS, S, {"hidden_dim": 32, "top_k_logits": 40})
+    wide.setup(CPU, torch.float32, H, V)
+    narrow = R2RPolicy(MODELS, S, {"hidden_dim": 32, "top_k_logits": 40})
+    narrow.setup(CPU, torch.bfloat16, H, V)
+    assert narrow.logits_dtype == torch.bfloat16
+    assert torch.equal(narrow.logits(result), wide.logits(result))
 
 
 def test_router_init_leaves_global_rng_alone() -> None:

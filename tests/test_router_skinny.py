@@ -41,17 +41,21 @@ def _inputs(rows: int, seed: int = 1) -> tuple[torch.Tensor, ...]:
     return hidden.to(DEVICE), top.to(DEVICE), emb.to(DEVICE)
 
 
+@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_skinny_forward_matches_torch(rows: int, split: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_skinny_forward_matches_torch(rows: int, split: int, fold: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused network (LayerNorm into fc1, bias + GELU behind fc1, bias + residual behind fc2) computes what the
     torch modules do, to float32 rounding, unsplit and with every layer split over K (the bias, activation and
-    residual applied once, after the reduction); split-K counters are left zero."""
+    residual applied once, after the reduction), in_proj and mix as they are or folded into one map (as served);
+    split-K counters are left zero."""
     if split > 1:  # the heuristic splits none of these small shapes
         monkeypatch.setattr(sg, "config_for", lambda n, k, m, device, dtype=None: sg.GemmConfig(16, 16, split))
     net = _router()
     x = _inputs(rows)
     ref = net(*x)
+    if fold:
+        net.fold_input_maps()
     assert net.use_skinny_gemm(DEVICE, max_rows=16)
     assert net.skinny(rows)
     out = net(*x)

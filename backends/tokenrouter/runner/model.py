@@ -221,6 +221,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        # Computed in the model's dtype and widened: the r2r policy takes the top k back in that dtype, exactly.
         return torch.nn.functional.linear(hidden, weight).float()
 
     def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:

@@ -63,29 +63,59 @@ class R2RRouter(SkinnyRouter):
         self.blocks = nn.ModuleList(ResidualBlock(d) for _ in range(num_blocks))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, 1)
+        # mix(in_proj(x)) as one map once `fold_input_maps` ran; a tuple so that it is no submodule: the
+        # state_dict (checkpoints, training) keeps R2R's layers.
+        self._folded: tuple[nn.Linear, ...] = ()
+
+    @torch.no_grad()
+    def fold_input_maps(self) -> None:
+        """Serve time, once the weights are final: in_proj and mix as one linear map, W = W_mix W_in and
+        b = W_mix b_in + b_mix (computed in float64), so a step runs one matmul of the in_proj's shape instead
+        of two and reads 4 MB less (hidden 1024). The same map up to float32 rounding (~1e-7 relative)."""
+        w_in, w_mix = self.in_proj.weight.double(), self.mix.weight.double()
+        # skip_init: no draw from the global RNG for weights overwritten at once.
+        folded = nn.utils.skip_init(nn.Linear, self.in_proj.in_features, self.mix.out_features, device=w_in.device,
+                                    dtype=self.in_proj.weight.dtype)
+        folded.weight.copy_(w_mix @ w_in)
+        folded.bias.copy_(w_mix @ self.in_proj.bias.double() + self.mix.bias.double())
+        self._folded = (folded.eval().requires_grad_(False),)
 
     def fused_linears(self) -> list[FusedLinear]:
         """The linear layers the kernel runs, in `forward`'s order, each with the ops fused into it."""
-        out = [FusedLinear("logits_proj", self.logits_proj), FusedLinear("in_proj", self.in_proj),
-               FusedLinear("mix", self.mix)]
+        out = [FusedLinear("logits_proj", self.logits_proj)]
+        if self._folded:
+            out.append(FusedLinear("in_proj+mix", self._folded[0]))
+        else:
+            out += [FusedLinear("in_proj", self.in_proj), FusedLinear("mix", self.mix)]
         for i, b in enumerate(self.blocks):
             out += [FusedLinear(f"blocks.{i}.fc1", b.fc1, norm=b.norm, activation="gelu"),
                     FusedLinear(f"blocks.{i}.fc2", b.fc2, residual=True)]
         return out
 
+    @staticmethod
+    def _concat(hidden: torch.Tensor, projected: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
+        # One kernel: torch.cat promotes the model-dtype hidden state and embedding to the projection's float32.
+        return torch.cat([hidden, projected, token_emb], dim=-1)
+
     def forward(self, hidden: torch.Tensor, top_logits: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
+        """hidden and token_emb [S, H] in the model's dtype or float32, top_logits [S, k] (any float dtype)."""
+        top_logits = top_logits.float()
         if self.skinny(hidden.shape[0]):
             return self._forward_skinny(hidden, top_logits, token_emb)
-        x = torch.cat([hidden, self.logits_proj(top_logits), token_emb], dim=-1)
-        x = self.mix(self.in_proj(x))
+        x = self._concat(hidden, self.logits_proj(top_logits), token_emb)
+        x = self._folded[0](x) if self._folded else self.mix(self.in_proj(x))
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x)).squeeze(-1)
 
     def _forward_skinny(self, hidden: torch.Tensor, top_logits: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
         ws = self.workspace
-        proj, in_proj, mix, *blocks = self.fused_linears()
-        x = mix(in_proj(torch.cat([hidden, proj(top_logits, ws), token_emb], dim=-1), ws), ws)
+        proj, *layers = self.fused_linears()
+        n_inputs = 1 if self._folded else 2
+        x = self._concat(hidden, proj(top_logits, ws), token_emb)
+        for linear in layers[:n_inputs]:
+            x = linear(x, ws)
+        blocks = layers[n_inputs:]
         for fc1, fc2 in zip(blocks[::2], blocks[1::2]):
             x = fc2(fc1(x, ws), ws, residual=x)
         return self.head(self.norm(x)).squeeze(-1)
@@ -106,13 +136,20 @@ class R2RPolicy(LearnedRouterPolicy):
         self.hidden_dim: int = number_arg(self, "hidden_dim", lo=1, integer=True)
         self.top_k_logits: int = number_arg(self, "top_k_logits", lo=1, integer=True)
         self.router_kernel: str = choice_arg(self, "router_kernel", ("auto", "torch"))
+        self.logits_dtype = torch.float32  # the small model's dtype once `setup` ran
 
     def build_net(self, hidden_size: int, vocab_size: int) -> nn.Module:
         return R2RRouter(hidden_size, min(self.top_k_logits, vocab_size), self.hidden_dim)
 
     def setup(self, device: torch.device, dtype: torch.dtype, hidden_size: int, vocab_size: int) -> None:
         super().setup(device, dtype, hidden_size, vocab_size)
-        if self.net is None or self.router_kernel != "auto":
+        if self.net is None:
+            return
+        self.net.fold_input_maps()
+        # The runner widens the model's logits to float32 (CausalLM.compute_logits), so their top k in the
+        # model's dtype are the same values, and a radix select over 16-bit keys takes half the passes.
+        self.logits_dtype = dtype
+        if self.router_kernel != "auto":
             return
         if self.net.use_skinny_gemm(torch.device(device)):
             log.info("policy r2r: router matmuls through the skinny kernel for up to %d rows", self.net.skinny_max_m)
@@ -123,5 +160,5 @@ class R2RPolicy(LearnedRouterPolicy):
         k = self.net.top_k
         if result.logits.shape[-1] < k:
             raise ValueError(f"policy 'r2r': router expects the top {k} logits, the step has {result.logits.shape[-1]}")
-        top = torch.topk(result.logits.float(), k, dim=-1, sorted=True).values
-        return result.hidden.float(), top, result.token_embeddings.float()
+        top = torch.topk(result.logits.to(self.logits_dtype), k, dim=-1, sorted=True).values
+        return result.hidden, top, result.token_embeddings
