@@ -15,7 +15,9 @@ model produces exactly one token and hands back (the base default lease); the la
 
 On a GPU whose tuned table has the network's shapes, its linear layers run as skinny-matmul kernels with the
 LayerNorms, biases, GELUs and residual adds fused in (skinny_router.py), all but the head: a dot product per row
-(N = 1) is no matmul, and a kernel tiled for matmuls ran it 3x slower than torch's LayerNorm and GEMV.
+(N = 1) is no matmul, and a kernel tiled for matmuls ran it 3x slower than torch's LayerNorm and GEMV. in_proj
+and mix run as one folded map (`R2RRouter.fold_input_maps`), and with a bfloat16 small model on a GPU the top k
+come from a radix select of three kernels (runner/top_k.py) instead of torch.topk's ~ten.
 """
 
 from __future__ import annotations
@@ -127,7 +129,8 @@ class R2RPolicy(LearnedRouterPolicy):
 
     name = "r2r"
     # router_kernel: "auto" runs the network's linear layers through the skinny kernel where the tuned table has
-    # them for this GPU (skinny_router.py), "torch" always on its torch modules (cuBLAS on a GPU).
+    # them for this GPU (skinny_router.py) and the top k through runner/top_k.py where it applies, "torch" always
+    # on its torch modules (cuBLAS on a GPU) and torch.topk.
     ARGS = {**LearnedRouterPolicy.ARGS, "hidden_dim": 1024, "top_k_logits": 100, "router_kernel": "auto"}
     RULE = ">="
 
@@ -137,6 +140,7 @@ class R2RPolicy(LearnedRouterPolicy):
         self.top_k_logits: int = number_arg(self, "top_k_logits", lo=1, integer=True)
         self.router_kernel: str = choice_arg(self, "router_kernel", ("auto", "torch"))
         self.logits_dtype = torch.float32  # the small model's dtype once `setup` ran
+        self.top_k_workspace = None  # runner/top_k.py's, where `setup` found it applies
 
     def build_net(self, hidden_size: int, vocab_size: int) -> nn.Module:
         return R2RRouter(hidden_size, min(self.top_k_logits, vocab_size), self.hidden_dim)
@@ -151,6 +155,7 @@ class R2RPolicy(LearnedRouterPolicy):
         self.logits_dtype = dtype
         if self.router_kernel != "auto":
             return
+        self.top_k_workspace = _top_k_workspace(torch.device(device), dtype, self.net.top_k)
         if self.net.use_skinny_gemm(torch.device(device)):
             log.info("policy r2r: router matmuls through the skinny kernel for up to %d rows", self.net.skinny_max_m)
         elif torch.device(device).type == "cuda":
@@ -160,5 +165,24 @@ class R2RPolicy(LearnedRouterPolicy):
         k = self.net.top_k
         if result.logits.shape[-1] < k:
             raise ValueError(f"policy 'r2r': router expects the top {k} logits, the step has {result.logits.shape[-1]}")
-        top = torch.topk(result.logits.to(self.logits_dtype), k, dim=-1, sorted=True).values
+        ws = self.top_k_workspace
+        if ws is not None and ws.fits(result.logits.shape[0], k):
+            from tokenrouter.runner.top_k import top_k_values
+
+            top = top_k_values(result.logits, k, ws)
+        else:
+            top = torch.topk(result.logits.to(self.logits_dtype), k, dim=-1, sorted=True).values
         return result.hidden, top, result.token_embeddings
+
+
+def _top_k_workspace(device: torch.device, dtype: torch.dtype, k: int) -> Any:
+    """The radix-select top k's workspace (runner/top_k.py: three kernels instead of torch's ~ten) where it
+    applies: a CUDA device, bfloat16 logits (its keys), k within its slots; else None (torch.topk)."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return None
+    try:
+        from tokenrouter.runner.top_k import TOP_K_ROWS, TopKWorkspace
+    except ImportError:  # no Triton
+        return None
+    ws = TopKWorkspace(TOP_K_ROWS, device)
+    return ws if ws.fits(1, k) else None
