@@ -251,3 +251,25 @@ def test_empty_batch() -> None:
     out, res = fused_ops.add_rms_norm(x, x, w, EPS)
     assert out.shape == res.shape == (0, 48)
     assert fused_ops.silu_mul(torch.zeros(0, 80, device=DEVICE)).shape == (0, 40)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 48), (5, 1024), (16, 100)])
+def test_layer_norm_dot_matches_torch(rows: int, n: int) -> None:
+    """A router's head in one kernel equals LayerNorm then Linear(n, 1), to float32 summation order, also for rows
+    far from zero (the variance taken around the mean, not from the raw second moment)."""
+    gen = torch.Generator().manual_seed(n)
+    norm, head = torch.nn.LayerNorm(n).to(DEVICE), torch.nn.Linear(n, 1).to(DEVICE)
+    with torch.no_grad():
+        for p in (*norm.parameters(), *head.parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen))
+    x = (torch.randn(rows, n, generator=gen) + 300.0 * torch.arange(rows)[:, None]).to(DEVICE)
+    out = fused_ops.layer_norm_dot(x, norm, head)
+    with torch.no_grad():
+        ref = head(norm(x)).squeeze(-1)
+        exact = head.double()(norm.double()(x.double())).squeeze(-1)  # (.double() converts the modules in place)
+    assert out.shape == (rows,) and out.dtype == torch.float32
+    # As close to the float64 result as torch's float32 modules are (rows at 300 * i carry float32 input rounding
+    # that both amplify alike); a one-pass variance would be far off there.
+    assert (out.double() - exact).abs().max() <= 2 * (ref.double() - exact).abs().max() + 1e-5
+    with pytest.raises(ValueError, match="layer_norm_dot"):
+        fused_ops.layer_norm_dot(x.half(), norm, head)

@@ -171,6 +171,7 @@ KERNELS = [
     (f._qk_norm_rope_store_kernel, dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, HQ_PAD=16, HKV_PAD=8, HALF_PAD=64,
                                         HAS_Q_NORM=True, HAS_K_NORM=True)),
     (f._silu_mul_kernel, dict(INTER=3072, BLOCK=1024)),
+    (f._layer_norm_dot_kernel, dict(N=1024, BLOCK=1024)),
     (ta._decode_split_kernel, dict(NUM_HEADS=16, HEAD_DIM=128, D_PAD=128, GROUP=2, GROUP_PAD=16, PAGE=16, BLOCK_N=64,
                                    DIRECT_OUT=False)),
     (ta._decode_reduce_kernel, dict(NUM_HEADS=16, HEAD_DIM=128, D_PAD=128, BLOCK_N=64, SPLITS_PAD=4)),

@@ -6,7 +6,8 @@ a CUDA-graph decode step launches a handful of kernels per layer instead of doze
 * `rms_norm`, `add_rms_norm`: RMSNorm, optionally with the residual add in front of it;
 * `qk_norm_rope_store`: everything in `Attention.forward` between qkv_proj and the attention call (split, per-head
   q/k RMSNorm, rotate-half RoPE, K/V write into the paged pool);
-* `silu_mul`: the SwiGLU activation `silu(gate) * up`.
+* `silu_mul`: the SwiGLU activation `silu(gate) * up`;
+* `layer_norm_dot`: a router's head, LayerNorm then a dot product per row (R2R's Linear(d, 1)).
 
 Every op rounds to the activation dtype exactly where the torch reference in layers.py / model.py does (RMSNorm
 rounds the normalised value before the weight multiply, RoPE rounds only its result, silu is rounded before the
@@ -237,6 +238,32 @@ def _silu_mul_kernel(
     tl.store(out_ptr + row * INTER + cols, (act * up).to(dtype), mask=ok)
 
 
+@triton.jit
+def _layer_norm_dot_kernel(
+    x_ptr,  # [T, N] float32
+    norm_w_ptr,  # [N]
+    norm_b_ptr,  # [N]
+    w_ptr,  # [N] the head's weight row
+    b_ptr,  # [1] its bias
+    out_ptr,  # [T] float32
+    eps,
+    stride_x,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Grid (T,): one row per program, float32 throughout (a router's head)."""
+    wait_for_predecessor(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    xc = tl.where(ok, x - tl.sum(x, 0) / N, 0.0)  # two passes over registers: no cancellation for rows far from 0
+    y = xc * (1.0 / tl.sqrt(tl.sum(xc * xc, 0) / N + eps))
+    y = y * tl.load(norm_w_ptr + cols, mask=ok, other=0.0) + tl.load(norm_b_ptr + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + row, tl.sum(y * tl.load(w_ptr + cols, mask=ok, other=0.0), 0) + tl.load(b_ptr))
+
+
 def _check_rows(name: str, x: torch.Tensor) -> None:
     if x.dim() != 2:
         raise ValueError(f"{name} must be 2-D [T, N], got shape {tuple(x.shape)}")
@@ -407,4 +434,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up, out, gate_up.stride(0), INTER=inter, BLOCK=block, num_warps=_num_warps(block),
         **pdl.launch_args(gate_up.device),
     )
+    return out
+
+
+def layer_norm_dot(x: torch.Tensor, norm: torch.nn.LayerNorm, head: torch.nn.Linear) -> torch.Tensor:
+    """head(norm(x)).squeeze(-1) for a float32 head of one output in one kernel: [T, N] -> [T] float32 (equal to
+    torch's LayerNorm and GEMV up to float32 summation order). Torch ran it as two kernels, more in eager mode."""
+    _check_rows("x", x)
+    T, N = x.shape
+    if x.dtype != torch.float32 or head.out_features != 1 or head.bias is None or norm.weight is None:
+        raise ValueError("layer_norm_dot: a float32 row input, a LayerNorm with its affine and a Linear(N, 1) with "
+                         "a bias")
+    out = torch.empty(T, dtype=torch.float32, device=x.device)
+    if T == 0:
+        return out
+    block = triton.next_power_of_2(N)
+    _layer_norm_dot_kernel[(T,)](x, norm.weight, norm.bias, head.weight, head.bias, out, norm.eps, x.stride(0), N=N,
+                                 BLOCK=block, num_warps=_num_warps(block), **pdl.launch_args(x.device))
     return out

@@ -15,7 +15,8 @@ model produces exactly one token and hands back (the base default lease); the la
 
 On a GPU whose tuned table has the network's shapes, its linear layers run as skinny-matmul kernels with the
 LayerNorms, biases, GELUs and residual adds fused in (skinny_router.py), all but the head: a dot product per row
-(N = 1) is no matmul, and a kernel tiled for matmuls ran it 3x slower than torch's LayerNorm and GEMV. in_proj
+(N = 1) is no matmul, and a kernel tiled for matmuls ran it 3x slower than torch's LayerNorm and GEMV; the head
+runs as one row kernel instead, LayerNorm and dot product (fused_ops.layer_norm_dot). in_proj
 and mix run as one folded map (`R2RRouter.fold_input_maps`), and with a bfloat16 small model on a GPU the top k
 come from a radix select of three kernels (runner/top_k.py) instead of torch.topk's ~ten.
 """
@@ -120,7 +121,9 @@ class R2RRouter(SkinnyRouter):
         blocks = layers[n_inputs:]
         for fc1, fc2 in zip(blocks[::2], blocks[1::2]):
             x = fc2(fc1(x, ws), ws, residual=x)
-        return self.head(self.norm(x)).squeeze(-1)
+        from tokenrouter.runner.fused_ops import layer_norm_dot
+
+        return layer_norm_dot(x, self.norm, self.head)
 
 
 @register
