@@ -16,9 +16,10 @@ model produces exactly one token and hands back (the base default lease); the la
 On a GPU whose tuned table has the network's shapes, its linear layers run as skinny-matmul kernels with the
 LayerNorms, biases, GELUs and residual adds fused in (skinny_router.py), all but the head: a dot product per row
 (N = 1) is no matmul, and a kernel tiled for matmuls ran it 3x slower than torch's LayerNorm and GEMV; the head
-runs as one row kernel instead, LayerNorm and dot product (fused_ops.layer_norm_dot). in_proj
-and mix run as one folded map (`R2RRouter.fold_input_maps`), and with a bfloat16 small model on a GPU the top k
-come from a radix select of three kernels (runner/top_k.py) instead of torch.topk's ~ten.
+runs as one row kernel instead, LayerNorm and dot product (fused_ops.layer_norm_dot). in_proj and mix run as one
+folded map (`R2RRouter.fold_input_maps`), and with a bfloat16 small model on a GPU the top k come from a radix
+select of three kernels (runner/top_k.py) instead of torch.topk's ~ten: fewer kernels matter most beside the
+large model, where each waits for SMs (perf/results/router_kernels_h100_2026-12-06).
 """
 
 from __future__ import annotations
