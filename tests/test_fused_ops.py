@@ -253,12 +253,12 @@ def test_empty_batch() -> None:
     assert fused_ops.silu_mul(torch.zeros(0, 80, device=DEVICE)).shape == (0, 40)
 
 
-@pytest.mark.parametrize("rows,n", [(1, 48), (5, 1024), (16, 100)])
-def test_layer_norm_dot_matches_torch(rows: int, n: int) -> None:
+@pytest.mark.parametrize("rows,n,eps", [(1, 48, 1e-5), (5, 1024, 1e-5), (16, 100, 0.5)])
+def test_layer_norm_dot_matches_torch(rows: int, n: int, eps: float) -> None:
     """A router's head in one kernel equals LayerNorm then Linear(n, 1), to float32 summation order, also for rows
-    far from zero (the variance taken around the mean, not from the raw second moment)."""
+    far from zero (the variance taken around the mean, not from the raw second moment) and with a large eps."""
     gen = torch.Generator().manual_seed(n)
-    norm, head = torch.nn.LayerNorm(n).to(DEVICE), torch.nn.Linear(n, 1).to(DEVICE)
+    norm, head = torch.nn.LayerNorm(n, eps=eps).to(DEVICE), torch.nn.Linear(n, 1).to(DEVICE)
     with torch.no_grad():
         for p in (*norm.parameters(), *head.parameters()):
             p.copy_(torch.randn(p.shape, generator=gen))
@@ -271,5 +271,7 @@ def test_layer_norm_dot_matches_torch(rows: int, n: int) -> None:
     # As close to the float64 result as torch's float32 modules are (rows at 300 * i carry float32 input rounding
     # that both amplify alike); a one-pass variance would be far off there.
     assert (out.double() - exact).abs().max() <= 2 * (ref.double() - exact).abs().max() + 1e-5
-    with pytest.raises(ValueError, match="layer_norm_dot"):
-        fused_ops.layer_norm_dot(x.half(), norm, head)
+    for bad in ((x.half(), norm, head), (x, torch.nn.LayerNorm(n, bias=False).to(DEVICE), head),
+                (x, norm, torch.nn.Linear(n + 1, 1).to(DEVICE)), (x[:, :-1], norm, head)):
+        with pytest.raises(ValueError, match="layer_norm_dot"):
+            fused_ops.layer_norm_dot(*bad)

@@ -467,13 +467,19 @@ def test_r2r_folds_in_proj_and_mix_at_setup() -> None:
     assert set(net.state_dict()) == set(R2RRouter(H, 100, 32).state_dict())
     result = step(64, seed=3)
     folded = policy.logits(result)
-    net._folded = ()
-    unfolded = policy.logits(result)
-    torch.testing.assert_close(folded, unfolded, rtol=1e-5, atol=1e-5)
-    assert not torch.equal(folded, torch.zeros_like(folded))
+    w_in = net.in_proj.weight.clone()
+    with torch.no_grad():
+        net.in_proj.weight.zero_()  # the layers as trained no longer matter once folded...
+    assert torch.equal(policy.logits(result), folded)
+    with torch.no_grad():
+        net.in_proj.weight.copy_(w_in)
+    net._folded = ()  # ...and unfolded they give the same map
+    torch.testing.assert_close(policy.logits(result), folded, rtol=1e-5, atol=1e-5)
+    # `router_kernel: torch` keeps the layers as trained.
+    assert built(R2RPolicy, hidden_dim=32, router_kernel="torch").net._folded == ()
 
 
-def test_r2r_top_k_in_the_model_dtype() -> None:
+def test_r2r_top_k_in_the_model_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bfloat16 small model's logits arrive widened to float32; the policy takes their top k back in bfloat16
     (half the radix passes): the router's logits are bit-identical to a float32 policy's."""
     lm = SimpleNamespace(lm_head=nn.Linear(H, V, bias=False, dtype=torch.bfloat16), model=None)
@@ -484,8 +490,10 @@ def test_r2r_top_k_in_the_model_dtype() -> None:
     wide.setup(CPU, torch.float32, H, V)
     narrow = R2RPolicy(MODELS, S, {"hidden_dim": 32, "top_k_logits": 40})
     narrow.setup(CPU, torch.bfloat16, H, V)
-    assert narrow.logits_dtype == torch.bfloat16
+    topk, seen = torch.topk, []
+    monkeypatch.setattr(torch, "topk", lambda x, *a, **kw: seen.append(x.dtype) or topk(x, *a, **kw))
     assert torch.equal(narrow.logits(result), wide.logits(result))
+    assert seen == [torch.bfloat16, torch.float32]
 
 
 def test_router_init_leaves_global_rng_alone() -> None:

@@ -49,26 +49,45 @@ def test_matches_torch(rows: int, vocab: int, k: int) -> None:
 
 def test_ties_infinities_and_one_chunk_holding_the_top() -> None:
     """Many logits equal to the k-th (the fill), +-inf, a row whose top k all lie in its first chunk, a row of one
-    value, a row of negatives only, and bfloat16 input as well as widened float32."""
+    value, a row of negatives only, signed zeros, and bfloat16 input as well as widened float32."""
     x = _logits(6, 1300, seed=7)
     x[0, :150] = x[0, :150].abs() + 40.0  # the whole top in chunk 0
     x[1, ::3] = 2.0  # hundreds of ties across the k-th
     x[2, 5], x[2, 900], x[2, 17] = float("inf"), float("inf"), float("-inf")
     x[2, 1000:] = float("-inf")
-    x[3] = 0.5
+    x[3] = -1.0
     x[4] = -x[4].abs() - 1.0
     x[5, :] = torch.linspace(-8, 8, 1300)  # many distinct low bytes in one high-byte bucket
+    x[3, :40:2], x[3, 1:40:2] = 0.0, -0.0
+    x[3, 40] = 0.75
     x = x.bfloat16().float()
     ws = top_k.TopKWorkspace(8, DEVICE)
     _check(x, 100, ws)
+    # Zeros keep their signs, +0.0 above -0.0 (a sort of float values had turned some -0.0 into +0.0).
+    zeros = top_k.top_k_values(x[3:4].to(DEVICE), 100, ws).cpu()[0, 1:41]
+    assert zeros.signbit().tolist() == [False] * 20 + [True] * 20
     out = top_k.top_k_values(x.bfloat16().to(DEVICE), 64, ws)
     assert torch.equal(out.cpu(), torch.topk(x, 64, dim=-1).values)
+
+
+def test_nan_ranks_above_everything_as_in_torch() -> None:
+    """Every NaN (either sign) is the largest, as torch.topk ranks it; the rest of the row stays exact."""
+    x = _logits(3, 900, seed=11)
+    x[0, 7] = float("nan")
+    x[1, [3, 500, 899]] = float("nan")
+    x[1, 4] = float("inf")
+    x[2, 600] = -float("nan")
+    ws = top_k.TopKWorkspace(4, DEVICE)
+    out = top_k.top_k_values(x.to(DEVICE), 6, ws).cpu()
+    ref = torch.topk(x, 6, dim=-1).values
+    assert torch.equal(out.isnan(), ref.isnan()) and int(out.isnan().sum()) == 5
+    assert torch.equal(out.nan_to_num(nan=123.0), ref.nan_to_num(nan=123.0))
 
 
 def test_refuses_what_does_not_fit() -> None:
     ws = top_k.TopKWorkspace(2, DEVICE)
     x = _logits(3, 500, seed=0).to(DEVICE)
-    for bad in ((x, 10), (x[:2], top_k.MAX_K + 1), (x[:2, :5], 6)):
+    for bad in ((x, 10), (x[:2], top_k.MAX_K + 1), (x[:2, :5], 6), (x[:2].half(), 10), (x[:2].double(), 10)):
         with pytest.raises(ValueError, match="top_k_values"):
             top_k.top_k_values(*bad, ws)
 
@@ -108,9 +127,9 @@ from tokenrouter.runner import top_k as tk
 
 for kernel in (tk._high_byte_kernel, tk._low_byte_kernel, tk._gather_kernel):
     for logits in ("*fp32", "*bf16"):
-        consts = {"CHUNK": tk.CHUNK, "BINS": 256, "MAX_K": tk.MAX_K}
+        consts = {"CHUNK": tk.CHUNK, "BINS": 256, "MAX_K": tk.MAX_K, "STATE": 8}
         sig = {n: "*i32" if n.endswith("_ptr") else "i32" for n in kernel.arg_names}
-        sig.update(logits_ptr=logits, out_ptr="*fp32", slots_ptr="*fp32", **{c: "constexpr" for c in consts})
+        sig.update(logits_ptr=logits, out_ptr="*fp32", **{c: "constexpr" for c in consts})
         sig = {n: t for n, t in sig.items() if n in kernel.arg_names}
         consts = {n: v for n, v in consts.items() if n in kernel.arg_names}
         triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),

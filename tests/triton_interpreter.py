@@ -19,7 +19,7 @@ INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 KERNEL_MODULES = (
     # pdl's jit helper is called from the others' kernels: a compiled one cannot be called by interpreted kernels
     "tokenrouter.runner.pdl", "tokenrouter.runner.fused_ops", "tokenrouter.runner.triton_attention",
-    "tokenrouter.runner.skinny_gemm",
+    "tokenrouter.runner.skinny_gemm", "tokenrouter.runner.top_k",
 )
 
 

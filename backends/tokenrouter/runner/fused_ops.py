@@ -442,9 +442,11 @@ def layer_norm_dot(x: torch.Tensor, norm: torch.nn.LayerNorm, head: torch.nn.Lin
     torch's LayerNorm and GEMV up to float32 summation order). Torch ran it as two kernels, more in eager mode."""
     _check_rows("x", x)
     T, N = x.shape
-    if x.dtype != torch.float32 or head.out_features != 1 or head.bias is None or norm.weight is None:
-        raise ValueError("layer_norm_dot: a float32 row input, a LayerNorm with its affine and a Linear(N, 1) with "
-                         "a bias")
+    params = (norm.weight, norm.bias, head.weight, head.bias)
+    if (x.dtype != torch.float32 or tuple(norm.normalized_shape) != (N,) or tuple(head.weight.shape) != (1, N)
+            or any(p is None or not p.is_contiguous() or p.dtype != torch.float32 for p in params)):
+        raise ValueError(f"layer_norm_dot: needs float32 rows [T, {N}], a LayerNorm({N}) with weight and bias and a "
+                         f"Linear({N}, 1) with a bias, all float32 and contiguous")
     out = torch.empty(T, dtype=torch.float32, device=x.device)
     if T == 0:
         return out

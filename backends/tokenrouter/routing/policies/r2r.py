@@ -75,7 +75,8 @@ class R2RRouter(SkinnyRouter):
     def fold_input_maps(self) -> None:
         """Serve time, once the weights are final: in_proj and mix as one linear map, W = W_mix W_in and
         b = W_mix b_in + b_mix (computed in float64), so a step runs one matmul of the in_proj's shape instead
-        of two and reads 4 MB less (hidden 1024). The same map up to float32 rounding (~1e-7 relative)."""
+        of two and reads 4 MB less (hidden 1024). The same map up to float32 rounding (~1e-7 relative). A copy:
+        weights loaded or moved afterwards need another call."""
         w_in, w_mix = self.in_proj.weight.double(), self.mix.weight.double()
         # skip_init: no draw from the global RNG for weights overwritten at once.
         folded = nn.utils.skip_init(nn.Linear, self.in_proj.in_features, self.mix.out_features, device=w_in.device,
@@ -133,8 +134,8 @@ class R2RPolicy(LearnedRouterPolicy):
 
     name = "r2r"
     # router_kernel: "auto" runs the network's linear layers through the skinny kernel where the tuned table has
-    # them for this GPU (skinny_router.py) and the top k through runner/top_k.py where it applies, "torch" always
-    # on its torch modules (cuBLAS on a GPU) and torch.topk.
+    # them for this GPU (skinny_router.py), in_proj and mix folded, and the top k through runner/top_k.py where it
+    # applies; "torch" always runs R2R's torch modules as trained (cuBLAS on a GPU) and torch.topk.
     ARGS = {**LearnedRouterPolicy.ARGS, "hidden_dim": 1024, "top_k_logits": 100, "router_kernel": "auto"}
     RULE = ">="
 
@@ -153,12 +154,12 @@ class R2RPolicy(LearnedRouterPolicy):
         super().setup(device, dtype, hidden_size, vocab_size)
         if self.net is None:
             return
-        self.net.fold_input_maps()
         # The runner widens the model's logits to float32 (CausalLM.compute_logits), so their top k in the
         # model's dtype are the same values, and a radix select over 16-bit keys takes half the passes.
         self.logits_dtype = dtype
         if self.router_kernel != "auto":
-            return
+            return  # the layers as trained, on torch
+        self.net.fold_input_maps()
         self.top_k_workspace = _top_k_workspace(torch.device(device), dtype, self.net.top_k)
         if self.net.use_skinny_gemm(torch.device(device)):
             log.info("policy r2r: router matmuls through the skinny kernel for up to %d rows", self.net.skinny_max_m)
