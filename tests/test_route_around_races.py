@@ -83,6 +83,41 @@ def test_a_handoff_to_a_model_that_just_died_is_taken_back_not_failed(coordinato
     assert outputs[-1].finish_reason == "length" and outputs[-1].error is None and outputs[-1].token_ids == [11]
 
 
+def test_a_failed_send_handled_before_the_loss_is_read_takes_the_request_back(coordinator) -> None:
+    """The other order (a CI failure of tests/test_route_around_three.py): the large model's reader thread posts its
+    socket's end only after the failed send's callback ran. The request must go on at the small model, with the
+    large model's KV forgotten in what it has seen, rather than fail; the loss read later changes nothing for it."""
+    coord, loop, small = coordinator
+    rid = coord.add_request([5, 6, 7], PARAMS)
+    handoff = Handoff("small", "large", Arrive(rid, [5, 6, 7, 9], True, 3, PARAMS, {"k": 1}, "small",
+                                               {"small": 4, "large": 4}))
+    coord._handle_events([handoff])
+    _run(loop)  # the send failed and its callback ran; the loss is not read yet
+    req = coord.requests[rid]
+    assert not req.finished and req.error is None, req.error
+    assert req.owner == "small" and req.holders == {"small"}
+    back = [m for m in small.sent if isinstance(m, Arrive) and not m.first_visit]
+    assert len(back) == 1 and back[0].source == "large" and "large" not in back[0].seen, back
+    coord._model_gone("large")
+    _run(loop)
+    assert not req.finished and req.holders == {"small"} and "large" not in req.seen
+    assert len([m for m in small.sent if isinstance(m, Arrive) and not m.first_visit]) == 1
+    assert not any(isinstance(m, Release) for m in small.sent), small.sent
+
+
+def test_a_failed_send_fails_the_request_when_not_routing_around(coordinator) -> None:
+    """model_down: refuse (the default): a send that fails ends its request with that error, once."""
+    coord, loop, small = coordinator
+    coord.config.model_down = "refuse"
+    rid = coord.add_request([5, 6, 7], PARAMS)
+    coord._handle_events([Handoff("small", "large", Arrive(rid, [5, 6, 7, 9], True, 3, PARAMS, {}, "small",
+                                                           {"small": 4, "large": 4}))])
+    _run(loop)
+    req = coord.requests[rid]
+    assert req.finished and "large" in req.error and "unavailable" in req.error, req.error
+    assert [m.request_id for m in small.sent if isinstance(m, Release)] == [rid]
+
+
 def test_what_a_dead_model_sent_before_it_died_is_dropped_once_its_request_was_taken_back(coordinator) -> None:
     """The large model sent a commit and handed its request back to the small model just before it died; the router
     learnt of its death first (a send to it failed) and took the request back to the small model. What its reader

@@ -253,7 +253,8 @@ class Coordinator:
         """`model`, which kept the request's KV, goes on with it where `gone` (down) had it: the tokens it has not
         seen (none, when `gone` had produced nothing: it then computes its last token again)."""
         tokens = req.prompt_ids + req.output_ids
-        seen = {m: n for m, n in seen.items() if not self._unavailable(m)}
+        # Its KV on `gone` is lost, whether or not `gone` is marked down yet (a send to it failed first).
+        seen = {m: n for m, n in seen.items() if m != gone and not self._unavailable(m)}
         suffix = tokens[seen.get(model, len(tokens)) :]
         seen[model] = max(seen.get(model, 0), len(tokens))
         req.owner, req.seen, req.route_state = model, seen, state

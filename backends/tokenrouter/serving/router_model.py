@@ -38,7 +38,7 @@ from tokenrouter.engine.autotune import (
     solve_interval,
 )
 from tokenrouter.engine.coordinator import Coordinator
-from tokenrouter.engine.outputs import RequestOutput
+from tokenrouter.engine.outputs import RequestOutput, RequestState
 from tokenrouter.engine.timeline import Timeline
 from tokenrouter.routing.policy import make_policy
 from tokenrouter.runner.arch import declared_context_limit, shared_vocab_size
@@ -112,7 +112,7 @@ class SocketCoordinator(Coordinator):
         self.step_reports: dict[str, dict[str, Any]] = {}
         urls = {n: m.url for n, m in config.models.items() if m.url is not None}
         self.transport = SocketTransport(self.model_names, urls, loop, self._on_event, self._from_link,
-                                         self._model_gone)
+                                         self._model_gone, self._send_failed)
         self._update_thresholds()
         # TOKENROUTER_TIMELINE_DIR: when each handoff passed through here (perf/timeline.py served)
         self.timeline = Timeline.from_env("router")
@@ -229,14 +229,31 @@ class SocketCoordinator(Coordinator):
         with self._lock:
             for rid in held:
                 req = self.requests.get(rid)
-                if req is None:
-                    continue
-                if around and not req.finished and self.config.entry in req.holders:
-                    self._on_event(Released(rid, model, 0, 0, held=False))  # its KV there is gone
-                    if req.owner == model:
-                        self._take_back(req, self.config.entry, model, req.seen, req.route_state)
-                    continue
-                self.transport.fail(model, rid, f"model {model!r} went away during the request ({cause})")
+                if req is not None and not self._go_on_without(req, model):
+                    self.transport.fail(model, rid, f"model {model!r} went away during the request ({cause})")
+
+    def _send_failed(self, model: str, request_id: str, error: str) -> None:
+        """A message about a request could not be sent to `model`: its connection broke or is down. Routing around
+        it, the entry model goes on with the request at once; its link's reader thread reports the loss itself
+        (`_model_gone`), but may post it only after this (each link has its own thread): failing the request here
+        would end a request that routing around keeps (a CI failure of tests/test_route_around_three.py)."""
+        with self._lock:
+            req = self.requests.get(request_id)
+            if req is not None and self._go_on_without(req, model):
+                return
+        self.transport.fail(model, request_id, error)
+
+    def _go_on_without(self, req: RequestState, model: str) -> bool:
+        """Routing around `model`, which lost its part of `req` (its KV there is gone): the entry model, which kept
+        its own, goes on with the request where `model` had it. False when it cannot: not routing around that
+        model, the request finished, or the entry model no longer holds it (the caller fails the request)."""
+        if not (self._routes_around(model) and not req.finished and model in req.holders
+                and self.config.entry in req.holders):
+            return False
+        self._on_event(Released(req.request_id, model, 0, 0, held=False))
+        if req.owner == model:
+            self._take_back(req, self.config.entry, model, req.seen, req.route_state)
+        return True
 
     def model_back(self, model: str) -> None:
         if self.down.pop(model, None) is not None:

@@ -2,9 +2,9 @@
 (transport/ipc.py's ModelLink), or a model on a peer server over Triton gRPC (transport/grpc_link.py), and
 hands what comes back to the router (on the link's reader thread: the router relays handoffs from there).
 
-Thresholds travel with each Arrive (no extra message per change). A model that cannot be reached fails the
-message's request as the model would have (Failed, then Released); a link that closes under the router calls
-`on_lost` (the router then fails what that model held and revives it).
+Thresholds travel with each Arrive (no extra message per change). A message that cannot be sent goes to
+`on_send_failed` (by default the model fails the message's request as it would have: Failed, then Released); a link
+that closes under the router calls `on_lost` (the router then fails what that model held and revives it).
 """
 
 from __future__ import annotations
@@ -32,16 +32,19 @@ class SocketTransport(Transport):
         on_event: OnEvent,
         on_items: Callable[[list[Any]], None],
         on_lost: Callable[[str], None],
+        on_send_failed: Callable[[str, str, str], None] | None = None,
     ) -> None:
         """`urls`: the models served by peer servers (their gRPC addresses), reached through a GrpcLink; the
         others through their local socket. `on_items`: every batch a model sends (events and its step
         statistics), on that link's reader thread (the caller hands the loop its share);
         `on_event`: one event, for the failures this transport reports itself (on the loop's thread); `on_lost`: a
-        model's link closed (not at `close`)."""
+        model's link closed (not at `close`); `on_send_failed(model, request_id, error)`: a message about a request
+        could not be sent (on the loop's thread; default `fail`)."""
         self.loop = loop
         self.on_event = on_event
         self.on_items = on_items
         self.on_lost = on_lost
+        self.on_send_failed = on_send_failed or self.fail
         self.closing = False
         self.thresholds: dict[str, int] = {}
         self.max_len: int | None = None  # stamped on every Arrive (Arrive.max_len)
@@ -60,7 +63,7 @@ class SocketTransport(Transport):
             if isinstance(msg, Unavailable):  # about no request: the model's own outage is reported apart
                 return
             # Deferred: the coordinator may be inside its own bookkeeping for this request.
-            self.loop.call_soon(self.fail, model, msg.request_id, str(e))
+            self.loop.call_soon(self.on_send_failed, model, msg.request_id, str(e))
 
     def try_deliver(self, model: str, msg: Arrive) -> bool:
         """Send an Arrive now if that cannot block: `model` on a local socket that is connected and has room
