@@ -136,6 +136,55 @@ def test_a_lost_model_fails_sends_at_once_until_it_is_reconnected() -> None:
         listener.close()
 
 
+def test_an_outage_a_send_reported_first_is_not_reported_again_when_the_reader_sees_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A send that breaks the connection closes it; the next send, before the reader thread has seen that close,
+    is refused a new connection (the process is gone) and reports the outage. The reader thread's report of the
+    same outage must not follow: each report has the model reloaded, and two reloaded it twice at once."""
+    addr = _addr()
+    listener = ipc.ModelListener("m", lambda p, msgs: None, lambda p: None, addr=addr)
+    reader_may_close = threading.Event()
+    closed_seen = threading.Event()
+    original = ipc.ModelLink._closed
+
+    def late_closed(self: ipc.ModelLink, peer: ipc.Peer) -> None:  # the reader thread, late
+        reader_may_close.wait(5)
+        original(self, peer)
+        closed_seen.set()
+
+    monkeypatch.setattr(ipc.ModelLink, "_closed", late_closed)
+    lost: list[int] = []
+    link = ipc.ModelLink("m", lambda evs: None, lambda: lost.append(1), addr=addr, connect_timeout=1.0)
+    try:
+        link.send([Release("a")])
+        listener.close()  # the model's process exits
+        link._peer.close()  # as a send that broke it does
+        with pytest.raises(ConnectionError, match="'m' is not reachable"):
+            link.send([Release("b")])
+        assert lost == [1]
+        reader_may_close.set()
+        assert closed_seen.wait(5)
+        assert lost == [1]
+        with pytest.raises(ConnectionError, match="'m' is unavailable"):
+            link.send([Release("c")])
+        listener = ipc.ModelListener("m", lambda p, msgs: None, lambda p: None, addr=addr)  # revived
+        link.connect()
+        link.send([Release("d")])
+        link._peer.close()  # the next outage is reported again, by the reader this time
+        assert _wait_for(lambda: lost == [1, 1])
+    finally:
+        reader_may_close.set()
+        link.close()
+        listener.close()
+
+
+def _wait_for(check, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return check()
+
+
 def test_a_new_connection_is_greeted_before_anything_is_read_from_it() -> None:
     """`on_open` runs as a router's connection is accepted: what it sends (a subserver's heartbeat, which tells the
     router the model's KV pool) reaches the router first, before the answer to anything the router sends, on every

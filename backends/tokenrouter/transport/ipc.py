@@ -221,9 +221,10 @@ class ModelListener:
 class ModelLink:
     """The router's side of one model: connects on first use, reads events on its own thread.
 
-    `on_events(events)` runs on the reader thread; `on_lost()` once per connection that breaks (the model's
-    process exited). A model that was reached once and then lost is not waited for again: sends fail at
-    once until `connect` (called off the router's loop, by whoever revives the model) succeeds."""
+    `on_events(events)` runs on the reader thread; `on_lost()` once per outage (a connection that breaks, or a
+    connect refused: the model's process exited). A model that was reached once and then lost is not waited for
+    again: sends fail at once until `connect` (called off the router's loop, by whoever revives the model)
+    succeeds."""
 
     def __init__(
         self,
@@ -287,8 +288,11 @@ class ModelLink:
                 self._peer = None
                 self._down_until = float("inf")  # until connect() succeeds again
                 self._down_error = f"model {self.model!r} is unavailable: its process exited"
-            self._lost_told = True
-        self._on_lost()
+            # A send that found this connection closed and was refused a new one may have told already: one
+            # outage, one `on_lost` (each starts a revive, and two would reload the model twice at once).
+            tell, self._lost_told = not self._lost_told, True
+        if tell:
+            self._on_lost()
 
     def connect(self, timeout: float | None = None) -> None:
         """Connect now (blocking up to `timeout`, default connect_timeout); ConnectionError if not reachable."""
