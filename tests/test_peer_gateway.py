@@ -24,7 +24,7 @@ from tokenrouter.serving.repository import write_repository
 from tokenrouter.serving.server import TritonServer, free_ports
 from tokenrouter.transport import codec
 from tokenrouter.transport.grpc_link import peer_model_name
-from tokenrouter.transport.messages import Arrive, Commit, Release, Released
+from tokenrouter.transport.messages import Arrive, Commit, Heartbeat, Release, Released
 from triton_harness import metrics, stream_text
 
 PROMPT = [5, 9, 17, 33, 65, 129]
@@ -117,6 +117,9 @@ def test_a_remote_router_gets_the_local_events_and_tokens(peer, tiny_dir: Path) 
         events = router.until_released("q1")
     finally:
         router.close()
+    # First, the subserver's greeting, relayed as the connection opened: the router learns the model's KV pool before
+    # any event of its first request (dropped, it learnt it from a heartbeat after 1 s of quiet, too late for those).
+    assert isinstance(events[0], Heartbeat) and events[0].model == "large" and events[0].kv_tokens == 2048, events[:2]
     tokens = [t for ev in events if isinstance(ev, Commit) for t in ev.token_ids]
     assert [ev.finish_reason for ev in events if isinstance(ev, Commit)][-1] == "length"
     local = yaml.safe_load(config.read_text())
@@ -232,7 +235,9 @@ def _cross_node(tiny_dir: Path, tmp_path: Path, peer_host: str, make_peer, parti
     env = triton_install.execution_env()
     peer_ports = free_ports(3)
     policy = {"name": "random", "p": 0.3, "seed": 0}
-    models = {"small": {"path": str(tiny_dir / "small"), "kv_cache_tokens": 4096},
+    # The small model's pool is the larger: the deployment's KV budget (the smallest pool of the models other than the
+    # entry) can only be the peer's, which the router learns from its greeting heartbeat relayed over gRPC.
+    models = {"small": {"path": str(tiny_dir / "small"), "kv_cache_tokens": 8192},
               "large": {"path": str(tiny_dir / "large"), "kv_cache_tokens": 4096,
                         "url": f"{peer_host}:{peer_ports[1]}"}}
     deployment = {"models": models, "entry": "small", "policy": policy, "tokenizer": str(tiny_dir / "tokenizer")}
@@ -253,6 +258,8 @@ def _cross_node(tiny_dir: Path, tmp_path: Path, peer_host: str, make_peer, parti
     try:
         status, events = generate_stream(router, body)
         assert status == 200 and not any("error" in e for e in events), events
+        # Known before the first request was admitted (`await_pools`), not a heartbeat interval later.
+        assert metrics(router)['tokenrouter_kv_budget_tokens{model="tokenrouter"}'] == 4096
         text = stream_text(events)
         with Engine.from_config(local) as engine:
             ref = engine.generate("def fibonacci(n):", SamplingParams(max_new_tokens=24, temperature=0.0,
@@ -367,7 +374,9 @@ def test_a_dead_model_on_a_live_peer_is_reloaded(tiny_dir: Path, tmp_path: Path)
 
     env = triton_install.execution_env()
     peer_ports = free_ports(3)
-    models = {"small": {"path": str(tiny_dir / "small"), "kv_cache_tokens": 4096},
+    # The small model's pool is the larger: the deployment's KV budget (the smallest pool of the models other than the
+    # entry) can only be the peer's, which the router learns from its greeting heartbeat relayed over gRPC.
+    models = {"small": {"path": str(tiny_dir / "small"), "kv_cache_tokens": 8192},
               "large": {"path": str(tiny_dir / "large"), "kv_cache_tokens": 4096, "url": f"127.0.0.1:{peer_ports[1]}"}}
     deployment = {"models": models, "entry": "small", "policy": {"name": "random", "p": 0.3, "seed": 0},
                   "tokenizer": str(tiny_dir / "tokenizer")}

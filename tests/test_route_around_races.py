@@ -29,6 +29,12 @@ class _RecordingLink:
     def send(self, messages: list) -> None:
         self.sent.extend(messages)
 
+    def connect(self, timeout: float | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
 
 def _run(loop: asyncio.AbstractEventLoop) -> None:
     """Run what the loop has queued, and what that queues in turn, until nothing is left."""
@@ -229,4 +235,45 @@ def test_the_first_requests_wait_for_the_models_pools_once(tiny_dir: Path) -> No
             link.close()
         for listener in listeners:
             listener.close()
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def test_the_first_requests_wait_for_a_peer_servers_pool_too(tiny_dir: Path) -> None:
+    """A model on a peer server (`url:`, a GrpcLink) is waited for as a local one is: `await_pools` connects to it,
+    and its greeting, relayed by the peer's gateway, arrives on the link's reader thread. Left out, the first
+    requests of a cross-node deployment went in before any pool of the peer's was known: neither the admission
+    budget nor the longest request held for them."""
+    import threading
+
+    from tokenrouter.transport.messages import Heartbeat
+
+    cfg = yaml.safe_load((REPO / "config" / "random" / "tiny-small_tiny-large.yaml").read_text())
+    for name, m in cfg["models"].items():
+        m["path"] = str(tiny_dir / name)
+    cfg["models"]["large"]["url"] = "127.0.0.1:1"  # never dialled: its link is the stand-in below
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    coord = SocketCoordinator(load_config(cfg), loop)
+    assert type(coord.transport.links["large"]).__name__ == "GrpcLink"
+
+    class _PeerLink:
+        """Connecting opens the peer's stream; its greeting comes back on the stream's thread."""
+
+        connected = False
+
+        def connect(self, timeout: float | None = None) -> None:
+            self.connected = True
+            threading.Timer(0.05, coord._from_link, args=([Heartbeat("large", 1024)],)).start()
+
+        def close(self) -> None:
+            pass
+
+    coord.transport.links["small"] = _RecordingLink()
+    coord.transport.links["large"] = peer = _PeerLink()
+    try:
+        coord.await_pools(timeout=2.0)
+        assert peer.connected and coord.pool_tokens == {"large": 1024}
+        assert coord.kv_budget() == 1024 and coord.context_limit() == 1024
+    finally:
+        coord.transport.closing = True
         loop.call_soon_threadsafe(loop.stop)

@@ -108,13 +108,19 @@ class PeerModel:
         return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
     def _open(self, conn: str, sender: Any) -> None:
+        link = ipc.ModelLink(self.model, lambda items: self._relay(conn, items), lambda: self._lost(conn))
+        # Registered before it connects: the subserver greets a new connection at once with its heartbeat (its KV
+        # pool, which the router admits requests by), and `_relay` drops events of a connection it does not know.
         with self._lock:
             if conn in self._conns:
                 raise ValueError(f"connection {conn!r} is already open")
-        link = ipc.ModelLink(self.model, lambda items: self._relay(conn, items), lambda: self._lost(conn))
-        link.connect()  # ConnectionError: the local subserver is not up
-        with self._lock:
             self._conns[conn] = _Connection(link, sender)
+        try:
+            link.connect()  # ConnectionError: the local subserver is not up
+        except Exception:
+            with self._lock:
+                self._conns.pop(conn, None)
+            raise
 
     def _relay(self, conn: str, items: list[Any]) -> None:
         """A batch of the subserver's events for `conn` (the link's reader thread): one response."""

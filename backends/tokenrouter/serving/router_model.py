@@ -120,20 +120,20 @@ class SocketCoordinator(Coordinator):
         self._pools_lock = threading.Lock()
 
     def await_pools(self, timeout: float = POOLS_WAIT_S) -> None:
-        """Before the first requests (on a tokenizing thread, not the loop): connect to each model of this server
-        whose KV pool is not known yet and wait, `timeout` at most, until its greeting heartbeat (sent as it
-        accepts the connection) has been handled, so that the first requests are limited and admitted by the
-        pools as all later ones are. tritonserver reports ready as soon as every model is loaded, which can be
-        before the router's watchdog thread has connected to the last one. Returns at once after the first
-        wait, whatever it found (a model that never reports must not hold every request)."""
+        """Before the first requests (on a tokenizing thread, not the loop): connect to each model whose KV pool is
+        not known yet, of this server or a peer's, and wait, `timeout` at most, until its greeting heartbeat (sent
+        as it accepts the connection; a peer's gateway relays it) has been handled, so that the first requests are
+        limited and admitted by the pools as all later ones are. tritonserver reports ready as soon as every model
+        is loaded, which can be before the router's watchdog thread has connected to the last one; a peer's model
+        is connected by the first message sent to it. Returns at once after the first wait, whatever it found (a
+        model that never reports must not hold every request)."""
         if self._pools_settled.is_set():
             return
         with self._pools_lock:  # one thread waits, the others wait for it
             if self._pools_settled.is_set():
                 return
             deadline = time.monotonic() + timeout
-            links = {m: link for m, link in self.transport.links.items()
-                     if isinstance(link, ipc.ModelLink) and m not in self.down}
+            links = {m: link for m, link in self.transport.links.items() if m not in self.down}
             for link in links.values():
                 with contextlib.suppress(ConnectionError):
                     link.connect(timeout=max(0.0, deadline - time.monotonic()))
