@@ -439,6 +439,75 @@ def test_a_router_whose_process_died_is_reloaded(served: Served) -> None:
     _gone(Path(f"/dev/shm/{large[1]}"), "the dead subserver stub's shared memory")
 
 
+def test_a_tritonserver_that_dies_is_restarted(tiny_dir: Path, tmp_path: Path) -> None:
+    """Killing the router's process under load aborted Triton 2.51 itself at times (a lock_exception in its Python
+    backend; a hostile trial, 2026-12-06), and `tokenrouter serve` then exited: the service stayed down. Now it says
+    why and starts tritonserver again on the same repository, ports and key, with the dead server's model processes
+    and shared memory gone; a later SIGINT still stops it cleanly (exit 0, checked by `_serve`)."""
+    body = {"text_input": "def main():", "stream": True,
+            "sampling_parameters": json.dumps({"max_tokens": 4, "temperature": 0})}
+    with _serve(tmp_path, tiny_dir) as served:
+        status, before = generate_stream(served.probe, body)
+        assert status == 200 and before[-1].get("text_output") is not None, before
+        deadline = time.monotonic() + 60
+        while "ready: try" not in served.log.read_text():  # serve saw it ready too (it polls every 0.5 s)
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        time.sleep(2.5)  # and checked its model processes once, which notes their shared memory
+        server = _tritonserver_pid(served)
+        stubs = [_router_stub(served, m) for m in ("tokenrouter", "small", "large")]
+        assert server is not None and None not in stubs, (server, stubs)
+        os.kill(server, signal.SIGABRT)  # as Triton's own abort() does (its handler prints the stack, then dies)
+        deadline = time.monotonic() + 180
+        while _running(server):
+            assert time.monotonic() < deadline, "tritonserver did not die of SIGABRT"
+            time.sleep(0.1)
+        while True:
+            try:
+                status, events = generate_stream(served.probe, body, timeout=5)
+                if status == 200 and not any("error" in e for e in events):
+                    break
+            except OSError:  # nothing listens until it is back
+                pass
+            assert time.monotonic() < deadline, served.log.read_text()[-3000:]
+            time.sleep(0.5)
+        assert stream_text(events) == stream_text(before)
+        while "tritonserver is back: ready" not in (log := served.log.read_text()):  # (serve polls every 0.5 s)
+            assert time.monotonic() < deadline, log[-3000:]
+            time.sleep(0.2)
+        assert "error: tritonserver exited unexpectedly (signal SIGABRT" in log, log[-3000:]
+        assert "restarting tritonserver (1 of at most 3 restarts" in log
+        assert _tritonserver_pid(served) not in (None, server)
+        for pid, region in stubs:
+            _gone(Path(f"/dev/shm/{region}"), "a dead server's model process's shared memory")
+            assert not _running(pid), f"a model process of the dead server ({pid}) was left running"
+
+
+def _tritonserver_pid(served: Served) -> int | None:
+    """The tritonserver serving `served`'s repository (a child of `tokenrouter serve`), if one runs."""
+    repo = (f"--model-repository={served.probe.repo}".encode(),
+            f"--model-repository={served.probe.repo.resolve()}".encode())
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].endswith(b"/tritonserver") and any(a in repo for a in argv) and _running(int(proc.name)):
+            return int(proc.name)
+    return None
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead and not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def _gone(path: Path, what: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while path.exists():

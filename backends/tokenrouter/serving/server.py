@@ -66,6 +66,10 @@ STUB = "triton_python_backend_stub"
 ROUTER_CHECK_S = 2.0
 # A model-control answer slower than this: tritonserver itself stalls (a router's silence then is not its own).
 SERVER_STALL_S = 1.0
+# tritonserver that dies by itself is restarted by `tokenrouter serve`, this many times within this window at most
+# (a crash loop then ends `serve`, with an error, for whatever supervises it).
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 600.0
 GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # Triton prefixes the key of a gRPC restriction
 ADMIN_KEY_ENV = "TOKENROUTER_ADMIN_KEY"
 _KEY_CHARS = re.compile(r"[\x21-\x7e]+")  # visible ASCII: a valid HTTP header and gRPC metadata value
@@ -319,8 +323,10 @@ class TritonServer:
                 self.proc.kill()
                 self.proc.wait()
         # Stubs that outlived the server (it crashed, or one ignored the shutdown) must not linger, nor the
-        # shared memory that only their server would have removed.
-        regions = _stub_regions(self.proc.pid)
+        # shared memory that only their server would have removed: theirs, and that of the stubs last seen alive
+        # (`sweep_replaced_regions`), which may have exited meanwhile (a stub exits when its server dies).
+        regions = {*_stub_regions(self.proc.pid), *self._regions.values()}
+        self._regions = {}  # (a start after this one makes new regions)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -632,16 +638,30 @@ def _serve(args: argparse.Namespace, config_path: Path, config: EngineConfig, en
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    # When tritonserver was restarted after dying by itself; None until it was first ready (dying before that, it
+    # failed to start: a restart would only fail again).
+    restarts: list[float] | None = None
     try:
-        if server.wait_ready(cancelled=lambda: stop):
-            print(f"ready: try `python clients/grpc_stream.py --url localhost:{args.grpc_port} "
-                  "--prompt 'def main():'`", flush=True)
-        checked = time.monotonic()
-        while not stop and server.proc.poll() is None:
-            time.sleep(0.5)
-            if not stop and time.monotonic() - checked >= ROUTER_CHECK_S:
-                checked = time.monotonic()
-                _keep_router(server, config.watchdog_timeout_s)
+        while True:
+            try:
+                ready = server.wait_ready(cancelled=lambda: stop)
+            except RuntimeError:  # it exited while starting
+                if restarts is None:
+                    raise
+                ready = False
+            if ready:
+                print("tritonserver is back: ready" if restarts else
+                      f"ready: try `python clients/grpc_stream.py --url localhost:{args.grpc_port} "
+                      "--prompt 'def main():'`", flush=True)
+                restarts = restarts or []
+            checked = time.monotonic()
+            while not stop and server.proc.poll() is None:
+                time.sleep(0.5)
+                if not stop and time.monotonic() - checked >= ROUTER_CHECK_S:
+                    checked = time.monotonic()
+                    _keep_router(server, config.watchdog_timeout_s)
+            if stop or restarts is None or not _restart_crashed(server, restarts):
+                break
     except (RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
     finally:
@@ -651,7 +671,41 @@ def _serve(args: argparse.Namespace, config_path: Path, config: EngineConfig, en
         if started_mps and not mps.stop():
             print("warning: the CUDA MPS daemon did not quit within 30 s; stop it with "
                   "`echo quit | nvidia-cuda-mps-control`", file=sys.stderr)
-    return 0 if stop else (server.proc.returncode or 0)
+    if stop:
+        return 0
+    code = server.proc.returncode
+    return code if code is not None and code > 0 else (0 if code == 0 else 1)
+
+
+def _restart_crashed(server: TritonServer, restarts: list[float]) -> bool:
+    """tritonserver exited without being asked to (`restarts`: when it was restarted before, kept up to date):
+    restart it, unless it exited cleanly (someone stopped it directly) or it already was restarted MAX_RESTARTS
+    times within RESTART_WINDOW_S. Its model processes and their shared memory go with the old one. Killing a
+    model's process under load aborted Triton 2.51 itself at times (a `boost::interprocess::lock_exception` in its
+    Python backend, on a mutex the dead process held), which ended the whole service. Whether it restarted."""
+    code = server.proc.returncode
+    if code == 0:
+        print("tritonserver exited (code 0) without being asked to by this process; stopping", file=sys.stderr)
+        return False
+    cause = f"code {code}"
+    if code < 0:
+        with contextlib.suppress(ValueError):  # (a number Python has no name for stays a number)
+            cause = f"signal {signal.Signals(-code).name}"
+    where = f"see {server.log_file}" if server.log_file else "its log is above"
+    print(f"error: tritonserver exited unexpectedly ({cause}; {where}); every request in flight was lost",
+          file=sys.stderr, flush=True)
+    now = time.monotonic()
+    restarts[:] = [t for t in restarts if now - t < RESTART_WINDOW_S]
+    if len(restarts) >= MAX_RESTARTS:
+        print(f"error: tritonserver was restarted {len(restarts)} times in the last {RESTART_WINDOW_S:.0f} s; "
+              "not again", file=sys.stderr, flush=True)
+        return False
+    server.stop()  # (already exited: its leftover model processes and shared memory)
+    restarts.append(now)
+    print(f"restarting tritonserver ({len(restarts)} of at most {MAX_RESTARTS} restarts in "
+          f"{RESTART_WINDOW_S:.0f} s)", file=sys.stderr, flush=True)
+    server.start()
+    return True
 
 
 def _keep_router(server: TritonServer, watchdog_timeout_s: float | None) -> None:
