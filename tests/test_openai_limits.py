@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -326,3 +327,75 @@ def test_client_scripts_say_the_server_is_unreachable(closed_port: int, script: 
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("cannot reach the server at "), proc.stderr
     assert f"127.0.0.1:{closed_port}" in lines[0] and "Connection refused" in lines[0]
+
+
+def _raw(server: Any, data: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send `data` on a new connection; the answer's status, headers and body (read to the connection's close or
+    the answer's length)."""
+    with socket.create_connection(server.server_address[:2], timeout=5) as sock:
+        sock.sendall(data)
+        resp = http.client.HTTPResponse(sock)
+        resp.begin()
+        return resp.status, dict(resp.getheaders()), resp.read()
+
+
+@pytest.mark.parametrize("request_line, status", [
+    (b"GARBAGE\r\n\r\n", 400),  # not a request line at all
+    (b"GET /v1/models HTTP/9.9\r\n\r\n", 505),  # a version it does not speak
+    (b"BREW /v1/models HTTP/1.1\r\nHost: t\r\n\r\n", 501),  # a method nobody handles
+])  # fmt: skip
+def test_what_http_server_refuses_itself_is_a_json_error(limited, request_line: bytes, status: int) -> None:
+    """A hostile trial got http.server's HTML error page for these: every answer is in the OpenAI error shape."""
+    _, server, _ = limited
+    got, headers, body = _raw(server, request_line)
+    assert got == status and headers["Content-Type"] == "application/json", (got, headers, body)
+    assert _error(body)["message"], body
+
+
+@pytest.mark.parametrize("method, path, allow", [
+    ("PUT", "/v1/completions", "POST"), ("DELETE", "/v1/chat/completions", "POST"), ("PATCH", "/v1/models", "GET"),
+])  # fmt: skip
+def test_other_methods_get_405_naming_the_allowed_one_and_the_connection_stays_usable(
+        limited, method: str, path: str, allow: str) -> None:
+    _, server, _ = limited
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=5)
+    try:
+        conn.request(method, path, body=b'{"x": 1}', headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        err = _error(resp.read())
+        assert resp.status == 405 and resp.getheader("Allow") == allow, (resp.status, err)
+        assert f"method {method} is not allowed for {path}; use {allow}" == err["message"]
+        conn.request("GET", "/v1/models")  # the same connection: the body was read, nothing is out of step
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["data"]
+    finally:
+        conn.close()
+
+
+def test_a_head_request_gets_headers_only(limited) -> None:
+    """No body after a HEAD answer: the next answer on the connection would start with it (a bad status line)."""
+    _, server, _ = limited
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=5)
+    try:
+        conn.request("HEAD", "/v1/models")
+        head = conn.getresponse()
+        assert head.status == 405 and head.getheader("Allow") == "GET" and head.read() == b""
+        conn.request("GET", "/v1/models")
+        after = conn.getresponse()
+        assert after.status == 200 and json.loads(after.read())["data"]
+    finally:
+        conn.close()
+
+
+def test_a_connection_that_stalls_mid_request_is_closed(limited, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Headers sent in part and then nothing: the connection is closed after IDLE_TIMEOUT_S (0.5 s here), not
+    kept with its thread for ever (a hostile trial held 100 such); an idle keep-alive connection alike."""
+    from tokenrouter.serving.openai import http_server
+
+    _, server, _ = limited
+    monkeypatch.setattr(http_server._Handler, "timeout", 0.5)
+    for sent in (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Len", b""):
+        with socket.create_connection(server.server_address[:2], timeout=10) as sock:
+            sock.sendall(sent)
+            start = time.monotonic()
+            assert _read_until_closed(sock) == b"" and time.monotonic() - start < 5

@@ -71,6 +71,10 @@ LONG_PROMPT_TOKENIZERS = 2
 API_KEY_ENV = "TOKENROUTER_API_KEY"
 # Routes answered without the API key: load balancers probe them and they reveal nothing.
 OPEN_PATHS = frozenset({"/health"})
+# A connection that sends nothing for this long is closed: between requests (keep-alive; nginx's default is 75 s)
+# or in the middle of one (a request line, headers or body sent in part: each holds a thread, and a hostile trial
+# kept 100 such connections open for good). A streamed reply the client stops reading for this long ends too.
+IDLE_TIMEOUT_S = 75.0
 
 
 _MSG_DONTWAIT: int | None = getattr(socket, "MSG_DONTWAIT", None)
@@ -194,10 +198,38 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: OpenAIFrontendServer
     server_version = "tokenrouter-openai/0.1"
+    timeout = IDLE_TIMEOUT_S  # (StreamRequestHandler sets it on the connection)
+    # A request line too broken to name its version is answered with a status line and headers (HTTP/0.9, the
+    # default, has neither: the client would read a bare body).
+    default_request_version = "HTTP/1.0"
     _sse_started = False  # set per request: once the 200 went out, errors can only be reported in-band
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s - %s", self.address_string(), format % args)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """What http.server answers itself (a malformed request line 400, an over-long one 414, too many headers
+        431, a method without a handler 501) in the OpenAI error shape every other answer has, not an HTML page."""
+        self.close_connection = True  # (http.server's own errors leave the connection unusable)
+        try:
+            self._send_error_obj(OpenAIError(message or explain or self.responses.get(code, ("error",))[0], code))
+        except OSError:
+            pass  # the client is gone
+
+    def _method_not_allowed(self) -> None:
+        path = self._path()
+        if not self._authorized(path, has_body=True):
+            return
+        if self.headers.get("Content-Length") is not None:  # read, to keep the connection in step
+            with contextlib.suppress(OpenAIError):  # the answer is 405 whatever the body
+                self._read_body()
+        elif self.headers.get("Transfer-Encoding") is not None:  # a body this server does not delimit
+            self.close_connection = True
+        allowed = "POST" if path in ("/v1/completions", "/v1/chat/completions") else "GET"
+        self._send_error_obj(OpenAIError(f"method {self.command} is not allowed for {path or '/'}; use {allowed}", 405),
+                             {"Allow": allowed})
+
+    do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _method_not_allowed
 
     # ---- responses ----
 
@@ -211,7 +243,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.close_connection:  # e.g. a body refused unread: say so, rather than leave the client to find out
             self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":  # (a HEAD answer has no body)
+            self.wfile.write(data)
 
     def _send_error_obj(self, err: OpenAIError, headers: dict[str, str] | None = None) -> None:
         if err.status >= 500:
@@ -351,8 +384,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._stream_reply(req, stream, prompt_tokens)
             else:
                 self._send_json(200, assemble_response(req, stream.chunks(), prompt_tokens, srv.count_tokens))
-        except (ClientDisconnected, BrokenPipeError, ConnectionResetError):
-            # The client is gone: cancel the gRPC stream so Triton aborts the generation.
+        except (ClientDisconnected, BrokenPipeError, ConnectionResetError, TimeoutError):
+            # The client is gone (or stopped reading for IDLE_TIMEOUT_S): cancel the gRPC stream so Triton aborts the
+            # generation.
             logger.info("client disconnected; cancelling the Triton request")
             if stream is not None:
                 stream.cancel()
