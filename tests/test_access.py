@@ -376,16 +376,7 @@ def _stop_router_and_see_it_replaced(served: Served) -> None:
     assert stub is not None
     os.kill(stub[0], signal.SIGSTOP)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                status, events = generate_stream(served.probe, body, timeout=5)
-                if status == 200 and not any("error" in e for e in events):
-                    break
-            except OSError:  # no answer from the stopped router
-                pass
-            assert time.monotonic() < deadline, "the stopped router was not replaced"
-            time.sleep(0.5)
+        events = _served_again(served, body, time.monotonic() + 90, "the stopped router was not replaced")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(stub[0], signal.SIGKILL)
@@ -462,15 +453,7 @@ def test_a_tritonserver_that_dies_is_restarted(tiny_dir: Path, tmp_path: Path) -
         while _running(server):
             assert time.monotonic() < deadline, "tritonserver did not die of SIGABRT"
             time.sleep(0.1)
-        while True:
-            try:
-                status, events = generate_stream(served.probe, body, timeout=5)
-                if status == 200 and not any("error" in e for e in events):
-                    break
-            except OSError:  # nothing listens until it is back
-                pass
-            assert time.monotonic() < deadline, served.log.read_text()[-3000:]
-            time.sleep(0.5)
+        events = _served_again(served, body, deadline, "tritonserver was not restarted")
         assert stream_text(events) == stream_text(before)
         while "tritonserver is back: ready" not in (log := served.log.read_text()):  # (serve polls every 0.5 s)
             assert time.monotonic() < deadline, log[-3000:]
@@ -481,6 +464,20 @@ def test_a_tritonserver_that_dies_is_restarted(tiny_dir: Path, tmp_path: Path) -
         for pid, region in stubs:
             _gone(Path(f"/dev/shm/{region}"), "a dead server's model process's shared memory")
             assert not _running(pid), f"a model process of the dead server ({pid}) was left running"
+
+
+def _served_again(served: Served, body: dict, deadline: float, failure: str) -> list[dict]:
+    """Send `body` every 0.5 s until it is served without an error (no answer at all counts as not yet), by the
+    monotonic `deadline`; the events of the one served."""
+    while True:
+        try:
+            status, events = generate_stream(served.probe, body, timeout=5)
+            if status == 200 and not any("error" in e for e in events):
+                return events
+        except OSError:  # nothing answers yet (a stopped router; a server not back)
+            pass
+        assert time.monotonic() < deadline, f"{failure}: {served.log.read_text()[-3000:]}"
+        time.sleep(0.5)
 
 
 def _tritonserver_pid(served: Served) -> int | None:
