@@ -480,6 +480,34 @@ def _served_again(served: Served, body: dict, deadline: float, failure: str) -> 
         time.sleep(0.5)
 
 
+def test_restarts_are_bounded_and_a_clean_exit_is_not_restarted(capsys: pytest.CaptureFixture) -> None:
+    """`_restart_crashed`'s budget, without a server: MAX_RESTARTS within RESTART_WINDOW_S, then no more (a crash
+    loop ends `serve`); older restarts leave the window; an exit with code 0 is someone's stop, not a crash."""
+    from tokenrouter.serving import server as srv
+
+    class _Dead:
+        def __init__(self, code: int) -> None:
+            self.proc = subprocess.CompletedProcess([], code)
+            self.log_file = None
+            self.stops = self.starts = 0
+
+        def stop(self) -> None:
+            self.stops += 1
+
+        def start(self) -> None:
+            self.starts += 1
+
+    crashed, restarts = _Dead(-6), []
+    assert [srv._restart_crashed(crashed, restarts) for _ in range(srv.MAX_RESTARTS + 1)] == [True] * 3 + [False]
+    assert crashed.starts == crashed.stops == srv.MAX_RESTARTS == len(restarts)
+    err = capsys.readouterr().err
+    assert "tritonserver exited unexpectedly (signal SIGABRT" in err and "restarted 3 times in the last 600 s" in err
+    restarts[0] -= srv.RESTART_WINDOW_S  # the oldest left the window: one more restart is allowed
+    assert srv._restart_crashed(crashed, restarts) and crashed.starts == 4
+    clean = _Dead(0)
+    assert not srv._restart_crashed(clean, []) and clean.starts == 0
+
+
 def _tritonserver_pid(served: Served) -> int | None:
     """The tritonserver serving `served`'s repository (a child of `tokenrouter serve`), if one runs."""
     repo = (f"--model-repository={served.probe.repo}".encode(),

@@ -641,6 +641,7 @@ def _serve(args: argparse.Namespace, config_path: Path, config: EngineConfig, en
     # When tritonserver was restarted after dying by itself; None until it was first ready (dying before that, it
     # failed to start: a restart would only fail again).
     restarts: list[float] | None = None
+    failed = False  # serving ended other than by a signal: a non-zero exit, for whatever supervises `serve`
     try:
         while True:
             try:
@@ -660,10 +661,14 @@ def _serve(args: argparse.Namespace, config_path: Path, config: EngineConfig, en
                 if not stop and time.monotonic() - checked >= ROUTER_CHECK_S:
                     checked = time.monotonic()
                     _keep_router(server, config.watchdog_timeout_s)
-            if stop or restarts is None or not _restart_crashed(server, restarts):
+            if stop or restarts is None:
+                break
+            if not _restart_crashed(server, restarts):
+                failed = server.proc.returncode != 0  # (0: stopped directly, by someone else: a clean end)
                 break
     except (RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
+        failed = not stop
     finally:
         server.stop()
         if key_file is not None:
@@ -671,10 +676,7 @@ def _serve(args: argparse.Namespace, config_path: Path, config: EngineConfig, en
         if started_mps and not mps.stop():
             print("warning: the CUDA MPS daemon did not quit within 30 s; stop it with "
                   "`echo quit | nvidia-cuda-mps-control`", file=sys.stderr)
-    if stop:
-        return 0
-    code = server.proc.returncode
-    return code if code is not None and code > 0 else (0 if code == 0 else 1)
+    return 1 if failed else 0
 
 
 def _restart_crashed(server: TritonServer, restarts: list[float]) -> bool:
