@@ -399,3 +399,25 @@ def test_a_connection_that_stalls_mid_request_is_closed(limited, monkeypatch: py
             sock.sendall(sent)
             start = time.monotonic()
             assert _read_until_closed(sock) == b"" and time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_generation_longer_than_the_idle_timeout_is_not_cut(monkeypatch: pytest.MonkeyPatch, stream: bool) -> None:
+    """The idle timeout is about the client, not the generation: a request whose client waits quietly for 3 s of
+    generation, past a 1 s timeout, gets every token. (The disconnect check once waited out the socket's timeout
+    and then took the quiet client for gone: a review caught it before any release.)"""
+    from tokenrouter.serving.openai import http_server
+
+    monkeypatch.setattr(http_server._Handler, "timeout", 1.0)  # stands for IDLE_TIMEOUT_S
+    fake = FakeTriton(token_delay=0.1)
+    server = build_server(fake.url, "127.0.0.1", 0, "", tokenizer=CountingTokenizer())
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        status, _, raw = _post(server.server_address[:2], "/v1/completions",
+                               {"prompt": "a", "max_tokens": 30, "stream": stream})
+        assert status == 200 and not fake.cancelled.is_set(), raw[-300:]
+        assert b"w29" in raw, raw[-300:]
+    finally:
+        server.shutdown()
+        server.server_close()
+        fake.stop()

@@ -442,6 +442,9 @@ def test_peer_closed() -> None:
     a, b = socket.socketpair()
     try:
         assert not peer_closed(a)
+        a.settimeout(30)  # as the handler's connection has (IDLE_TIMEOUT_S): still asked without waiting
+        start = time.monotonic()
+        assert not peer_closed(a) and time.monotonic() - start < 1
         b.sendall(b"GET / HTTP/1.1\r\n")  # pipelined bytes: readable but not closed
         assert not peer_closed(a)
         b.close()

@@ -77,23 +77,22 @@ OPEN_PATHS = frozenset({"/health"})
 IDLE_TIMEOUT_S = 75.0
 
 
-_MSG_DONTWAIT: int | None = getattr(socket, "MSG_DONTWAIT", None)
-
-
 def peer_closed(sock: socket.socket) -> bool:
     """Whether the other end of `sock` has closed it (readable with nothing to read means EOF).
 
     Lets a request notice its HTTP client left while it is still waiting on Triton, before any write
     could fail. Pipelined request bytes make the socket readable too, but then the peek sees data.
+    Readiness is asked first, with a zero wait: on a socket with a timeout (the handler's IDLE_TIMEOUT_S) Python's
+    recv waits for data up to that timeout whatever its flags, and a live client then read as gone.
     """
     try:
-        if _MSG_DONTWAIT is None:  # no MSG_DONTWAIT (Windows): ask select first so recv cannot block
-            readable, _, _ = select.select([sock], [], [], 0)
-            if not readable:
-                return False
-            return sock.recv(1, socket.MSG_PEEK) == b""
-        # recv rather than select: select fails outright on descriptors above FD_SETSIZE (1024).
-        return sock.recv(1, socket.MSG_PEEK | _MSG_DONTWAIT) == b""
+        if hasattr(select, "poll"):  # poll, not select: select fails on descriptors above FD_SETSIZE (1024)
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            readable = bool(poller.poll(0))
+        else:  # (Windows)
+            readable = bool(select.select([sock], [], [], 0)[0])
+        return readable and sock.recv(1, socket.MSG_PEEK) == b""
     except (BlockingIOError, InterruptedError):
         return False  # nothing to read: still connected
     except (OSError, ValueError):
