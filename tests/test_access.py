@@ -444,7 +444,7 @@ def test_a_tritonserver_that_dies_is_restarted(tiny_dir: Path, tmp_path: Path) -
         while "ready: try" not in served.log.read_text():  # serve saw it ready too (it polls every 0.5 s)
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        time.sleep(2.5)  # and checked its model processes once, which notes their shared memory
+        time.sleep(5)  # and checked its model processes (every 2 s), which notes their shared memory
         server = _tritonserver_pid(served)
         stubs = [_router_stub(served, m) for m in ("tokenrouter", "small", "large")]
         assert server is not None and None not in stubs, (server, stubs)
@@ -482,13 +482,15 @@ def _served_again(served: Served, body: dict, deadline: float, failure: str) -> 
 
 def test_restarts_are_bounded_and_a_clean_exit_is_not_restarted(capsys: pytest.CaptureFixture) -> None:
     """`_restart_crashed`'s budget, without a server: MAX_RESTARTS within RESTART_WINDOW_S, then no more (a crash
-    loop ends `serve`); older restarts leave the window; an exit with code 0 is someone's stop, not a crash."""
+    loop ends `serve`); older restarts leave the window; an exit with code 0 is someone's stop, not a crash; a signal
+    to `serve` meanwhile starts nothing."""
     from tokenrouter.serving import server as srv
 
     class _Dead:
         def __init__(self, code: int) -> None:
             self.proc = subprocess.CompletedProcess([], code)
             self.log_file = None
+            self.http_port = self.grpc_port = self.metrics_port = 0  # (any free port: none is held)
             self.stops = self.starts = 0
 
         def stop(self) -> None:
@@ -506,6 +508,9 @@ def test_restarts_are_bounded_and_a_clean_exit_is_not_restarted(capsys: pytest.C
     assert srv._restart_crashed(crashed, restarts) and crashed.starts == 4
     clean = _Dead(0)
     assert not srv._restart_crashed(clean, []) and clean.starts == 0
+    signalled, restarts = _Dead(-6), []  # a signal to `serve` while it restarts: nothing is started
+    assert not srv._restart_crashed(signalled, restarts, stopping=lambda: True)
+    assert signalled.starts == 0 and restarts == []
 
 
 def _tritonserver_pid(served: Served) -> int | None:

@@ -358,11 +358,16 @@ def test_grpc_link_settles_refusals_and_ends_on_closed_or_broken_streams() -> No
     assert not lost
     link._on_result("c1", _Result(b"not json"), None)  # undecodable events end the link
     assert lost == [1] and not link.connected
-    link._conn = "c2"
+    link._conn, link._lost_told = "c2", False  # reconnected, as connect() leaves it
     link._on_result("c2", None, _Error("StatusCode.UNAVAILABLE", status="StatusCode.UNAVAILABLE"))
     assert lost == [1, 1]
     with pytest.raises(ConnectionError, match="unavailable"):
         link.send([Release("r3")])  # fails fast while down
+    assert lost == [1, 1]  # (the same outage: not told again)
+    link._down_until = 0.0  # its retry wait is over: the next send tries to connect, is refused, same outage
+    with pytest.raises(ConnectionError, match="not reachable"):
+        link.send([Release("r4")])
+    assert lost == [1, 1]
 
 
 @pytest.mark.slow

@@ -244,6 +244,7 @@ def test_the_first_requests_wait_for_a_peer_servers_pool_too(tiny_dir: Path) -> 
     requests of a cross-node deployment went in before any pool of the peer's was known: neither the admission
     budget nor the longest request held for them."""
     import threading
+    import time
 
     from tokenrouter.transport.messages import Heartbeat
 
@@ -270,10 +271,41 @@ def test_the_first_requests_wait_for_a_peer_servers_pool_too(tiny_dir: Path) -> 
 
     coord.transport.links["small"] = _RecordingLink()
     coord.transport.links["large"] = peer = _PeerLink()
+    coord.pool_tokens["small"] = 4096  # (known already: the wait is for the peer's alone)
     try:
-        coord.await_pools(timeout=2.0)
-        assert peer.connected and coord.pool_tokens == {"large": 1024}
+        start = time.monotonic()
+        coord.await_pools(timeout=10.0)
+        assert peer.connected and coord.pool_tokens == {"small": 4096, "large": 1024}
+        assert time.monotonic() - start < 5  # it ended with the greeting, not at its timeout
         assert coord.kv_budget() == 1024 and coord.context_limit() == 1024
     finally:
         coord.transport.closing = True
         loop.call_soon_threadsafe(loop.stop)
+
+
+def test_a_peer_never_reached_is_marked_down_and_the_request_goes_on_without_it(coordinator) -> None:
+    """A model on a peer server that refuses the connection from the first send (a GrpcLink to a port nothing
+    listens on). Its refusal reports the outage, as a local model's does: the model is marked down and the entry
+    model told, so the request that was handed to it is taken back once and not handed to it again. (Before, the
+    link never reported it: routing around took the request back on every handoff, the entry model handed it
+    over again, and the request made no progress for ever; a review found it.)"""
+    from tokenrouter.transport.grpc_link import GrpcLink
+
+    coord, loop, small = coordinator
+    transport = coord.transport
+    coord.config.models["large"].url = "127.0.0.1:1"
+    transport.links["large"] = GrpcLink("large", "127.0.0.1:1", transport.on_items, lambda: transport._lost("large"),
+                                        connect_timeout=0.1)
+    rid = coord.add_request([5, 6, 7], PARAMS)
+    coord._handle_events([Handoff("small", "large", Arrive(rid, [5, 6, 7, 9], True, 3, PARAMS, {}, "small",
+                                                           {"small": 4}))])
+    _run(loop)
+    req = coord.requests[rid]
+    assert "large" in coord.down and not req.finished and req.owner == "small", (coord.down, req.error)
+    assert any(isinstance(m, Unavailable) and m.models == ["large"] for m in small.sent), small.sent
+    # The entry model hands it over again before it reads the Unavailable: taken back at once, no send tried.
+    coord._handle_events([Handoff("small", "large", Arrive(rid, [5, 6, 7, 9], True, 3, PARAMS, {}, "small",
+                                                           {"small": 4}))])
+    _run(loop)
+    assert not req.finished and req.owner == "small"
+    assert len([m for m in small.sent if isinstance(m, Arrive) and not m.first_visit]) == 2

@@ -119,8 +119,13 @@ class PeerModel:
             link.connect()  # ConnectionError: the local subserver is not up
         except Exception:
             with self._lock:
-                self._conns.pop(conn, None)
+                if (c := self._conns.get(conn)) is not None and c.link is link:
+                    del self._conns[conn]
             raise
+        with self._lock:
+            ours = (c := self._conns.get(conn)) is not None and c.link is link
+        if not ours:  # ended while it connected (the router's stream cancelled, or shutdown): close what it opened
+            link.close()
 
     def _relay(self, conn: str, items: list[Any]) -> None:
         """A batch of the subserver's events for `conn` (the link's reader thread): one response."""

@@ -70,6 +70,7 @@ SERVER_STALL_S = 1.0
 # (a crash loop then ends `serve`, with an error, for whatever supervises it).
 MAX_RESTARTS = 3
 RESTART_WINDOW_S = 600.0
+PORTS_FREE_WAIT_S = 30.0  # before a restart, for the dead server's ports (a new one on a held port exits at once)
 GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # Triton prefixes the key of a gRPC restriction
 ADMIN_KEY_ENV = "TOKENROUTER_ADMIN_KEY"
 _KEY_CHARS = re.compile(r"[\x21-\x7e]+")  # visible ASCII: a valid HTTP header and gRPC metadata value
@@ -663,8 +664,9 @@ def _serve(args: argparse.Namespace, config_path: Path, config: EngineConfig, en
                     _keep_router(server, config.watchdog_timeout_s)
             if stop or restarts is None:
                 break
-            if not _restart_crashed(server, restarts):
-                failed = server.proc.returncode != 0  # (0: stopped directly, by someone else: a clean end)
+            if not _restart_crashed(server, restarts, lambda: stop):
+                # (a signal meanwhile is a clean end; code 0: stopped directly, by someone else, too)
+                failed = not stop and server.proc.returncode != 0
                 break
     except (RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -679,7 +681,7 @@ def _serve(args: argparse.Namespace, config_path: Path, config: EngineConfig, en
     return 1 if failed else 0
 
 
-def _restart_crashed(server: TritonServer, restarts: list[float]) -> bool:
+def _restart_crashed(server: TritonServer, restarts: list[float], stopping: Callable[[], bool] = lambda: False) -> bool:
     """tritonserver exited without being asked to (`restarts`: when it was restarted before, kept up to date):
     restart it, unless it exited cleanly (someone stopped it directly) or it already was restarted MAX_RESTARTS
     times within RESTART_WINDOW_S. Its model processes and their shared memory go with the old one. Killing a
@@ -703,6 +705,12 @@ def _restart_crashed(server: TritonServer, restarts: list[float]) -> bool:
               "not again", file=sys.stderr, flush=True)
         return False
     server.stop()  # (already exited: its leftover model processes and shared memory)
+    ports = [server.http_port, server.grpc_port, server.metrics_port]
+    deadline = time.monotonic() + PORTS_FREE_WAIT_S
+    while _ports_in_use(ports) and time.monotonic() < deadline and not stopping():
+        time.sleep(0.5)
+    if stopping():  # a signal meanwhile: nothing to start
+        return False
     restarts.append(now)
     print(f"restarting tritonserver ({len(restarts)} of at most {MAX_RESTARTS} restarts in "
           f"{RESTART_WINDOW_S:.0f} s)", file=sys.stderr, flush=True)

@@ -70,6 +70,10 @@ class GrpcLink:
         self._ids = itertools.count()
         self._ever_connected = False
         self._down_until, self._down_error = 0.0, ""
+        # `on_lost` called for the current outage (a stream that broke, or a connect refused): once per outage, as
+        # ipc.ModelLink does. A peer never reached otherwise was never marked down nor reconnected to, and routing
+        # around it took each of its requests back to the entry model, which handed it over again, for ever.
+        self._lost_told = False
         self._sent: OrderedDict[str, list[str]] = OrderedDict()  # batch request id -> its requests' ids
 
     @property
@@ -155,9 +159,11 @@ class GrpcLink:
             client, self._client, self._conn = self._client, None, None
             self._down_until = float("inf")  # until connect() succeeds again
             self._down_error = f"model {self.model!r} at {self.url} is unavailable: {why.splitlines()[0]}"
+            tell, self._lost_told = not self._lost_told, True
         log.error("%s", self._down_error)
         threading.Thread(target=_close, args=(client,), daemon=True).start()  # not on the stream's own thread
-        self._on_lost()
+        if tell:
+            self._on_lost()
 
     def connect(self, timeout: float | None = None) -> None:
         """Connect now (blocking up to `timeout`, default connect_timeout); ConnectionError if not reachable.
@@ -168,9 +174,12 @@ class GrpcLink:
                 return
             client, conn = self._open(self.connect_timeout if timeout is None else timeout)
             self._client, self._conn, self._ever_connected, self._down_until = client, conn, True, 0.0
+            self._lost_told = False
 
     def send(self, messages: list[Any]) -> None:
         """Send a batch of messages; ConnectionError when the model cannot be reached."""
+        refused: ConnectionError | None = None
+        tell = False
         with self._lock:
             if self._client is None:
                 if time.monotonic() < self._down_until:
@@ -178,15 +187,21 @@ class GrpcLink:
                 try:
                     # Only the first connection waits for the peer to come up (the servers are starting).
                     self._client, self._conn = self._open(1.0 if self._ever_connected else self.connect_timeout)
-                    self._ever_connected = True
+                    self._ever_connected, self._lost_told = True, False
                 except ConnectionError as e:
                     self._down_until, self._down_error = time.monotonic() + RETRY_AFTER_S, str(e)
-                    raise
-            client, conn = self._client, self._conn
-            request_id = f"m{next(self._ids)}"
-            self._sent[request_id] = list(dict.fromkeys(m.request_id for m in messages if hasattr(m, "request_id")))
-            while len(self._sent) > SENT_REMEMBERED:
-                self._sent.popitem(last=False)
+                    refused, tell, self._lost_told = e, not self._lost_told, True
+            if refused is None:
+                client, conn = self._client, self._conn
+                request_id = f"m{next(self._ids)}"
+                self._sent[request_id] = list(dict.fromkeys(m.request_id for m in messages
+                                                            if hasattr(m, "request_id")))
+                while len(self._sent) > SENT_REMEMBERED:
+                    self._sent.popitem(last=False)
+        if refused is not None:
+            if tell:
+                self._on_lost()  # (outside the lock: the router's revive thread connects under it)
+            raise refused
         try:
             self._request(client, conn, codec.encode(_without_clock(messages)), request_id)
         except Exception as e:

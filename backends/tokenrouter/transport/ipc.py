@@ -288,9 +288,12 @@ class ModelLink:
                 self._peer = None
                 self._down_until = float("inf")  # until connect() succeeds again
                 self._down_error = f"model {self.model!r} is unavailable: its process exited"
-            # A send that found this connection closed and was refused a new one may have told already: one
-            # outage, one `on_lost` (each starts a revive, and two would reload the model twice at once).
-            tell, self._lost_told = not self._lost_told, True
+            if self._peer is None:
+                # A send that found this connection closed and was refused a new one may have told already: one
+                # outage, one `on_lost` (each starts a revive, and two would reload the model twice at once).
+                tell, self._lost_told = not self._lost_told, True
+            else:  # an older connection's close, a newer one open: told as always, the newer one's outage untouched
+                tell = True
         if tell:
             self._on_lost()
 
