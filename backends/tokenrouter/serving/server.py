@@ -652,6 +652,9 @@ def _serve(args: argparse.Namespace, config_path: Path, config: EngineConfig, en
                     raise
                 ready = False
             if ready:
+                # Its model processes' shared memory, noted now rather than at the first check: a server that died
+                # before it left theirs behind (they exit with it, so a stop no longer finds them; a hostile trial).
+                server.sweep_replaced_regions(server.stubs_by_model())
                 print("tritonserver is back: ready" if restarts else
                       f"ready: try `python clients/grpc_stream.py --url localhost:{args.grpc_port} "
                       "--prompt 'def main():'`", flush=True)
