@@ -397,9 +397,22 @@ class Subserver:
         now = time.monotonic() if now is None else now
         if self._ready_since is None:
             self._ready_since = now
-        if ready >= self.threshold or not self.arrivals_possible():
+        if ready >= self.threshold or not self.arrivals_possible() or self._first_token_due():
             return True
         return now - self._ready_since >= self.max_wait_s
+
+    def _first_token_due(self) -> bool:
+        """Whether a ready request has made no token yet. Its first token waits for no fuller batch: delayed
+        batching trades each request's latency for throughput, and the time to the first token is the latency a
+        user sees first. (A new request whose first token was routed to the 32B waited out the 32B's hold for
+        more requests, up to max_wait_ms; the others ride along, and such first tokens are rare: one in ~2,500
+        at C=8, perf/results/first_token_h100_2026-12-06.) Not after a step that could schedule nothing ready (it
+        waits for KV blocks): the hold then applies as before, rather than a step of the others on every round."""
+        if self.stalled:
+            return False
+        sched = self.scheduler
+        return (any(s.num_output_tokens == 0 for s in sched.waiting)
+                or any(s.num_output_tokens == 0 and s.num_pending_tokens > 0 for s in sched.running))
 
     def step(self) -> int:
         """One forward pass over what is scheduled: schedule -> forward -> sample -> route -> commit.
@@ -434,6 +447,7 @@ class Subserver:
                 self.stalled = True
                 return 0
             t0, start = time.perf_counter(), time.monotonic()
+        self.stalled = False  # (stepped engines call no serve_forever, which also clears it before each step)
         first_ready, last_ready, wait_max = self._begin_step(chunks, start, queued=ahead is None)
         sampling = [c.seq for c in chunks if c.samples]
         with self.runner.stream_context():
