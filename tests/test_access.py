@@ -36,7 +36,7 @@ from tokenrouter.serving.server import (
     restriction_args,
     write_secret,
 )
-from triton_harness import generate_stream, stream_text, stub_regions_of, tiny_deployment
+from triton_harness import generate_stream, served_again, stream_text, stub_regions_of, tiny_deployment
 
 # --------------------------------------------------------------------------------------------------
 # The restriction flags and the admin key, without a server
@@ -376,7 +376,8 @@ def _stop_router_and_see_it_replaced(served: Served) -> None:
     assert stub is not None
     os.kill(stub[0], signal.SIGSTOP)
     try:
-        events = _served_again(served, body, time.monotonic() + 90, "the stopped router was not replaced")
+        events = served_again(served.probe, body, 90, "the stopped router was not replaced",
+                              lambda: served.log.read_text()[-3000:], request_timeout_s=5)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(stub[0], signal.SIGKILL)
@@ -454,7 +455,8 @@ def test_a_tritonserver_that_dies_is_restarted(tiny_dir: Path, tmp_path: Path) -
         while _running(server):
             assert time.monotonic() < deadline, "tritonserver did not die of SIGABRT"
             time.sleep(0.1)
-        events = _served_again(served, body, deadline, "tritonserver was not restarted")
+        events = served_again(served.probe, body, deadline - time.monotonic(), "tritonserver was not restarted",
+                              lambda: served.log.read_text()[-3000:], request_timeout_s=5)
         assert stream_text(events) == stream_text(before)
         while "tritonserver is back: ready" not in (log := served.log.read_text()):  # (serve polls every 0.5 s)
             assert time.monotonic() < deadline, log[-3000:]
@@ -465,20 +467,6 @@ def test_a_tritonserver_that_dies_is_restarted(tiny_dir: Path, tmp_path: Path) -
         for pid, region in stubs:
             _gone(Path(f"/dev/shm/{region}"), "a dead server's model process's shared memory")
             assert not _running(pid), f"a model process of the dead server ({pid}) was left running"
-
-
-def _served_again(served: Served, body: dict, deadline: float, failure: str) -> list[dict]:
-    """Send `body` every 0.5 s until it is served without an error (no answer at all counts as not yet), by the
-    monotonic `deadline`; the events of the one served."""
-    while True:
-        try:
-            status, events = generate_stream(served.probe, body, timeout=5)
-            if status == 200 and not any("error" in e for e in events):
-                return events
-        except OSError:  # nothing answers yet (a stopped router; a server not back)
-            pass
-        assert time.monotonic() < deadline, f"{failure}: {served.log.read_text()[-3000:]}"
-        time.sleep(0.5)
 
 
 def test_restarts_are_bounded_and_a_clean_exit_is_not_restarted(capsys: pytest.CaptureFixture) -> None:

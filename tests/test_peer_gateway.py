@@ -25,7 +25,7 @@ from tokenrouter.serving.server import TritonServer, free_ports
 from tokenrouter.transport import codec
 from tokenrouter.transport.grpc_link import peer_model_name
 from tokenrouter.transport.messages import Arrive, Commit, Heartbeat, Release, Released
-from triton_harness import metrics, stream_text
+from triton_harness import metrics, served_again, stream_text
 
 PROMPT = [5, 9, 17, 33, 65, 129]
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0)
@@ -211,19 +211,6 @@ def netns():
         subprocess.run(["ip", "netns", "del", name], capture_output=True)  # takes the veth pair with it
 
 
-def _served_again(router: TritonServer, body: dict, within_s: float, failure: str) -> str:
-    """Send `body` once a second until the router serves it without an error; its text."""
-    from triton_harness import generate_stream
-
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        status, events = generate_stream(router, body)
-        if status == 200 and not any("error" in e for e in events):
-            return stream_text(events)
-        time.sleep(1.0)
-    raise AssertionError(f"{failure}: {events}")
-
-
 def _cross_node(tiny_dir: Path, tmp_path: Path, peer_host: str, make_peer, partition: str | None = None) -> None:
     """The router's server holds `small`; `large` is on a peer server at `peer_host` (`url:`). Routed greedy
     output equals the in-process engine's with both models local; the peer dying mid-request (or, with
@@ -288,7 +275,7 @@ def _cross_node(tiny_dir: Path, tmp_path: Path, peer_host: str, make_peer, parti
             peer = _start(make_peer(peer_repo, peer_ports, tmp_path / "peer2.log"))
         else:
             link("up")
-        assert _served_again(router, body, 60, "the router did not reconnect to the peer") == ref.text
+        assert stream_text(served_again(router, body, 60, "the router did not reconnect to the peer")) == ref.text
         assert router.proc.poll() is None
     finally:
         router.stop()
@@ -408,7 +395,8 @@ def test_a_dead_model_on_a_live_peer_is_reloaded(tiny_dir: Path, tmp_path: Path)
         killer.join()
         assert status >= 400 or any("error" in e for e in events), events
         assert "large" in json.dumps(events)
-        assert _served_again(router, body, 90, "routing did not resume after the peer's model died") == ref.text
+        assert stream_text(served_again(router, body, 90, "routing did not resume after the peer's model died")) \
+            == ref.text
         assert stubs_of(peer_repo, "large") not in ([], [large])  # a new process serves it
         assert peer.proc.poll() is None and router.proc.poll() is None
     finally:
