@@ -296,6 +296,37 @@ def test_max_tokens_as_a_string_is_a_400_naming_the_field(limited, path: str, ke
     assert fake.requests == []
 
 
+@pytest.mark.parametrize(
+    "path, key",
+    [("/v1/completions", "max_tokens"), ("/v1/chat/completions", "max_tokens"),
+     ("/v1/chat/completions", "max_completion_tokens")],
+)
+def test_an_output_limit_the_context_cannot_hold_is_a_400(limited, path: str, key: str) -> None:
+    """A `max_tokens` that the context limit cannot hold after the prompt is refused (as OpenAI's API and vLLM's
+    server refuse it), naming the field, with nothing sent to Triton; the largest that fits is served, and so is a
+    request that sets no limit (the default is capped, not refused)."""
+    fake, server, tok = limited
+    addr = server.server_address[:2]
+    body = ({"prompt": "a a a a"} if path == "/v1/completions"
+            else {"messages": [{"role": "user", "content": "a a a a"}]})
+    tok.calls.clear()
+    status, _, raw = _post(addr, path, {**body, key: 1})  # (the rendered prompt's token count, from the tokenizer)
+    assert status == 200, raw
+    prompt_tokens = json.loads(raw)["usage"]["prompt_tokens"]
+    room = CONTEXT - prompt_tokens
+    assert room > 0
+    status, _, raw = _post(addr, path, {**body, key: room + 1})
+    err = _error(raw)
+    assert status == 400 and err["type"] == "invalid_request_error" and err["param"] == key, raw
+    assert err["message"] == (f"'{key}' is {room + 1}, but the prompt has {prompt_tokens} tokens and the context "
+                              f"limit is {CONTEXT}: at most {room} tokens can follow it")
+    assert len(fake.requests) == 1
+    for ok in ({**body, key: room}, body):
+        status, _, raw = _post(addr, path, ok)
+        assert status == 200, raw
+    assert len(fake.requests) == 3
+
+
 @pytest.fixture
 def closed_port() -> Iterator[int]:
     """A port that refuses connections: bound (so nothing else takes it) but not listening."""

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenrouter.serving.openai.errors import ClientDisconnected, OpenAIError, TritonRequestError, to_openai_error
 from tokenrouter.serving.openai.prompts import (
+    check_output_room,
     count_tokens,
     load_frontend_tokenizer,
     prepare_prompt,
@@ -132,6 +133,7 @@ class OpenAIFrontendServer(ThreadingHTTPServer):
         # The router's own character bound on prompts, so that one it would refuse is refused here before the
         # frontend tokenizes it (for its token count).
         max_model_len = max_model_len if max_model_len is not None else tokenizer_context_limit(tokenizer)
+        self.max_model_len = max_model_len
         self.prompt_bound: PromptCharBound | None = None
         if max_model_len:
             from tokenrouter.tokenizer import PromptCharBound
@@ -377,6 +379,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             req = parse(parse_json_body(raw), srv.model_name)
             prompt, prompt_tokens = srv.prepare_prompt(req)
+            check_output_room(req, prompt_tokens, srv.max_model_len)
             arrays = triton_input_arrays(prompt, req.sampling, req.stream)
             stream = srv.backend.open_stream(arrays, req.request_id, should_cancel=lambda: peer_closed(self.connection))
             if req.stream:

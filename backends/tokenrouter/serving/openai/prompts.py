@@ -85,3 +85,17 @@ def prepare_prompt(req: GenerationRequest, tokenizer: Any, bound: PromptCharBoun
         _check_chars(bound, text_size(req), "prompt", "prompt")
     with turn(len(prompt)) if turn is not None else contextlib.nullcontext():
         return prompt, count_tokens(tokenizer, prompt)
+
+
+def check_output_room(req: GenerationRequest, prompt_tokens: int, max_model_len: int | None) -> None:
+    """A 400 for an output limit the client set that the context cannot hold after the prompt, as OpenAI's API
+    and vLLM's answer it (the engine would stop at the context limit instead, short of what was asked). Prompts
+    the context cannot hold at all are the router's to refuse, with its own message; an unset limit is capped."""
+    key = req.max_tokens_key
+    if key is None or not max_model_len or prompt_tokens >= max_model_len:
+        return
+    asked, room = req.sampling["max_tokens"], max_model_len - prompt_tokens
+    if asked > room:
+        raise OpenAIError(
+            f"'{key}' is {asked}, but the prompt has {prompt_tokens} tokens and the context limit is "
+            f"{max_model_len}: at most {room} tokens can follow it", param=key)

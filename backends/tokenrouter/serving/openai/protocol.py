@@ -31,6 +31,9 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     request_id: str = ""
+    # The key the client set the output limit with ("max_tokens", or chat's "max_completion_tokens"); None where
+    # it set none (DEFAULT_MAX_TOKENS, capped at what the context holds rather than refused).
+    max_tokens_key: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -134,7 +137,7 @@ def parse_sampling_parameters(body: Mapping[str, Any], *, chat: bool = False) ->
     """
     wire = {key: body.get(key) for key in WIRE_KEYS}
     sent_as: dict[str, str] = {}  # wire key -> the client's key, where they differ
-    if chat and body.get("max_completion_tokens") is not None:
+    if max_tokens_key(body, chat) == "max_completion_tokens":
         wire["max_tokens"], sent_as["max_tokens"] = body["max_completion_tokens"], "max_completion_tokens"
     if wire["max_tokens"] is None:
         wire["max_tokens"] = DEFAULT_MAX_TOKENS
@@ -145,6 +148,14 @@ def parse_sampling_parameters(body: Mapping[str, Any], *, chat: bool = False) ->
         raise OpenAIError(f"'{key}' {e.rule}, got {e.shown}", param=key) from None
     # What the client set, as validated (`"stop": "x"` goes on as ["x"]); empty stop lists are left out.
     return {key: getattr(params, WIRE_KEYS[key]) for key, v in wire.items() if v is not None and v != []}
+
+
+def max_tokens_key(body: Mapping[str, Any], chat: bool) -> str | None:
+    """The key that sets the request's output limit: chat's `max_completion_tokens` wins over `max_tokens`;
+    None where the body sets neither."""
+    if chat and body.get("max_completion_tokens") is not None:
+        return "max_completion_tokens"
+    return "max_tokens" if body.get("max_tokens") is not None else None
 
 
 def _parse_stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -182,6 +193,7 @@ def parse_completion_request(body: Any, served_model: str = DEFAULT_MODEL_NAME) 
         prompt=prompt,
         stream=stream,
         include_usage=include_usage,
+        max_tokens_key=max_tokens_key(body, chat=False),
     )
 
 
@@ -238,4 +250,5 @@ def parse_chat_request(body: Any, served_model: str = DEFAULT_MODEL_NAME) -> Gen
         messages=normalised,
         stream=stream,
         include_usage=include_usage,
+        max_tokens_key=max_tokens_key(body, chat=True),
     )
