@@ -24,10 +24,19 @@ Summary, per model, over the window from the first step's start to the last step
   loop` (queued in the target's inbox until its loop takes it on: mostly the target finishing a step).
 And across models: the time two or more models stepped at once (they share the GPU then); served, how busy the
 router's loop was (handling the models' event batches: relaying handoffs, sending responses to clients).
+
+Where a request's time goes (`request_life`): each visit of a request at a model, from its arrival there (served:
+in the model's process, `receive`; in process: taken by its loop) to its handoff away, split into `waiting: the
+model in another step` (it arrived while the model ran a step without it), `waiting: the model idle` (after that,
+until its first step there started: delayed batching's hold, or the loop's host work), and `in its steps` (from its
+first step's start to its handoff: the steps, and the gaps between them when it stays for several tokens); plus
+each handoff's transit (served: to the target's process). Visits cut by the window's edges, and the last visit of a
+request (it ends with no handoff), are left out.
 """
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import Counter, defaultdict
 from typing import Any
@@ -158,6 +167,57 @@ def transit_legs(events: list[Event]) -> dict[str, dict[str, list[float]]]:
     return {k: dict(v) for k, v in out.items()}
 
 
+LIFE = ("waiting: the model in another step", "waiting: the model idle", "in its steps")
+
+
+def request_life(events: list[Event]) -> dict[str, dict[str, list[float]]]:
+    """Seconds of each part of each complete visit (LIFE), by model, and of each handoff's transit, by
+    'source -> target' (see the module docstring)."""
+    starts: dict[str, list[tuple[float, float]]] = defaultdict(list)  # model -> (start, end) of its steps, by start
+    for e in events:
+        if e["kind"] == "step":
+            starts[e["model"]].append((e["start"], e["end"]))
+    for v in starts.values():
+        v.sort()
+    begins = {m: [a for a, _ in v] for m, v in starts.items()}
+    out: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    arrived: dict[str, tuple[str, float]] = {}  # request -> (model, when) of its open visit
+    sent: dict[tuple[str, str], float] = {}  # (request, target) -> its handoff's time
+    received: set[tuple[str, str]] = set()  # (request, model): arrived in the process, not yet taken by the loop
+    for e in sorted((e for e in events if e["kind"] in ("arrive", "receive", "handoff")), key=lambda e: e["t"]):
+        rid = e["request_id"]
+        if e["kind"] in ("arrive", "receive"):
+            # Served, a handoff is `receive`d by the target's process and then waits in its loop's inbox, mostly for
+            # the step in flight to end: the visit starts at the receive. In process: at the loop's `arrive`.
+            if e["kind"] == "arrive" and (rid, e["model"]) in received:
+                received.discard((rid, e["model"]))
+                continue
+            if e["kind"] == "receive":
+                received.add((rid, e["model"]))
+            arrived[rid] = (e["model"], e["t"])
+            t0 = sent.pop((rid, e["model"]), None)
+            if t0 is not None:
+                out[f"{e['source']} -> {e['model']}"]["transit"].append(e["t"] - t0)
+            continue
+        sent[(rid, e["target"])] = e["t"]
+        visit = arrived.pop(rid, None)
+        if visit is None or visit[0] != e["source"]:
+            continue  # its arrival lies before the window
+        model, t_in = visit
+        steps, firsts = starts.get(model, []), begins.get(model, [])
+        i = bisect.bisect_left(firsts, t_in)  # its first step there: the first to start at or after its arrival
+        if i == len(firsts) or firsts[i] > e["t"]:
+            continue  # (no step of it recorded: cut by the window)
+        first = firsts[i]
+        running = steps[i - 1][1] if i > 0 and steps[i - 1][1] > t_in else t_in  # a step in flight on arrival
+        other = min(running, first) - t_in
+        life = out[model]
+        life[LIFE[0]].append(other)
+        life[LIFE[1]].append(first - t_in - other)
+        life[LIFE[2]].append(e["t"] - first)
+    return {k: dict(v) for k, v in out.items()}
+
+
 def summarize(events: list[Event]) -> dict[str, Any]:
     span = window(events)
     if span is None:
@@ -218,6 +278,11 @@ def summarize(events: list[Event]) -> dict[str, Any]:
                      "busy_fraction": sum(e["end"] - e["start"] for e in sent) / length,
                      "oldest_wait_p50_ms": _ms(_pct(waits, 0.5)), "oldest_wait_p99_ms": _ms(_pct(waits, 0.99)),
                      "oldest_wait_max_ms": _ms(max(waits))}
+    life = {
+        k: {part: {"count": len(v), "mean_ms": _ms(statistics.fmean(v)), "p50_ms": _ms(_pct(v, 0.5)),
+                   "p99_ms": _ms(_pct(v, 0.99)), "total_s": sum(v)} for part, v in parts.items()}
+        for k, parts in request_life(events).items()
+    }
     return {
         "window_s": length,
         "models": models,
@@ -225,6 +290,7 @@ def summarize(events: list[Event]) -> dict[str, Any]:
         "responses": responses,
         "handoffs": handoffs,
         "overlap_fraction": _overlap(intervals) / length if len(intervals) > 1 else None,
+        "request_life": life,
     }
 
 
@@ -364,4 +430,16 @@ def markdown(summary: dict[str, Any], title: str) -> str:
                 count = legs[names[0]]["count"]
                 cells = " | ".join(f"{f(legs[n]['p50_ms'], '.3f')} / {f(legs[n]['mean_ms'], '.3f')}" for n in names)
                 lines.append(f"| {k} | {count} | {cells} |")
+    life = summary.get("request_life")
+    if life:
+        total = sum(part["total_s"] for parts in life.values() for part in parts.values())
+        lines += ["", "Where the requests' time went: their complete visits at each model (from arrival to handoff) "
+                  "and the transits between (`request_life`):", "",
+                  "| where | part | count | mean ms | p50 ms | p99 ms | share of the time |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for k, parts in life.items():
+            for name, part in parts.items():
+                lines.append(f"| {k} | {name} | {part['count']} | {f(part['mean_ms'], '.2f')} | "
+                             f"{f(part['p50_ms'], '.2f')} | {f(part['p99_ms'], '.2f')} | "
+                             f"{100 * part['total_s'] / total if total else 0.0:.1f} % |")
     return "\n".join(lines) + "\n"

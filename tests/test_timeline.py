@@ -18,7 +18,7 @@ from tokenrouter.engine.timeline import TIMELINE_DIR_ENV, Timeline, read_events
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "perf"))
 
-from timeline_analysis import chrome_trace, summarize, transits  # noqa: E402
+from timeline_analysis import chrome_trace, markdown, request_life, summarize, transits  # noqa: E402
 
 
 def step(model: str, start: float, end: float, batch: int, threshold: int = 1, first_ready: float | None = None,
@@ -99,6 +99,50 @@ def test_summary_of_known_events() -> None:
     assert set(starts) == set(ends) and len(starts) == 2  # each handoff an arrow from source to target
     names = {e["args"]["name"]: e["tid"] for e in trace if e["ph"] == "M" and e["name"] == "thread_name"}
     assert all(ends[i]["tid"] != starts[i]["tid"] for i in starts) and set(names) == {"small", "large"}
+
+
+def test_where_a_requests_time_goes() -> None:
+    """request_life: a visit at the large model from its arrival (in process: the loop's; served: its process's
+    receive, before the inbox) waits for the step in flight, then for the idle model's next step (the hold), then
+    runs until its handoff; transits between. Visits with no arrival or no handoff in the window are left out."""
+    events = [
+        {"kind": "arrive", "request_id": "a", "model": "small", "source": None, "t": 0.0},
+        step("small", 0.0, 0.5, 1, first_ready=0.0),
+        {"kind": "handoff", "request_id": "a", "source": "small", "target": "large", "t": 0.8},
+        step("large", 1.0, 2.0, 2, first_ready=0.9),  # a step without a, in flight when a arrives
+        {"kind": "arrive", "request_id": "a", "model": "large", "source": "small", "t": 1.2},
+        step("large", 2.5, 3.5, 3, threshold=3, first_ready=1.2),
+        {"kind": "handoff", "request_id": "a", "source": "large", "target": "small", "t": 3.4},
+        {"kind": "arrive", "request_id": "a", "model": "small", "source": "large", "t": 3.6},
+        # b: its arrival at the large lies before the window (no arrive): its visit there is left out
+        {"kind": "handoff", "request_id": "b", "source": "large", "target": "small", "t": 3.45},
+    ]
+
+    def rounded(life: dict) -> dict:
+        return {k: {part: [round(x, 6) for x in v] for part, v in parts.items()} for k, parts in life.items()}
+
+    assert rounded(request_life(events)) == {
+        "small": {"waiting: the model in another step": [0.0], "waiting: the model idle": [0.0],
+                  "in its steps": [0.8]},
+        "small -> large": {"transit": [0.4]},
+        "large": {"waiting: the model in another step": [0.8], "waiting: the model idle": [0.5],
+                  "in its steps": [0.9]},
+        "large -> small": {"transit": [0.2]},
+    }
+    # Served: the large's process received a at 1.1, and its loop took it at 2.0, after the step in flight.
+    served = [e for e in events if not (e["kind"] == "arrive" and e["model"] == "large")] + [
+        {"kind": "receive", "request_id": "a", "model": "large", "source": "small", "t": 1.1},
+        {"kind": "arrive", "request_id": "a", "model": "large", "source": "small", "t": 2.0}]
+    life = rounded(request_life(served))
+    assert life["small -> large"] == {"transit": [0.3]}
+    assert life["large"] == {"waiting: the model in another step": [0.9], "waiting: the model idle": [0.5],
+                             "in its steps": [0.9]}
+    summary = summarize(sorted(served, key=lambda e: e.get("start", e.get("t"))))
+    hold = summary["request_life"]["large"]["waiting: the model idle"]
+    assert hold["count"] == 1 and hold["mean_ms"] == pytest.approx(500.0)
+    total = 0.8 + 0.3 + 0.9 + 0.5 + 0.9 + 0.2
+    assert f"| large | waiting: the model idle | 1 | 500.00 | 500.00 | 500.00 | {100 * 0.5 / total:.1f} % |" in (
+        markdown(summary, "t"))
 
 
 def test_step_phases() -> None:
