@@ -407,7 +407,7 @@ class Subserver:
         user sees first. (A new request whose first token was routed to the 32B waited out the 32B's hold for
         more requests, up to max_wait_ms. The requests ready beside it ride along; such steps are rare, about one
         request in ten under random p = 0.1. Served at C=16 on an H100, TTFT p99 fell from 158 to 93 ms:
-        perf/results/first_token_h100_2026-12-06.) Not after a step that could schedule nothing ready (it waits for
+        perf/results/first_token_2026-12-06.) Not after a step that could schedule nothing ready (it waits for
         KV blocks): the hold then applies as before, rather than a step of the others on every round."""
         if self.stalled:
             return False
