@@ -403,6 +403,26 @@ def test_other_methods_get_405_naming_the_allowed_one_and_the_connection_stays_u
         conn.close()
 
 
+@pytest.mark.parametrize("method", ["PUT", "DELETE", "OPTIONS"])
+def test_other_methods_on_no_route_get_404(limited, method: str) -> None:
+    """A path that is no route is a 404 whatever the method, as for GET and POST (a hostile trial got 405 for
+    PUT /unknown, telling it to use GET); /v1/models/{name} is a GET route."""
+    _, server, _ = limited
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=5)
+    try:
+        conn.request(method, "/v1/unknown", body=b"{}", headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        err = _error(resp.read())
+        assert resp.status == 404 and resp.getheader("Allow") is None, (resp.status, err)
+        assert err["message"] == f"no route for {method} /v1/unknown"
+        conn.request(method, "/v1/models/tokenrouter")
+        resp = conn.getresponse()
+        assert resp.status == 405 and resp.getheader("Allow") == "GET", resp.read()
+        resp.read()
+    finally:
+        conn.close()
+
+
 def test_a_head_request_gets_headers_only(limited) -> None:
     """No body after a HEAD answer: the next answer on the connection would start with it (a bad status line)."""
     _, server, _ = limited

@@ -72,6 +72,8 @@ LONG_PROMPT_TOKENIZERS = 2
 API_KEY_ENV = "TOKENROUTER_API_KEY"
 # Routes answered without the API key: load balancers probe them and they reveal nothing.
 OPEN_PATHS = frozenset({"/health"})
+POST_ROUTES = ("/v1/completions", "/v1/chat/completions")
+GET_ROUTES = ("/health", "/v1/models")  # and /v1/models/{name}
 # A connection that sends nothing for this long is closed: between requests (keep-alive; nginx's default is 75 s)
 # or in the middle of one (a request line, headers or body sent in part: each holds a thread, and a hostile trial
 # kept 100 such connections open for good). A streamed reply the client stops reading for this long ends too.
@@ -226,7 +228,13 @@ class _Handler(BaseHTTPRequestHandler):
                 self._read_body()
         elif self.headers.get("Transfer-Encoding") is not None:  # a body this server does not delimit
             self.close_connection = True
-        allowed = "POST" if path in ("/v1/completions", "/v1/chat/completions") else "GET"
+        if path in POST_ROUTES:
+            allowed = "POST"
+        elif path in GET_ROUTES or path.startswith("/v1/models/"):
+            allowed = "GET"
+        else:  # no such route, whatever the method (as GET and POST answer it)
+            self._send_error_obj(OpenAIError(f"no route for {self.command} {path}", 404))
+            return
         self._send_error_obj(OpenAIError(f"method {self.command} is not allowed for {path or '/'}; use {allowed}", 405),
                              {"Allow": allowed})
 
@@ -302,7 +310,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(200, model_object(srv.model_name, srv.created))
         elif path.startswith("/v1/models/"):
             self._send_error_obj(OpenAIError(f"the model '{path[len('/v1/models/') :]}' does not exist", 404))
-        elif path in ("/v1/completions", "/v1/chat/completions"):
+        elif path in POST_ROUTES:
             self._send_error_obj(OpenAIError(f"use POST for {path}", 405))
         else:
             self._send_error_obj(OpenAIError(f"no route for GET {path}", 404))
