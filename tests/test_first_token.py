@@ -1,6 +1,7 @@
 """Delayed batching never holds a request's first token: a model held back for a fuller batch (its threshold, up to
 max_wait_ms) still steps at once for a ready request that has made no token yet (time to first token), and holds
-the requests that have made one as before."""
+the requests that have made one as before; a first token waiting for KV blocks steps no one until blocks are
+freed."""
 
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ from tokenrouter.sampling_params import SamplingParams
 PARAMS = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-def _engine(tiny_dir: Path, policy: dict) -> Engine:
+def _engine(tiny_dir: Path, policy: dict, small_kv_tokens: int = 2048) -> Engine:
     models = {m: {"path": str(tiny_dir / m), "kv_cache_tokens": 2048, "block_size": 4} for m in ("small", "large")}
+    models["small"]["kv_cache_tokens"] = small_kv_tokens
     return Engine.from_config({"models": models, "entry": "small", "policy": policy, "batching": {"thresholds": 1}})
 
 
-def _held_engine(tiny_dir: Path, policy: dict) -> Engine:
+def _held_engine(tiny_dir: Path, policy: dict, small_kv_tokens: int = 2048) -> Engine:
     """Both tiny models; every model held for 3 ready requests for up to a minute, more always able to come."""
-    eng = _engine(tiny_dir, policy)
+    eng = _engine(tiny_dir, policy, small_kv_tokens)
     for sub in eng.subservers.values():
         sub.threshold, sub.max_wait_s, sub.arrivals_possible = 3, 60.0, (lambda: True)
     return eng
@@ -56,13 +58,50 @@ def test_the_first_token_steps_at_once_and_later_tokens_wait_for_the_batch(tiny_
     small.safe_step()  # the prefill: the policy routes the first token to the large model
     assert _ready_at(eng, "large") == 1 and not eng.requests[rid].output_ids
     assert large.should_step()
-    large.stalled = True  # after a step that could schedule none of its ready requests (KV), the hold applies
-    assert not large.should_step()
-    large.stalled = False
     assert large.safe_step() == 1
     assert _ready_at(eng, "large") == 1 and len(eng.requests[rid].output_ids) == 1
     assert not large.should_step()
     eng.abort(rid)
+    eng._pump()
+    assert_all_free(eng)
+
+
+def test_a_first_token_waiting_for_kv_blocks_steps_no_one_until_blocks_are_freed(tiny_dir: Path) -> None:
+    """The entry model's pool holds 32 blocks of 4 tokens. A new request that finds too few free blocks (B, 60
+    tokens, beside A's 80) is stepped for once; then it steps the held model no more (it would step the others
+    below their hold on every round, and its token would come no sooner) until blocks are freed. Another new
+    request that fits (C) is stepped for at once meanwhile."""
+    prompts = [list(range(10, 90)), list(range(100, 160)), list(range(200, 208))]  # 80, 60 and 8 tokens
+    # A parked on the entry model (its first token went to the large one), B waiting for its blocks
+    eng = _held_engine(tiny_dir, {"name": "always", "model": "large"}, small_kv_tokens=128)
+    small = eng.subservers["small"]
+    a = eng.add_request(prompts[0], PARAMS)
+    assert _ready_at(eng, "small") == 1 and small.should_step() and small.safe_step() == 1
+    b = eng.add_request(prompts[1], PARAMS)
+    assert _ready_at(eng, "small") == 1 and small.should_step()
+    assert small.safe_step() == 0  # nothing it could schedule: B waits for blocks
+    assert not small.should_step()
+    eng.abort(b)  # B leaves without a step here
+    c = eng.add_request(prompts[2], PARAMS)
+    assert _ready_at(eng, "small") == 1 and small.should_step() and small.safe_step() == 1
+    for rid in (a, c):
+        eng.abort(rid)
+    eng._pump()
+    assert_all_free(eng)
+
+    # A decoding on the entry model beside B waiting for its blocks: A is held as before, until its blocks are freed
+    eng = _held_engine(tiny_dir, {"name": "always", "model": "small"}, small_kv_tokens=128)
+    small = eng.subservers["small"]
+    a = eng.add_request(prompts[0], PARAMS)
+    assert _ready_at(eng, "small") == 1 and small.should_step() and small.safe_step() == 1
+    b = eng.add_request(prompts[1], PARAMS)
+    assert _ready_at(eng, "small") == 2 and small.should_step()
+    assert small.safe_step() == 1  # A's next token; B left waiting
+    assert _ready_at(eng, "small") == 2 and not small.should_step()  # 2 ready of 3, a minute's wait: held
+    eng.abort(a)  # its blocks are freed
+    assert _ready_at(eng, "small") == 1 and small.should_step() and small.safe_step() == 1
+    assert _ready_at(eng, "small") == 1 and eng.requests[b].output_ids  # B's first token
+    eng.abort(b)
     eng._pump()
     assert_all_free(eng)
 
