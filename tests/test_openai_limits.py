@@ -301,11 +301,28 @@ def test_max_tokens_as_a_string_is_a_400_naming_the_field(limited, path: str, ke
     [("/v1/completions", "max_tokens"), ("/v1/chat/completions", "max_tokens"),
      ("/v1/chat/completions", "max_completion_tokens")],
 )
-def test_an_output_limit_the_context_cannot_hold_is_a_400(limited, path: str, key: str) -> None:
-    """A `max_tokens` that the context limit cannot hold after the prompt is refused (as OpenAI's API and vLLM's
-    server refuse it), naming the field, with nothing sent to Triton; the largest that fits is served, and so is a
-    request that sets no limit (the default is capped, not refused)."""
-    fake, server, tok = limited
+def test_an_output_limit_the_context_cannot_hold_is_a_400(path: str, key: str) -> None:
+    """Told the deployment's context limit (`--max-model-len`), the frontend refuses a `max_tokens` that it cannot
+    hold after the prompt (as OpenAI's API and vLLM's server refuse it), naming the field, with nothing sent to
+    Triton; the largest that fits is served, and so is a request that sets no limit (the default is capped, not
+    refused). Not told, it leaves the limit to the deployment: the tokenizer's limit is only a guess."""
+    fake = FakeTriton()
+    tok = CountingTokenizer()
+    server = build_server(fake.url, "127.0.0.1", 0, "", tokenizer=tok, max_model_len=CONTEXT)
+    guessing = build_server(fake.url, "127.0.0.1", 0, "", tokenizer=tok)
+    for s in (server, guessing):
+        threading.Thread(target=s.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        _check_output_room(fake, server, tok, guessing, path, key)
+    finally:
+        for s in (server, guessing):
+            s.shutdown()
+            s.server_close()
+        fake.stop()
+
+
+def _check_output_room(fake: FakeTriton, server: Any, tok: CountingTokenizer, guessing: Any, path: str,
+                       key: str) -> None:
     addr = server.server_address[:2]
     body = ({"prompt": "a a a a"} if path == "/v1/completions"
             else {"messages": [{"role": "user", "content": "a a a a"}]})
@@ -325,6 +342,8 @@ def test_an_output_limit_the_context_cannot_hold_is_a_400(limited, path: str, ke
         status, _, raw = _post(addr, path, ok)
         assert status == 200, raw
     assert len(fake.requests) == 3
+    status, _, raw = _post(guessing.server_address[:2], path, {**body, key: room + 1})
+    assert status == 200 and len(fake.requests) == 4, raw
 
 
 @pytest.fixture

@@ -134,8 +134,11 @@ class OpenAIFrontendServer(ThreadingHTTPServer):
         self.created = int(time.time())
         # The router's own character bound on prompts, so that one it would refuse is refused here before the
         # frontend tokenizes it (for its token count).
+        # An output limit the context cannot hold is refused only against a limit the operator stated: the
+        # tokenizer's guess may be above the deployment's (capped there, as before) or below it (a 400 for what the
+        # deployment serves).
+        self.stated_max_model_len = max_model_len
         max_model_len = max_model_len if max_model_len is not None else tokenizer_context_limit(tokenizer)
-        self.max_model_len = max_model_len
         self.prompt_bound: PromptCharBound | None = None
         if max_model_len:
             from tokenrouter.tokenizer import PromptCharBound
@@ -387,7 +390,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             req = parse(parse_json_body(raw), srv.model_name)
             prompt, prompt_tokens = srv.prepare_prompt(req)
-            check_output_room(req, prompt_tokens, srv.max_model_len)
+            check_output_room(req, prompt_tokens, srv.stated_max_model_len)
             arrays = triton_input_arrays(prompt, req.sampling, req.stream)
             stream = srv.backend.open_stream(arrays, req.request_id, should_cancel=lambda: peer_closed(self.connection))
             if req.stream:
@@ -471,7 +474,8 @@ def build_server(
     loaded from `tokenizer_dir` (tests pass fakes). Port 0 picks a free port (`server.server_address`).
     With `api_key`, every route but /health answers 401 unless the request sends `Authorization: Bearer <key>`.
     `max_model_len` is the deployment's context limit (default: the tokenizer's `model_max_length`); prompts
-    longer than the router's character bound for it are refused before they are tokenized.
+    longer than the router's character bound for it are refused before they are tokenized. Given, a `max_tokens`
+    it cannot hold after the prompt is refused too (else the deployment stops at its limit).
     """
     if max_model_len is not None and max_model_len < 2:
         raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len}")
@@ -502,7 +506,7 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
         "--max-model-len",
         type=int,
         help="the deployment's context limit in tokens, which bounds prompt length (default: the tokenizer's "
-        "model_max_length)",
+        "model_max_length); given, a max_tokens it cannot hold after the prompt is a 400",
     )
     p.add_argument("--log-level", default="INFO", help="logging level (DEBUG logs every HTTP request)")
     return p
