@@ -29,9 +29,11 @@ Where a request's time goes (`request_life`): each visit of a request at a model
 in the model's process, `receive`; in process: taken by its loop) to its handoff away, split into `waiting: the
 model in another step` (it arrived while the model ran a step without it), `waiting: the model idle` (after that,
 until its first step there started: delayed batching's hold, or the loop's host work), and `in its steps` (from its
-first step's start to its handoff: the steps, and the gaps between them when it stays for several tokens); plus
-each handoff's transit (served: to the target's process). Visits cut by the window's edges, and the last visit of a
-request (it ends with no handoff), are left out.
+first step's start to its handoff: the steps, and the gaps between them when it stays for several tokens, so a
+hold between two of its tokens counts there); plus each handoff's transit (served: to the target's process). A
+new request's first visit starts when its entry model's loop takes it. Its first step is the first to schedule
+after it arrived (one that could not take it in, for KV blocks or the token budget, counts as its). Visits cut by
+the window's edges, and the last visit of a request (it ends with no handoff), are left out.
 """
 
 from __future__ import annotations
@@ -173,13 +175,20 @@ LIFE = ("waiting: the model in another step", "waiting: the model idle", "in its
 def request_life(events: list[Event]) -> dict[str, dict[str, list[float]]]:
     """Seconds of each part of each complete visit (LIFE), by model, and of each handoff's transit, by
     'source -> target' (see the module docstring)."""
-    starts: dict[str, list[tuple[float, float]]] = defaultdict(list)  # model -> (start, end) of its steps, by start
+    steps: dict[str, list[tuple[float, float]]] = defaultdict(list)  # model -> (start, end) of its steps, by start
+    # model -> the starts of its steps that scheduled their rows: not those launched ahead (ModelConfig.step_ahead,
+    # recorded with no `first_ready`), which run the rows of the step before them and take in no arrival
+    scheduled: dict[str, list[float]] = defaultdict(list)
     for e in events:
         if e["kind"] == "step":
-            starts[e["model"]].append((e["start"], e["end"]))
-    for v in starts.values():
+            steps[e["model"]].append((e["start"], e["end"]))
+            if e.get("first_ready", e["start"]) is not None:
+                scheduled[e["model"]].append(e["start"])
+    for v in steps.values():
         v.sort()
-    begins = {m: [a for a, _ in v] for m, v in starts.items()}
+    for v in scheduled.values():
+        v.sort()
+    begins = {m: [a for a, _ in v] for m, v in steps.items()}
     out: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     arrived: dict[str, tuple[str, float]] = {}  # request -> (model, when) of its open visit
     sent: dict[tuple[str, str], float] = {}  # (request, target) -> its handoff's time
@@ -204,13 +213,19 @@ def request_life(events: list[Event]) -> dict[str, dict[str, list[float]]]:
         if visit is None or visit[0] != e["source"]:
             continue  # its arrival lies before the window
         model, t_in = visit
-        steps, firsts = starts.get(model, []), begins.get(model, [])
-        i = bisect.bisect_left(firsts, t_in)  # its first step there: the first to start at or after its arrival
+        firsts = scheduled.get(model, [])
+        i = bisect.bisect_left(firsts, t_in)  # its first step there: the first to schedule at or after its arrival
         if i == len(firsts) or firsts[i] > e["t"]:
             continue  # (no step of it recorded: cut by the window)
         first = firsts[i]
-        running = steps[i - 1][1] if i > 0 and steps[i - 1][1] > t_in else t_in  # a step in flight on arrival
-        other = min(running, first) - t_in
+        # The model's steps in flight between its arrival and that step (the one it arrived during, and any
+        # launched ahead of the rows before it).
+        runs, starts = steps[model], begins[model]
+        j, other = max(bisect.bisect_left(starts, t_in) - 1, 0), 0.0
+        while j < len(runs) and runs[j][0] < first:
+            other += max(0.0, min(runs[j][1], first) - max(runs[j][0], t_in))
+            j += 1
+        other = min(other, first - t_in)
         life = out[model]
         life[LIFE[0]].append(other)
         life[LIFE[1]].append(first - t_in - other)

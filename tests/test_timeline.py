@@ -141,6 +141,19 @@ def test_where_a_requests_time_goes() -> None:
     hold = summary["request_life"]["large"]["waiting: the model idle"]
     assert hold["count"] == 1 and hold["mean_ms"] == pytest.approx(500.0)
     total = 0.8 + 0.3 + 0.9 + 0.5 + 0.9 + 0.2
+    # A step launched ahead (no first_ready: it runs the rows of the step before it) takes in no arrival: c, received
+    # during step k, waits behind k and the step launched ahead of it, and its first step is the next one scheduled.
+    ahead = [
+        step("small", 1.0, 1.5, 2, first_ready=0.9),
+        {**step("small", 1.5, 1.9, 2), "first_ready": None},
+        step("small", 1.9, 2.3, 3, first_ready=1.2),
+        {"kind": "handoff", "request_id": "c", "source": "large", "target": "small", "t": 1.0},
+        {"kind": "receive", "request_id": "c", "model": "small", "source": "large", "t": 1.2},
+        {"kind": "arrive", "request_id": "c", "model": "small", "source": "large", "t": 1.5},
+        {"kind": "handoff", "request_id": "c", "source": "small", "target": "large", "t": 2.25},
+    ]
+    assert rounded(request_life(ahead))["small"] == {
+        "waiting: the model in another step": [0.7], "waiting: the model idle": [0.0], "in its steps": [0.35]}
     assert f"| large | waiting: the model idle | 1 | 500.00 | 500.00 | 500.00 | {100 * 0.5 / total:.1f} % |" in (
         markdown(summary, "t"))
 

@@ -408,8 +408,9 @@ class Subserver:
         """Whether a ready request has made no token yet. Its first token waits for no fuller batch: delayed
         batching trades each request's latency for throughput, and the time to the first token is the latency a
         user sees first. (A new request whose first token was routed to the 32B waited out the 32B's hold for
-        more requests, up to max_wait_ms. The requests ready beside it ride along; such steps are rare, about one
-        request in ten under random p = 0.1. Served at C=16 on an H100, TTFT p99 fell from 158 to 93 ms:
+        more requests, up to max_wait_ms. The requests ready beside it ride along. At the 32B such steps are rare,
+        one request in ten under random p = 0.1, and the tuner does not model them; at an entry model every new
+        request makes one. Served at C=16 on an H100, TTFT p99 fell from 158 to 103 ms:
         perf/results/first_token_2026-12-06.) Not for a request the last scheduling left waiting for KV blocks,
         until blocks were freed since: stepping the others at once would not bring its token sooner, and would
         step them below their hold on every round meanwhile."""
