@@ -104,14 +104,3 @@ def test_a_first_token_waiting_for_kv_blocks_steps_no_one_until_blocks_are_freed
     eng.abort(b)
     eng._pump()
     assert_all_free(eng)
-
-
-def test_held_models_make_the_same_tokens(tiny_dir: Path) -> None:
-    """Random routing with both models held: the outputs equal those of models that never hold."""
-    prompts = prompts_for(1024)[2:6]
-    policy = {"name": "random", "p": 0.3, "seed": 5}
-    held = _held_engine(tiny_dir, policy)
-    free = _engine(tiny_dir, policy)
-    got = [o.token_ids for o in held.generate(prompts, PARAMS)]
-    assert got == [o.token_ids for o in free.generate(prompts, PARAMS)]
-    assert_all_free(held)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -98,17 +99,18 @@ def generate_stream(server: TritonServer, body: dict, timeout: float = 60) -> tu
 
 def served_again(server: TritonServer, body: dict, within_s: float, failure: str,
                  context: Callable[[], str] = lambda: "", request_timeout_s: float = 30) -> list[dict]:
-    """Send `body` every 0.5 s until `server` serves it without an error, within `within_s`; the events of the one
-    served. No answer at all (a router or a server not back yet; none within `request_timeout_s`) counts as not
-    yet. On time out: AssertionError with `failure`, the last answer and `context()` (a log's tail)."""
+    """Send `body` every 0.5 s until `server` serves it without an error, within `within_s` (plus at most one
+    `request_timeout_s`: the last try is not cut short); the events of the one served. No answer at all (a router
+    or a server not back yet; none within `request_timeout_s`; a connection dropped mid-answer) counts as not yet.
+    On time out: AssertionError with `failure`, the last answer and `context()` (a log's tail)."""
     deadline, last = time.monotonic() + within_s, "no answer"
     while True:
         try:
             status, events = generate_stream(server, body, timeout=request_timeout_s)
             if status == 200 and not any("error" in e for e in events):
                 return events
-            last = f"{status} {events}"
-        except OSError as e:
+            last = f"{status} {events}"[:2000]
+        except (OSError, http.client.HTTPException) as e:
             last = repr(e)
         assert time.monotonic() < deadline, f"{failure}: {last}\n{context()}"
         time.sleep(0.5)
