@@ -75,25 +75,18 @@ def test_a_first_token_waiting_for_kv_blocks_steps_no_one_until_blocks_are_freed
     # A parked on the entry model (its first token went to the large one), B waiting for its blocks
     eng = _held_engine(tiny_dir, {"name": "always", "model": "large"}, small_kv_tokens=128)
     small = eng.subservers["small"]
-    a = eng.add_request(prompts[0], PARAMS)
-    assert _ready_at(eng, "small") == 1 and small.should_step() and small.safe_step() == 1
+    a = _stepped_alone(eng, prompts[0])
     b = eng.add_request(prompts[1], PARAMS)
     assert _ready_at(eng, "small") == 1 and small.should_step()
     assert small.safe_step() == 0  # nothing it could schedule: B waits for blocks
     assert not small.should_step()
     eng.abort(b)  # B leaves without a step here
-    c = eng.add_request(prompts[2], PARAMS)
-    assert _ready_at(eng, "small") == 1 and small.should_step() and small.safe_step() == 1
-    for rid in (a, c):
-        eng.abort(rid)
-    eng._pump()
-    assert_all_free(eng)
+    _end(eng, a, _stepped_alone(eng, prompts[2]))
 
     # A decoding on the entry model beside B waiting for its blocks: A is held as before, until its blocks are freed
     eng = _held_engine(tiny_dir, {"name": "always", "model": "small"}, small_kv_tokens=128)
     small = eng.subservers["small"]
-    a = eng.add_request(prompts[0], PARAMS)
-    assert _ready_at(eng, "small") == 1 and small.should_step() and small.safe_step() == 1
+    a = _stepped_alone(eng, prompts[0])
     b = eng.add_request(prompts[1], PARAMS)
     assert _ready_at(eng, "small") == 2 and small.should_step()
     assert small.safe_step() == 1  # A's next token; B left waiting
@@ -101,6 +94,19 @@ def test_a_first_token_waiting_for_kv_blocks_steps_no_one_until_blocks_are_freed
     eng.abort(a)  # its blocks are freed
     assert _ready_at(eng, "small") == 1 and small.should_step() and small.safe_step() == 1
     assert _ready_at(eng, "small") == 1 and eng.requests[b].output_ids  # B's first token
-    eng.abort(b)
+    _end(eng, b)
+
+
+def _stepped_alone(eng: Engine, prompt: list[int]) -> str:
+    """A new request, the entry model's only ready one: stepped for at once, held as it is."""
+    rid = eng.add_request(prompt, PARAMS)
+    small = eng.subservers["small"]
+    assert _ready_at(eng, "small") == 1 and small.should_step() and small.safe_step() == 1
+    return rid
+
+
+def _end(eng: Engine, *request_ids: str) -> None:
+    for rid in request_ids:
+        eng.abort(rid)
     eng._pump()
     assert_all_free(eng)
