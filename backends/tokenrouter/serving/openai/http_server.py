@@ -132,12 +132,12 @@ class OpenAIFrontendServer(ThreadingHTTPServer):
         self.model_name = model_name
         self._api_key = api_key.encode("utf-8") if api_key else None
         self.created = int(time.time())
-        # The router's own character bound on prompts, so that one it would refuse is refused here before the
-        # frontend tokenizes it (for its token count).
         # An output limit the context cannot hold is refused only against a limit the operator stated: the
         # tokenizer's guess may be above the deployment's (capped there, as before) or below it (a 400 for what the
         # deployment serves).
         self.stated_max_model_len = max_model_len
+        # The router's own character bound on prompts, so that one it would refuse is refused here before the
+        # frontend tokenizes it (for its token count).
         max_model_len = max_model_len if max_model_len is not None else tokenizer_context_limit(tokenizer)
         self.prompt_bound: PromptCharBound | None = None
         if max_model_len:
