@@ -97,6 +97,19 @@ def test_a_first_token_waiting_for_kv_blocks_steps_no_one_until_blocks_are_freed
     _end(eng, b)
 
 
+def test_a_first_token_left_out_of_a_full_step_is_not_held(tiny_dir: Path) -> None:
+    """A new request that a step left out for its token budget (not for KV blocks) is stepped for at once next."""
+    eng = _held_engine(tiny_dir, {"name": "always", "model": "small"})
+    small = eng.subservers["small"]
+    small.scheduler.max_num_batched_tokens = 64
+    a = eng.add_request(list(range(10, 74)), PARAMS)  # 64 tokens: the whole budget
+    b = eng.add_request(list(range(100, 110)), PARAMS)
+    assert _ready_at(eng, "small") == 2 and small.should_step() and small.safe_step() == 1
+    assert _ready_at(eng, "small") == 2 and small.should_step() and small.safe_step() == 2
+    assert _ready_at(eng, "small") == 2 and eng.requests[b].output_ids
+    _end(eng, a, b)
+
+
 def _stepped_alone(eng: Engine, prompt: list[int]) -> str:
     """A new request, the entry model's only ready one: stepped for at once, held as it is."""
     rid = eng.add_request(prompt, PARAMS)

@@ -344,6 +344,15 @@ def _check_output_room(fake: FakeTriton, server: Any, tok: CountingTokenizer, gu
     assert len(fake.requests) == 3
     status, _, raw = _post(guessing.server_address[:2], path, {**body, key: room + 1})
     assert status == 200 and len(fake.requests) == 4, raw
+    # A prompt the stated limit cannot hold with one token after it: refused here, as the router refuses it.
+    words = " ".join(["a"] * CONTEXT)
+    long = {"prompt": words} if path == "/v1/completions" else {"messages": [{"role": "user", "content": words}]}
+    for body_ in (long, {**long, key: 1}):
+        status, _, raw = _post(addr, path, body_)
+        err = _error(raw)
+        assert status == 400 and err["param"] == ("prompt" if path == "/v1/completions" else "messages"), raw
+        assert err["message"].startswith("prompt has ") and f"the context limit is {CONTEXT}" in err["message"]
+    assert len(fake.requests) == 4
 
 
 @pytest.fixture
@@ -404,6 +413,7 @@ def test_what_http_server_refuses_itself_is_a_json_error(limited, request_line: 
 
 @pytest.mark.parametrize("method, path, allow", [
     ("PUT", "/v1/completions", "POST"), ("DELETE", "/v1/chat/completions", "POST"), ("PATCH", "/v1/models", "GET"),
+    ("GET", "/v1/completions", "POST"), ("POST", "/v1/models", "GET"), ("POST", "/health", "GET"),
 ])  # fmt: skip
 def test_other_methods_get_405_naming_the_allowed_one_and_the_connection_stays_usable(
         limited, method: str, path: str, allow: str) -> None:

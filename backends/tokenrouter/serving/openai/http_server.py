@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenrouter.serving.openai.errors import ClientDisconnected, OpenAIError, TritonRequestError, to_openai_error
 from tokenrouter.serving.openai.prompts import (
-    check_output_room,
+    check_context,
     count_tokens,
     load_frontend_tokenizer,
     prepare_prompt,
@@ -73,11 +73,14 @@ API_KEY_ENV = "TOKENROUTER_API_KEY"
 # Routes answered without the API key: load balancers probe them and they reveal nothing.
 OPEN_PATHS = frozenset({"/health"})
 POST_ROUTES = ("/v1/completions", "/v1/chat/completions")
-GET_ROUTES = ("/health", "/v1/models")  # and /v1/models/{name}
 # A connection that sends nothing for this long is closed: between requests (keep-alive; nginx's default is 75 s)
 # or in the middle of one (a request line, headers or body sent in part: each holds a thread, and a hostile trial
 # kept 100 such connections open for good). A streamed reply the client stops reading for this long ends too.
 IDLE_TIMEOUT_S = 75.0
+
+
+def _is_get_route(path: str) -> bool:
+    return path in ("/health", "/v1/models") or path.startswith("/v1/models/")
 
 
 def peer_closed(sock: socket.socket) -> bool:
@@ -132,9 +135,9 @@ class OpenAIFrontendServer(ThreadingHTTPServer):
         self.model_name = model_name
         self._api_key = api_key.encode("utf-8") if api_key else None
         self.created = int(time.time())
-        # An output limit the context cannot hold is refused only against a limit the operator stated: the
-        # tokenizer's guess may be above the deployment's (capped there, as before) or below it (a 400 for what the
-        # deployment serves).
+        # Prompts and output limits are refused by their token counts only against a limit the operator stated
+        # (`check_context`): the tokenizer's guess may be above the deployment's (the router refuses or caps there)
+        # or below it (a 400 for what the deployment serves).
         self.stated_max_model_len = max_model_len
         # The router's own character bound on prompts, so that one it would refuse is refused here before the
         # frontend tokenizes it (for its token count).
@@ -226,16 +229,21 @@ class _Handler(BaseHTTPRequestHandler):
         path = self._path()
         if not self._authorized(path, has_body=True):
             return
-        if self.headers.get("Content-Length") is not None:  # read, to keep the connection in step
-            with contextlib.suppress(OpenAIError):  # the answer is 405 whatever the body
+        self._answer_other_method(path)
+
+    def _answer_other_method(self, path: str) -> None:
+        """A method `path` does not take: 405 naming the one it takes (`Allow`), or 404 where it is no route. Any
+        body is read first, to keep the connection in step (the answer is the same whatever it holds)."""
+        if self.headers.get("Content-Length") is not None:
+            with contextlib.suppress(OpenAIError):
                 self._read_body()
         elif self.headers.get("Transfer-Encoding") is not None:  # a body this server does not delimit
             self.close_connection = True
         if path in POST_ROUTES:
             allowed = "POST"
-        elif path in GET_ROUTES or path.startswith("/v1/models/"):
+        elif _is_get_route(path):
             allowed = "GET"
-        else:  # no such route, whatever the method (as GET and POST answer it)
+        else:  # no such route, whatever the method
             self._send_error_obj(OpenAIError(f"no route for {self.command} {path}", 404))
             return
         self._send_error_obj(OpenAIError(f"method {self.command} is not allowed for {path or '/'}; use {allowed}", 405),
@@ -313,10 +321,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(200, model_object(srv.model_name, srv.created))
         elif path.startswith("/v1/models/"):
             self._send_error_obj(OpenAIError(f"the model '{path[len('/v1/models/') :]}' does not exist", 404))
-        elif path in POST_ROUTES:
-            self._send_error_obj(OpenAIError(f"use POST for {path}", 405))
         else:
-            self._send_error_obj(OpenAIError(f"no route for GET {path}", 404))
+            self._answer_other_method(path)
 
     def do_POST(self) -> None:
         path = self._path()
@@ -327,9 +333,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/v1/chat/completions":
             self._generate(parse_chat_request)
         else:
-            with contextlib.suppress(OpenAIError):  # an unreadable body changes nothing: the answer is 404
-                self._read_body()
-            self._send_error_obj(OpenAIError(f"no route for POST {path}", 404))
+            self._answer_other_method(path)
 
     def handle_expect_100(self) -> bool:
         """A client that waits for "100 Continue" before it sends its body (curl does for bodies over 1 KiB) is
@@ -390,7 +394,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             req = parse(parse_json_body(raw), srv.model_name)
             prompt, prompt_tokens = srv.prepare_prompt(req)
-            check_output_room(req, prompt_tokens, srv.stated_max_model_len)
+            check_context(req, prompt_tokens, srv.stated_max_model_len)
             arrays = triton_input_arrays(prompt, req.sampling, req.stream)
             stream = srv.backend.open_stream(arrays, req.request_id, should_cancel=lambda: peer_closed(self.connection))
             if req.stream:
@@ -474,8 +478,9 @@ def build_server(
     loaded from `tokenizer_dir` (tests pass fakes). Port 0 picks a free port (`server.server_address`).
     With `api_key`, every route but /health answers 401 unless the request sends `Authorization: Bearer <key>`.
     `max_model_len` is the deployment's context limit (default: the tokenizer's `model_max_length`); prompts
-    longer than the router's character bound for it are refused before they are tokenized. Given, a `max_tokens`
-    it cannot hold after the prompt is refused too (else the deployment stops at its limit).
+    longer than the router's character bound for it are refused before they are tokenized. Given, a prompt of as many
+    tokens or more, and a `max_tokens` it cannot hold after the prompt, are refused too (else the deployment answers
+    against its own limit).
     """
     if max_model_len is not None and max_model_len < 2:
         raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len}")
@@ -506,7 +511,7 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
         "--max-model-len",
         type=int,
         help="the deployment's context limit in tokens, which bounds prompt length (default: the tokenizer's "
-        "model_max_length); given, a max_tokens it cannot hold after the prompt is a 400",
+        "model_max_length); given, a prompt or a max_tokens it cannot hold is a 400",
     )
     p.add_argument("--log-level", default="INFO", help="logging level (DEBUG logs every HTTP request)")
     return p

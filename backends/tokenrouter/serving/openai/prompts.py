@@ -87,15 +87,19 @@ def prepare_prompt(req: GenerationRequest, tokenizer: Any, bound: PromptCharBoun
         return prompt, count_tokens(tokenizer, prompt)
 
 
-def check_output_room(req: GenerationRequest, prompt_tokens: int, max_model_len: int | None) -> None:
-    """A 400 for an output limit the client set that the context cannot hold after the prompt, as OpenAI's API
-    and vLLM's answer it (the engine would stop at the context limit instead, short of what was asked). Prompts
-    the context cannot hold at all are the router's to refuse, with its own message; an unset limit is capped."""
-    key = req.max_tokens_key
-    if key is None or not max_model_len or prompt_tokens >= max_model_len:
+def check_context(req: GenerationRequest, prompt_tokens: int, max_model_len: int | None) -> None:
+    """Against a context limit the operator stated: a 400 for a prompt it cannot hold with one token after it (as
+    the router answers against the deployment's), and for an output limit the client set that it cannot hold after
+    the prompt (as OpenAI's API and vLLM's answer it; the engine would stop at the context limit instead, short of
+    what was asked). An unset output limit is capped."""
+    if not max_model_len:
         return
+    if prompt_tokens >= max_model_len:
+        raise OpenAIError(f"prompt has {prompt_tokens} tokens, but the context limit is {max_model_len} (prompt plus "
+                          "at least one generated token)", param="messages" if req.kind == "chat" else "prompt")
+    key = req.max_tokens_key
     asked, room = req.sampling["max_tokens"], max_model_len - prompt_tokens
-    if asked > room:
+    if key is not None and asked > room:
         raise OpenAIError(
             f"'{key}' is {asked}, but the prompt has {prompt_tokens} tokens and the context limit is "
             f"{max_model_len}: at most {room} tokens can follow it", param=key)
