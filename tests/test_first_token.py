@@ -15,15 +15,11 @@ from tokenrouter.sampling_params import SamplingParams
 PARAMS = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-def _engine(tiny_dir: Path, policy: dict, small_kv_tokens: int = 2048) -> Engine:
-    models = {m: {"path": str(tiny_dir / m), "kv_cache_tokens": 2048, "block_size": 4} for m in ("small", "large")}
-    models["small"]["kv_cache_tokens"] = small_kv_tokens
-    return Engine.from_config({"models": models, "entry": "small", "policy": policy, "batching": {"thresholds": 1}})
-
-
 def _held_engine(tiny_dir: Path, policy: dict, small_kv_tokens: int = 2048) -> Engine:
     """Both tiny models; every model held for 3 ready requests for up to a minute, more always able to come."""
-    eng = _engine(tiny_dir, policy, small_kv_tokens)
+    models = {m: {"path": str(tiny_dir / m), "kv_cache_tokens": kv, "block_size": 4}
+              for m, kv in (("small", small_kv_tokens), ("large", 2048))}
+    eng = Engine.from_config({"models": models, "entry": "small", "policy": policy, "batching": {"thresholds": 1}})
     for sub in eng.subservers.values():
         sub.threshold, sub.max_wait_s, sub.arrivals_possible = 3, 60.0, (lambda: True)
     return eng

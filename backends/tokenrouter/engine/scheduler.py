@@ -43,6 +43,9 @@ class Scheduler:
         # does not look at graphs.
         self.graph_fits: Callable[[int, int], bool] | None = None
         self.num_graph_waits = 0
+        # The last `schedule` left the queue's head waiting for KV blocks (its room, or kv_budget), not for its token
+        # budget, its sequence cap or a CUDA graph: the next step takes it in only once blocks are freed.
+        self.waiting_for_kv = False
         # Tokens that the requests this (entry) model holds must fit, for the other models' pools (Arrive.kv_budget).
         self.kv_budget: int | None = None
 
@@ -101,6 +104,7 @@ class Scheduler:
         owed = sum(self.bm.blocks_needed(s, s.num_tokens) for s in self.running) if self.waiting else 0
         live: set[int] | None = None  # blocks of the requests in the system (kv_budget), once one needs them
         owing = 0  # and the blocks they still need for the tokens they hold
+        self.waiting_for_kv = False
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             prefix = self.bm.match_prefix(seq.token_ids) if not seq.block_table else []
@@ -117,12 +121,14 @@ class Scheduler:
                 if self.running or seq.new_request or not self._reclaim_parked():
                     break
             if not self._room_for(seq, prefix, cached + n, owed):
+                self.waiting_for_kv = True
                 break
             if seq.new_request and self.kv_budget is not None:
                 if live is None:
                     live, owing = self._live_blocks()
                 need = self.bm.blocks_for(seq.num_tokens) - sum(b in live for b in prefix)
                 if (live or owing) and len(live) + owing + need > self.kv_budget // self.bm.block_size:
+                    self.waiting_for_kv = True
                     break  # the other models' pools could not hold it beside them: it waits for one to finish
                 live.update(prefix)
                 owing += need

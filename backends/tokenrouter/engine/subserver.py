@@ -421,15 +421,11 @@ class Subserver:
         return (any(s.num_output_tokens == 0 and s.request_id not in left for s in sched.waiting)
                 or any(s.num_output_tokens == 0 and s.num_pending_tokens > 0 for s in sched.running))
 
-    def _note_first_tokens_left(self, chunks: list[ScheduledChunk], graph_waits: int) -> None:
-        """After scheduling `chunks`: the requests before their first token that it left waiting for KV blocks
-        (`_first_token_due`). Not where the step was full (its token budget or sequence cap) or held one back to
-        fit a CUDA graph (`graph_waits`: the scheduler's count before): the next step takes them in as it is."""
-        sched = self.scheduler
-        full = (sum(c.num_new_tokens for c in chunks) >= sched.max_num_batched_tokens
-                or len(chunks) >= sched.max_num_seqs or sched.num_graph_waits > graph_waits)
-        left = frozenset() if full or not sched.waiting else frozenset(
-            s.request_id for s in sched.waiting if s.num_output_tokens == 0)
+    def _note_first_tokens_left(self) -> None:
+        """After scheduling: the requests before their first token that it left waiting for KV blocks
+        (`_first_token_due`); none where it stopped for anything else (the next step takes them in as it is)."""
+        waiting = self.scheduler.waiting if self.scheduler.waiting_for_kv else ()
+        left = frozenset(s.request_id for s in waiting if s.num_output_tokens == 0)
         self._first_tokens_left = (left, self.block_manager.num_free_blocks)
 
     def step(self) -> int:
@@ -459,9 +455,8 @@ class Subserver:
             out, t0, start = ahead.out, ahead.t0, ahead.start
             scheduled = submitted = launched = start
         else:
-            graph_waits = self.scheduler.num_graph_waits
             chunks = self.scheduler.schedule()
-            self._note_first_tokens_left(chunks, graph_waits)
+            self._note_first_tokens_left()
             if not chunks:
                 self.flush_events()  # ready requests that cannot be scheduled yet: no launch to wait for
                 self.stalled = True
