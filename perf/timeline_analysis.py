@@ -259,6 +259,9 @@ def summarize(events: list[Event]) -> dict[str, Any]:
             "mean_batch": statistics.fmean(e["batch"] for e in steps) if steps else None,
             "tokens_per_step": statistics.fmean(e["tokens"] for e in steps) if steps else None,
             "steps_with_extend": sum(1 for e in steps if e.get("extends")),
+            # Rows for requests away from the model (engine/shadow.py), beside the batch; steps of those alone.
+            "shadow_rows": sum(e.get("shadow", 0) for e in steps),
+            "shadow_only_steps": sum(1 for e in steps if e.get("shadow") and not e["batch"]),
             "batch_histogram": dict(sorted(Counter(e["batch"] for e in steps).items())),
             "step_ms_by_batch": {b: 1000 * statistics.fmean(v) for b, v in sorted(by_batch.items())},
             "phase_ms": phase_ms,
@@ -341,7 +344,7 @@ def chrome_trace(events: list[Event]) -> dict[str, Any]:
     for e in events:
         if e["kind"] == "step":
             tid = tids[e["model"]]
-            args = {k: e.get(k) for k in ("batch", "tokens", "extends", "threshold")}
+            args = {k: e.get(k) for k in ("batch", "shadow", "tokens", "extends", "threshold")}
             args["queue_wait_max_ms"] = round(1000 * e.get("queue_wait_max", 0.0), 3)
             out.append({"ph": "X", "pid": 1, "tid": tid, "name": f"step b{e['batch']}", "cat": "step",
                         "ts": us(e["start"]), "dur": us(e["end"]) - us(e["start"]), "args": args})

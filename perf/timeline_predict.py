@@ -44,14 +44,14 @@ def entry_first(events: list[Event], models: list[str]) -> tuple[str, list[str]]
 
 def steps_as_recorded(models: list[str], steps: list[Event], with_ends: bool = False
                       ) -> tuple[dict[str, StepStats], Counter]:
-    """Each model's StepStats fed `steps` as its subserver records them (the batch the GPU ran, void rows included;
-    `with_ends`: each step's end too, a record of recent steps from the first one's start on), and the rows each
-    model sampled (without void ones)."""
+    """Each model's StepStats fed `steps` as its subserver records them (the batch the GPU ran, void and shadow rows
+    included; `with_ends`: each step's end too, a record of recent steps from the first one's start on), and the rows
+    each model sampled (without void or shadow ones)."""
     since = min((e["start"] for e in steps), default=0.0)
     stats = {m: StepStats(since=since) for m in models}
     rows: Counter = Counter()
     for e in steps:
-        stats[e["model"]].record_step(e["batch"] + e.get("void", 0), e["end"] - e["start"],
+        stats[e["model"]].record_step(e["batch"] + e.get("void", 0) + e.get("shadow", 0), e["end"] - e["start"],
                                       e["end"] if with_ends else None)
         rows[e["model"]] += e["batch"]
     return stats, rows

@@ -98,6 +98,10 @@ class ModelConfig:
     # the device: the host's routing, commits and input building then overlap the GPU instead of leaving it idle
     # between steps. A row whose token went elsewhere after all is dropped from that step. Needs route_in_step.
     step_ahead: bool = True
+    # Shadow decoding (engine/shadow.py): after handing a request back under a lease (R2R: one token, then back),
+    # decode its next token here anyway in the next step; if the request is sent straight back, that token commits
+    # on its arrival, without a step. Greedy rows only; the outputs are the same either way.
+    shadow_decode: bool = True
     # Small batches run each layer's four matmuls as Triton skinny GEMMs with the norms, SwiGLU's activation and
     # the residual adds fused in (runner/skinny_gemm.py): seven kernels a layer instead of eleven. Only as far
     # as the tuned table (runner/skinny_gemm_tuned.json) measured them faster on this GPU for this model's

@@ -54,6 +54,12 @@ class Sequence:
     waited_for_graph: bool = False  # admission held it back one step to keep a step in a CUDA graph (scheduler)
     # A new request, held by no model yet: admitting it never takes parked requests' blocks (scheduler).
     new_request: bool = False
+    # Shadow decoding (engine/shadow.py): it left here under a lease that decided, having committed its last token
+    # here; its last arrival here brought no tokens (the model it went to sent it straight back); and the token
+    # a step here decoded for it while it was away, with the number of tokens it then held.
+    shadow_ok: bool = False
+    in_run: bool = False
+    shadow: tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:

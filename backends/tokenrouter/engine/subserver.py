@@ -22,6 +22,7 @@ from tokenrouter.config import EngineConfig, ModelConfig
 from tokenrouter.engine.block_manager import BlockManager
 from tokenrouter.engine.scheduler import Scheduler
 from tokenrouter.engine.sequence import SeqStatus, Sequence
+from tokenrouter.engine.shadow import ShadowDecoder
 from tokenrouter.engine.step_stats import StepStats
 from tokenrouter.engine.stop import StopChecker
 from tokenrouter.engine.timeline import Timeline
@@ -182,6 +183,8 @@ class Subserver:
         self.num_ahead_steps = 0  # steps launched ahead
         # Rows of those whose request had gone elsewhere, finished or changed: computed for nothing.
         self.num_void_rows = 0
+        # Shadow decoding (engine/shadow.py): the next token of a request handed back under a lease, decoded anyway.
+        self.shadow = ShadowDecoder(cfg.shadow_decode and len(policy.models) > 1, self.runner.max_model_len)
         # The last step found requests ready but none it could schedule (they wait for KV blocks): the loop waits.
         self.stalled = False
         # Requests the last scheduling left waiting before their first token (KV blocks short), and the free blocks
@@ -315,6 +318,7 @@ class Subserver:
             self.emit(Released(msg.request_id, self.name, 0, 0, held=False))
             return
         seq = self.seqs.get(msg.request_id)
+        shadow = None  # the token a shadow row made for it while it was away, where that is its next token
         if msg.first_visit:
             if seq is not None:
                 raise RuntimeError(f"{self.name}: request {msg.request_id} arrived twice as new")
@@ -331,12 +335,8 @@ class Subserver:
                 # Grown elsewhere past what this model holds (a model that did not know its limit yet): fails
                 # clearly rather than wait for blocks it can never have.
                 raise ValueError(self._too_long(len(seq.token_ids) + len(msg.tokens)))
+            shadow = self.shadow.returned(seq, msg.tokens)
             seq.token_ids.extend(msg.tokens)
-            if not msg.tokens and seq.num_pending_tokens == 0 and seq.num_computed_tokens > 0:
-                # Taken back with nothing new (model_down: route_around; its target went down before it produced
-                # a token): its last token is computed again, for the logits of the next one. (Its KV slot is
-                # rewritten with the same values.)
-                seq.num_computed_tokens -= 1
         seq.state, seq.seen = msg.state, msg.seen
         seq.lease = None
         if msg.source is not None:
@@ -344,6 +344,15 @@ class Subserver:
             if lease is not None:
                 lease.begin(msg.source, len(seq.token_ids))
             seq.lease = lease
+        if shadow is not None and (seq.lease is None or not seq.lease.decides):
+            shadow = None  # its token's route would matter: the step runs again
+        if not msg.first_visit and not msg.tokens and shadow is None and seq.num_pending_tokens == 0 \
+                and seq.num_computed_tokens > 0:
+            # Taken back with nothing new, with no token of its shadow row to take (model_down: route_around; its
+            # target went down before it produced a token; or its shadow row's token cannot be used): its last
+            # token is computed again, for the logits of the next one. (Its KV slot is rewritten with the same
+            # values.)
+            seq.num_computed_tokens -= 1
         seq.ready_since = time.monotonic()
         timeline = self.timeline  # read once: it may be switched off from another thread
         if timeline is not None:
@@ -354,6 +363,10 @@ class Subserver:
             self.scheduler.add(seq, new_request=msg.source is None)
         else:
             self.scheduler.resume(seq)
+            if shadow is not None:  # the token its next step would make, made already: committed as that step would
+                self.shadow.num_hits += 1
+                seq.ready_since = None
+                self._postprocess(seq, self._route_view(seq), shadow, self.name)
 
     def _set_unavailable(self, models: list[str]) -> None:
         """These models are down: route nothing to them, and forget what they had seen of each request here (their
@@ -396,7 +409,7 @@ class Subserver:
         ready = self.scheduler.num_ready
         if ready == 0:
             self._ready_since = None
-            return False
+            return self.shadow.due(self.scheduler.parked.values())  # idle but for requests in a run (shadow.py)
         now = time.monotonic() if now is None else now
         if self._ready_since is None:
             self._ready_since = now
@@ -442,6 +455,7 @@ class Subserver:
         scheduled = time.monotonic() if timeline is not None else 0.0
         ahead, self._ahead = self._ahead, None
         kept: list[int] | None = None  # of a step launched ahead with void rows: its rows still valid
+        shadows: list[ScheduledChunk] = []  # rows of requests away from here (engine/shadow.py), after `chunks`
         if ahead is not None:
             keep = [i for i, r in enumerate(ahead.rows) if self._still_ahead(r)]
             self.num_void_rows += len(ahead.rows) - len(keep)
@@ -457,7 +471,8 @@ class Subserver:
         else:
             chunks = self.scheduler.schedule()
             self._note_first_tokens_left()
-            if not chunks:
+            shadows = self.shadow.rows(self.scheduler, self.block_manager, chunks, self.scheduler.graph_fits)
+            if not chunks and not shadows:
                 self.flush_events()  # ready requests that cannot be scheduled yet: no launch to wait for
                 self.stalled = True
                 return 0
@@ -466,14 +481,14 @@ class Subserver:
         sampling = [c.seq for c in chunks if c.samples]
         with self.runner.stream_context():
             if ahead is None:
-                out = self.runner.forward(chunks)
+                out = self.runner.forward(chunks + shadows)
                 launched = time.monotonic() if timeline is not None else 0.0
                 submitted = self.runner.submitted_at
             self.flush_events()  # the last step's events leave while this one runs (defer_events)
-            tokens_dev, results = self._sample_async(out, sampling)
+            tokens_dev, results = self._sample_async(out, sampling + [c.seq for c in shadows])
             # Held from its launch: should this step fail, the next takes it and finds every row void (`safe_step`
             # fails this step's requests; a row not yet fed matches no token).
-            nxt = self._ahead = self._launch_ahead(chunks, tokens_dev, kept)
+            nxt = self._ahead = None if shadows else self._launch_ahead(chunks, tokens_dev, kept)
             tokens, values, finite = results()
         arrived, arrived_at = time.perf_counter(), time.monotonic()  # (the latter on the clock all processes share)
         if nxt is not None:
@@ -482,9 +497,15 @@ class Subserver:
             tokens, finite = tokens[kept], finite[kept]
             values = None if values is None else values[kept]
         forward_end = time.monotonic() if timeline is not None else 0.0
-        for c in chunks:
+        for c in chunks + shadows:
             c.seq.num_computed_tokens += c.num_new_tokens
             self.block_manager.register_full_blocks(c.seq)
+        if shadows:  # their tokens wait on their requests; the rows before them are the step's own
+            n = len(sampling)
+            self.shadow.keep([c.seq for c in shadows], tokens[n:].tolist(), finite[n:].tolist())
+            tokens_dev, tokens, finite = tokens_dev[:n], tokens[:n], finite[:n]
+            values = None if values is None else values[:n]
+            out = ForwardOutput(out.logits[:n], out.hidden[:n], out.greedy[:n])
         if sampling:
             self._route_and_commit(sampling, out, tokens_dev, tokens, values, finite)
             if self._handed_off:  # (defer_events) a handoff leaves now, with what was emitted before it
@@ -497,19 +518,20 @@ class Subserver:
                 self._ahead = None  # nothing to take from it
                 self.num_void_rows += len(nxt.rows)
         self.num_steps += 1
-        self.last_batch_size = len(chunks)
+        self.last_batch_size = len(chunks) + len(shadows)
         # A step's time as the tuner models it, from its start to the next step's: a step launched ahead started
         # when the one before it ended, and its own routing and commits overlap the step after it. Its batch is
         # what the GPU ran, void rows included.
         void = len(ahead.rows) - len(chunks) if ahead is not None else 0
         # (a step not launched ahead ends here: its end at the same moment as its time)
-        self.stats.record_step(len(chunks) + void, (arrived if ahead is not None else time.perf_counter()) - t0,
+        self.stats.record_step(len(chunks) + void + len(shadows),
+                               (arrived if ahead is not None else time.perf_counter()) - t0,
                                arrived_at if ahead is not None else time.monotonic())
         if timeline is not None:
             timeline.step(
                 start, forward_end, time.monotonic(), len(chunks), sum(c.num_new_tokens for c in chunks),
                 sum(c.num_new_tokens > 1 for c in chunks), self.threshold, first_ready, last_ready, wait_max,
-                schedule_start=scheduled, submitted=submitted, launched=launched, void=void,
+                schedule_start=scheduled, submitted=submitted, launched=launched, void=void, shadow=len(shadows),
             )
         return len(chunks)
 
@@ -691,6 +713,8 @@ class Subserver:
                 self._finish(seq)
                 return
         if target != self.name:
+            # Sent back by a lease after its token here: its next token here would decode that one (shadow.py).
+            seq.shadow_ok = lease is not None and lease.decides
             self._handoff(seq, target)
 
     def _handoff(self, seq: Sequence, target: str) -> None:
@@ -735,6 +759,8 @@ class Subserver:
             while not stop_event.is_set():
                 self.loop_beat = time.monotonic()
                 self.drain()
+                if self._handed_off:  # a return that committed its shadow row's token went straight back
+                    self.flush_events()
                 if self.should_step():
                     self.stalled = False
                     self.safe_step()

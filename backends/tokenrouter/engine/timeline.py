@@ -84,13 +84,15 @@ class Timeline:
     def step(self, start: float, forward_end: float, end: float, batch: int, tokens: int, extends: int,
              threshold: int, first_ready: float | None, last_ready: float | None, queue_wait_max: float,
              schedule_start: float | None = None, launched: float | None = None, void: int = 0,
-             submitted: float | None = None) -> None:
-        # batch: the rows the step committed or routed; void: rows of a step launched ahead that ran and were dropped
+             submitted: float | None = None, shadow: int = 0) -> None:
+        # batch: the rows the step committed or routed; void: rows of a step launched ahead that ran and were dropped;
+        # shadow: rows for requests away from here (engine/shadow.py), beside the batch
         self.record({
             "kind": "step", "model": self.model, "schedule_start": schedule_start, "start": start,
             "submitted": submitted, "launched": launched, "forward_end": forward_end, "end": end,
-            "batch": batch, "void": void, "tokens": tokens, "extends": extends, "threshold": threshold,
-            "first_ready": first_ready, "last_ready": last_ready, "queue_wait_max": queue_wait_max,
+            "batch": batch, "void": void, "shadow": shadow, "tokens": tokens, "extends": extends,
+            "threshold": threshold, "first_ready": first_ready, "last_ready": last_ready,
+            "queue_wait_max": queue_wait_max,
         })
 
     def handoff(self, request_id: str, target: str, t: float) -> None:

@@ -45,6 +45,11 @@ class SubserverMetrics:
                               "before's tokens reached the host (step_ahead)", mf.mf.COUNTER).Metric(labels)
         self.void_rows = mf("tokenrouter_ahead_void_rows_total", "Rows of steps launched ahead whose request had "
                             "gone elsewhere or finished: computed for nothing", mf.mf.COUNTER).Metric(labels)
+        self.shadow_rows = mf("tokenrouter_shadow_rows_total", "Rows decoding the next token of a request away "
+                              "from this model, in case it is sent straight back (shadow_decode)",
+                              mf.mf.COUNTER).Metric(labels)
+        self.shadow_hits = mf("tokenrouter_shadow_hits_total", "Shadow rows whose token committed when their request "
+                              "came back: a step it did not wait for", mf.mf.COUNTER).Metric(labels)
         self.batch = mf("tokenrouter_batch_size", "Sequences in the last forward pass", mf.mf.GAUGE).Metric(labels)
         self.wait = mf(
             "tokenrouter_queue_wait_seconds", "Time a ready request waited for its step", mf.mf.HISTOGRAM
@@ -92,7 +97,9 @@ class SubserverMetrics:
                   (self.reclaims, lambda: self.sub.scheduler.num_reclaims),
                   (self.graph_waits, lambda: self.sub.scheduler.num_graph_waits),
                   (self.ahead_steps, lambda: self.sub.num_ahead_steps),
-                  (self.void_rows, lambda: self.sub.num_void_rows)]
+                  (self.void_rows, lambda: self.sub.num_void_rows),
+                  (self.shadow_rows, lambda: self.sub.shadow.num_rows),
+                  (self.shadow_hits, lambda: self.sub.shadow.num_hits)]
         counted = [0] * len(totals)
         while not stop.wait(period):
             self.flush_counts()
