@@ -71,9 +71,9 @@ def test_one_update_per_counter_and_flush() -> None:
 
 
 def test_scheduler_counters_become_prometheus_counters() -> None:
-    """Preemptions, graph-aware admission's waits and the steps launched ahead (and their void rows) are counted by
-    the scheduler or the subserver and exported as counters: the metrics thread adds what each grew by since its
-    last look."""
+    """Preemptions, graph-aware admission's waits, the steps launched ahead (and their void rows) and the shadow rows
+    (and those committed) are counted by the scheduler or the subserver and exported as counters: the metrics thread
+    adds what each grew by since its last look."""
     import threading
     import time
 
@@ -81,7 +81,8 @@ def test_scheduler_counters_become_prometheus_counters() -> None:
     sched = SimpleNamespace(num_preemptions=0, num_reclaims=0, num_graph_waits=0)
     sub = SimpleNamespace(block_manager=SimpleNamespace(num_blocks=64, num_free_blocks=64), seqs={},
                           last_batch_size=0, threshold=1, num_steps=0, drain_queue_waits=lambda: [],
-                          scheduler=sched, num_ahead_steps=0, num_void_rows=0)
+                          scheduler=sched, num_ahead_steps=0, num_void_rows=0,
+                          shadow=SimpleNamespace(num_rows=0, num_hits=0))
     metrics = SubserverMetrics(pb, "small", sub)
     stop = threading.Event()
     thread = threading.Thread(target=metrics.update_forever, args=(stop, 0.01))
@@ -106,6 +107,9 @@ def test_scheduler_counters_become_prometheus_counters() -> None:
         sub.num_ahead_steps, sub.num_void_rows = 7, 3
         wait_for("tokenrouter_ahead_steps_total", 7)
         wait_for("tokenrouter_ahead_void_rows_total", 3)
+        sub.shadow.num_rows, sub.shadow.num_hits = 9, 6
+        wait_for("tokenrouter_shadow_rows_total", 9)
+        wait_for("tokenrouter_shadow_hits_total", 6)
     finally:
         stop.set()
         thread.join()
