@@ -23,6 +23,7 @@ from tokenrouter.engine.scheduler import Scheduler
 from tokenrouter.engine.sequence import SeqStatus, Sequence
 from tokenrouter.engine.shadow import ShadowDecoder
 from tokenrouter.routing.policy import POLICIES, Lease, Policy, register
+from tokenrouter.runner.forward_batch import ScheduledChunk
 from triton_harness import generate_stream, metrics, running_server, stream_text, tiny_deployment, wait_metric
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,6 +38,7 @@ class _RunsPolicy(Policy):
     for the step's, it would keep the request on the large model for position 6, the small one's."""
 
     name = "test-runs"
+    PURE_LEASED_ROUTE = True
 
     def route(self, batch, result):
         if self.model == self.models[0]:
@@ -57,8 +59,9 @@ def _runs_engine(tiny: Path, shadow: bool = True, thresholds: dict | int | None 
         register(_RunsPolicy)
     engine = make_engine(tiny, ["small", "large"], {"name": _RunsPolicy.name},
                          thresholds=thresholds or {"small": 3, "large": 2})
-    for sub in engine.subservers.values():
-        sub.shadow.enabled = shadow
+    if not shadow:
+        for sub in engine.subservers.values():
+            sub.shadow.enabled = False
     return engine
 
 
@@ -140,6 +143,41 @@ def test_background_loops_with_shadows_equal_stepped(tiny_dir: Path) -> None:
         engine.shutdown()
 
 
+class _CountingPolicy(Policy):
+    """A `route` that keeps state on leased rows (the large model counts its tokens there; the small one sends every
+    token to it until it made 6): the engine may not skip it, so this policy (PURE_LEASED_ROUTE False) gets no
+    shadow rows. (A shadow token committed without `route` left the count behind: all 20 tokens went to the large
+    model, against 6 in the reference.)"""
+
+    name = "test-count-in-route"
+
+    def route(self, batch, result):
+        small, large = self.models
+        if self.model == small:
+            return [large if r.state.get("n", 0) < 6 else small for r in batch]
+        for r in batch:
+            r.state["n"] = r.state.get("n", 0) + 1
+        return [large] * len(batch)
+
+    def receive(self, req, source):
+        return None if self.model == self.models[0] else Lease(return_to=source, max_tokens=1)
+
+
+def test_a_route_with_state_on_leased_rows_gets_no_shadows(tiny_dir: Path) -> None:
+    if _CountingPolicy.name not in POLICIES:
+        register(_CountingPolicy)
+    policy = {"name": _CountingPolicy.name}
+    engine = make_engine(tiny_dir, ["small", "large"], policy, thresholds={"small": 3, "large": 2})
+    prompts = prompts_for(engine.vocab_size)[:4]
+    outs = _generate_with_gaps(engine, prompts, GREEDY)
+    for prompt, out in zip(prompts, outs):
+        ref, per_model = naive_generate(tiny_dir, ["small", "large"], policy, prompt, MAX_NEW)
+        assert out.token_ids == ref and out.stats["tokens_per_model"] == per_model == {"large": 6, "small": 14}
+    assert engine.subservers["large"].shadow.num_rows == 0
+    assert_all_free(engine)
+    engine.shutdown()
+
+
 def test_sampled_requests_get_no_shadow_rows(tiny_dir: Path) -> None:
     engine = _runs_engine(tiny_dir)
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, seed=3, ignore_eos=True)
@@ -202,8 +240,6 @@ def test_steps_of_shadows_alone_follow_how_often_runs_go_on() -> None:
     assert not shadow.due(sched.parked.values())
     assert shadow.rows(sched, bm, [], None) == []
     # Beside a step the model runs anyway, shadows still ride along.
-    from tokenrouter.runner.forward_batch import ScheduledChunk
-
     other = Sequence("c", [7, 8], 2, SamplingParams(temperature=0.0))
     rows = shadow.rows(sched, bm, [ScheduledChunk(other, 2)], None)
     assert [c.seq for c in rows] == [running, away]
@@ -217,6 +253,59 @@ def test_steps_of_shadows_alone_follow_how_often_runs_go_on() -> None:
     # A non-finite row leaves nothing to take.
     shadow.keep([running], [44], [False])
     assert running.shadow is None
+
+
+def test_a_shadow_row_takes_no_block_a_running_request_needs() -> None:
+    bm = BlockManager(4, 4, False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    shadow = ShadowDecoder(True, 1024)
+    parked = _parked(bm, sched, "p", in_run=True)  # 5 tokens, 4 computed: its shadow row needs a second block
+    # A running request with 8 tokens in 2 full blocks: its next token needs a third, the pool's last free block.
+    running = Sequence("r", list(range(1, 9)), 4, SamplingParams(temperature=0.0))
+    assert bm.ensure(running, 8)
+    running.num_computed_tokens, running.status = 7, SeqStatus.RUNNING
+    sched.running.append(running)
+    assert bm.num_free_blocks == 1
+    assert shadow.rows(sched, bm, [ScheduledChunk(running, 1)], None) == []
+    assert len(parked.block_table) == 1 and bm.num_free_blocks == 1
+    # With a block to spare, it takes one.
+    bm2 = BlockManager(5, 4, False)
+    sched2 = Scheduler(bm2, max_num_seqs=8, max_num_batched_tokens=64)
+    parked2 = _parked(bm2, sched2, "p", in_run=True)
+    assert bm2.ensure(running, 8)
+    sched2.running.append(running)
+    assert [c.seq for c in shadow.rows(sched2, bm2, [ScheduledChunk(running, 1)], None)] == [parked2]
+
+
+def test_a_failing_shadow_row_fails_no_request_and_does_not_spin(tiny_dir: Path) -> None:
+    engine = _runs_engine(tiny_dir)
+    large = engine.subservers["large"]
+    params = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+    finals = []
+    for p in prompts_for(1024)[:2]:
+        engine.add_request(p, params, listener=lambda o: o.finished and finals.append(o))
+    for _ in range(200):
+        engine.step()
+        if large.shadow.due(large.scheduler.parked.values()) and not large.scheduler.num_ready:
+            break
+    assert large.should_step() and not large.scheduler.num_ready, "no step of shadow rows alone came due"
+    real_forward = large.runner.forward
+
+    def broken(chunks, **kw):
+        raise RuntimeError("injected fault")
+
+    large.runner.forward = broken
+    assert large.safe_step() == 0
+    assert not large.should_step(), "the model would step its failing shadow rows again at once"
+    large.runner.forward = real_forward
+    for _ in range(2000):  # the requests, never failed, run on to their end
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished()
+    assert [(o.finish_reason, len(o.token_ids)) for o in finals] == [("length", 200)] * 2
+    assert_all_free(engine)
+    engine.shutdown()
 
 
 def test_served_shadows_equal_the_engine(tiny_dir: Path, tmp_path: Path) -> None:

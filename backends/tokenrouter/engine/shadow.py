@@ -70,6 +70,7 @@ class ShadowDecoder:
             return []
         seqs, tokens = len(chunks), sum(c.num_new_tokens for c in chunks)
         in_graph = bool(chunks) and graph_fits is not None and graph_fits(seqs, tokens)
+        spare: int | None = None  # free blocks beyond what the running requests need for their next tokens
         out: list[ScheduledChunk] = []
         # Requests in a run first: theirs are the shadows most likely kept.
         for seq in sorted(sched.parked.values(), key=lambda s: not s.in_run):
@@ -79,10 +80,14 @@ class ShadowDecoder:
                 break
             if in_graph and not graph_fits(seqs + 1, tokens + 1):
                 break
-            if sched.waiting and bm.blocks_needed(seq, seq.num_tokens):
-                continue
-            if not bm.ensure(seq, seq.num_tokens):
-                continue
+            need = bm.blocks_needed(seq, seq.num_tokens)
+            if need:  # a block of its own: only one no running request needs, and never while requests wait
+                if spare is None:
+                    owed = sum(bm.blocks_needed(s, s.num_tokens + 1) for s in sched.running)
+                    spare = 0 if sched.waiting else bm.num_free_blocks - owed
+                if need > spare or not bm.ensure(seq, seq.num_tokens):
+                    continue
+                spare -= need
             out.append(ScheduledChunk(seq, 1))
             seqs, tokens = seqs + 1, tokens + 1
         self.num_rows += len(out)
@@ -98,11 +103,10 @@ class ShadowDecoder:
         """`seq` is back here with `tokens` appended (before they are): the token its shadow row made if that is
         what its next token is, for a lease that decides (None otherwise). Counts the return for `continue_p`."""
         shadow, seq.shadow = seq.shadow, None
-        if seq.shadow_ok:
-            empty = not tokens
-            if seq.in_run:
-                self.continue_p += _RATE * (empty - self.continue_p)
-            seq.in_run = empty
+        empty = not tokens
+        if seq.shadow_ok and seq.in_run:
+            self.continue_p += _RATE * (empty - self.continue_p)
+        seq.in_run = seq.shadow_ok and empty
         seq.shadow_ok = False
         if (shadow is None or tokens or shadow[0] != seq.num_tokens or seq.num_computed_tokens != seq.num_tokens
                 or not seq.block_table):

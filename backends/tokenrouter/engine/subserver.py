@@ -174,6 +174,7 @@ class Subserver:
         # What the loop does and when (engine/timeline.py); None: not recording.
         self.timeline: Timeline | None = None
         self._in_step: list[str] = []  # request ids of the step in flight, for failing just those
+        self._shadows_in_step: list[Sequence] = []  # and the requests of its shadow rows (away from here)
         self.warmup_s: float | None = None  # how long the warm-up before serving took (None: none ran)
         self.graph_admission = ""  # what the warm-up measured for graph-aware admission and decided (engine/warmup.py)
         # Step ahead (ModelConfig.step_ahead): the next decode step is launched before this one's tokens reach the
@@ -184,7 +185,8 @@ class Subserver:
         # Rows of those whose request had gone elsewhere, finished or changed: computed for nothing.
         self.num_void_rows = 0
         # Shadow decoding (engine/shadow.py): the next token of a request handed back under a lease, decoded anyway.
-        self.shadow = ShadowDecoder(cfg.shadow_decode and len(policy.models) > 1, self.runner.max_model_len)
+        self.shadow = ShadowDecoder(cfg.shadow_decode and len(policy.models) > 1 and policy.PURE_LEASED_ROUTE,
+                                    self.runner.max_model_len)
         # The last step found requests ready but none it could schedule (they wait for KV blocks): the loop waits.
         self.stalled = False
         # Requests the last scheduling left waiting before their first token (KV blocks short), and the free blocks
@@ -365,7 +367,6 @@ class Subserver:
             self.scheduler.resume(seq)
             if shadow is not None:  # the token its next step would make, made already: committed as that step would
                 self.shadow.num_hits += 1
-                seq.ready_since = None
                 self._postprocess(seq, self._route_view(seq), shadow, self.name)
 
     def _set_unavailable(self, models: list[str]) -> None:
@@ -472,6 +473,7 @@ class Subserver:
             chunks = self.scheduler.schedule()
             self._note_first_tokens_left()
             shadows = self.shadow.rows(self.scheduler, self.block_manager, chunks, self.scheduler.graph_fits)
+            self._shadows_in_step = [c.seq for c in shadows]
             if not chunks and not shadows:
                 self.flush_events()  # ready requests that cannot be scheduled yet: no launch to wait for
                 self.stalled = True
@@ -503,6 +505,9 @@ class Subserver:
         if shadows:  # their tokens wait on their requests; the rows before them are the step's own
             n = len(sampling)
             self.shadow.keep([c.seq for c in shadows], tokens[n:].tolist(), finite[n:].tolist())
+            for c in shadows:
+                if c.seq.shadow is None:  # non-finite logits: nothing of that step may be matched as a prefix
+                    self.block_manager.uncache(c.seq)
             tokens_dev, tokens, finite = tokens_dev[:n], tokens[:n], finite[:n]
             values = None if values is None else values[:n]
             out = ForwardOutput(out.logits[:n], out.hidden[:n], out.greedy[:n])
@@ -668,11 +673,13 @@ class Subserver:
         """`step`, but an error (a policy routing to an unknown model, an internal failure) fails the
         requests of that step with a clear message instead of taking the loop down; requests that were not
         in it (waiting, or parked while another model has them) carry on."""
-        self._in_step = []
+        self._in_step, self._shadows_in_step = [], []
         try:
             return self.step()
         except Exception as e:
             log.exception("%s: step failed", self.name)
+            for seq in self._shadows_in_step:  # away from here: not failed, but taken into no step again until back
+                seq.shadow_ok = False
             self.flush_events()  # what the step committed before it failed goes first
             msg = str(e) if isinstance(e, ValueError) else f"internal error on model {self.name}: {e!r}"
             for rid in self._in_step:

@@ -148,6 +148,11 @@ class Policy(ABC):
     # overwrite those tensors (a CUDA graph's buffers) or hold more rows than the batch. Every built-in policy
     # does; a policy that computes on the device in `route` leaves it False and its models never step ahead.
     HOST_ROUTE: ClassVar[bool] = False
+    # `route`, called for a row under a lease that decides, changes nothing: its answer for that row is ignored, and
+    # it writes no per-request state for it. Then a model may commit such a row's token without a step, and so
+    # without calling `route` (ModelConfig.shadow_decode: the token was decoded while the request was away). Every
+    # built-in policy's does; a policy whose `route` keeps state on leased rows leaves it False: no shadow rows.
+    PURE_LEASED_ROUTE: ClassVar[bool] = False
 
     def __init__(self, models: list[str], model: str, args: dict[str, Any] | None = None) -> None:
         self.models = list(models)

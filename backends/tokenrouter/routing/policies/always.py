@@ -18,6 +18,7 @@ class AlwaysPolicy(Policy):
     """Route everything to `model` (default: the last, i.e. largest, model)."""
 
     HOST_ROUTE = True
+    PURE_LEASED_ROUTE = True
     name = "always"
     ARGS = {"model": None}
 

@@ -46,6 +46,7 @@ class GlimpRouterPolicy(Policy):
     """Route a whole step to the large model when its first token's top-k entropy is above `threshold`."""
 
     HOST_ROUTE = True
+    PURE_LEASED_ROUTE = True
     name = "glimprouter"
     ARGS = {
         "threshold": 1.0,

@@ -25,6 +25,7 @@ class LearnedRouterPolicy(Policy):
     """Subclasses give the network (`build_net`), its inputs (`net_inputs`) and the comparison (`RULE`)."""
 
     HOST_ROUTE = True
+    PURE_LEASED_ROUTE = True
     ARGS: ClassVar[dict[str, Any]] = {"threshold": 0.5, "checkpoint": None}
     RULE: ClassVar[str] = ">="  # escalate when sigmoid(z) RULE threshold
 

@@ -23,6 +23,7 @@ class MixturePolicy(Policy):
     """Per-token random choice of the next model with probabilities `weights`."""
 
     HOST_ROUTE = True
+    PURE_LEASED_ROUTE = True
     name = "mixture"
     ARGS = {"weights": None}
 

@@ -32,6 +32,7 @@ class QueryPolicy(Policy):
     """Choose one model per request from its prompt (length or a seeded linear score), then keep it."""
 
     HOST_ROUTE = True
+    PURE_LEASED_ROUTE = True
     name = "query"
     ARGS = {"by": "length", "max_prompt_tokens": 512, "threshold": 0.5}
 

@@ -19,6 +19,7 @@ class RandomPolicy(Policy):
     """Route a token from the small to the large model with probability `p`, reproducibly per request."""
 
     HOST_ROUTE = True
+    PURE_LEASED_ROUTE = True
     name = "random"
     ARGS = {"p": 0.1}
 

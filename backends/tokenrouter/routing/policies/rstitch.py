@@ -23,6 +23,7 @@ class RStitchPolicy(Policy):
     """Small -> large when the small model is uncertain (> tau_high), back when the large one is sure (< tau_low)."""
 
     HOST_ROUTE = True
+    PURE_LEASED_ROUTE = True
     name = "rstitch"
     ARGS = {"tau_high": 0.1, "tau_low": 0.05}
 
