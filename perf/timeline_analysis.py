@@ -215,9 +215,9 @@ def request_life(events: list[Event]) -> dict[str, dict[str, list[float]]]:
         model, t_in = visit
         firsts = scheduled.get(model, [])
         i = bisect.bisect_left(firsts, t_in)  # its first step there: the first to schedule at or after its arrival
-        if i == len(firsts) or firsts[i] > e["t"]:
-            continue  # (no step of it recorded: cut by the window)
-        first = firsts[i]
+        # None before it left: the token a shadow row made while it was away committed on its arrival
+        # (engine/shadow.py), once the loop took it in (after the step in flight).
+        first = firsts[i] if i < len(firsts) and firsts[i] <= e["t"] else e["t"]
         # The model's steps in flight between its arrival and that step (the one it arrived during, and any
         # launched ahead of the rows before it).
         runs, starts = steps[model], begins[model]

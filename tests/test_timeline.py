@@ -104,7 +104,8 @@ def test_summary_of_known_events() -> None:
 def test_where_a_requests_time_goes() -> None:
     """request_life: a visit at the large model from its arrival (in process: the loop's; served: its process's
     receive, before the inbox) waits for the step in flight, then for the idle model's next step (the hold), then
-    runs until its handoff; transits between. Visits with no arrival or no handoff in the window are left out."""
+    runs until its handoff; transits between. Visits with no arrival or no handoff in the window are left out; a visit
+    with no step of its own (a shadow token committed on arrival) is not."""
     events = [
         {"kind": "arrive", "request_id": "a", "model": "small", "source": None, "t": 0.0},
         step("small", 0.0, 0.5, 1, first_ready=0.0),
@@ -156,6 +157,18 @@ def test_where_a_requests_time_goes() -> None:
         "waiting: the model in another step": [0.7], "waiting: the model idle": [0.0], "in its steps": [0.35]}
     assert f"| large | waiting: the model idle | 1 | 500.00 | 500.00 | 500.00 | {100 * 0.5 / total:.1f} % |" in (
         markdown(summary, "t"))
+    # A visit with no step of its own: its shadow row's token (engine/shadow.py) committed once the loop took it in,
+    # after the step in flight; it is counted, with nothing in its steps.
+    shadow_hit = [
+        step("large", 2.5, 3.5, 3, first_ready=2.4),
+        {"kind": "handoff", "request_id": "d", "source": "small", "target": "large", "t": 2.55},
+        {"kind": "receive", "request_id": "d", "model": "large", "source": "small", "t": 2.6},
+        {"kind": "arrive", "request_id": "d", "model": "large", "source": "small", "t": 3.5},
+        {"kind": "handoff", "request_id": "d", "source": "large", "target": "small", "t": 3.52},
+        step("large", 3.6, 4.6, 2, first_ready=3.6),
+    ]
+    assert rounded(request_life(shadow_hit))["large"] == {
+        "waiting: the model in another step": [0.9], "waiting: the model idle": [0.02], "in its steps": [0.0]}
 
 
 def test_step_phases() -> None:
