@@ -472,7 +472,9 @@ class Subserver:
         else:
             chunks = self.scheduler.schedule()
             self._note_first_tokens_left()
-            shadows = self.shadow.rows(self.scheduler, self.block_manager, chunks, self.scheduler.graph_fits)
+            graphs = self.runner.graphs  # (shadow rows keep a step in its CUDA graph: `holds`)
+            shadows = self.shadow.rows(self.scheduler, self.block_manager, chunks,
+                                       graphs.holds if graphs is not None else None)
             self._shadows_in_step = [c.seq for c in shadows]
             if not chunks and not shadows:
                 self.flush_events()  # ready requests that cannot be scheduled yet: no launch to wait for
