@@ -100,8 +100,9 @@ class ShadowDecoder:
             seq.shadow = (seq.num_tokens, tok) if ok else None
 
     def returned(self, seq: Sequence, tokens: list[int]) -> int | None:
-        """`seq` is back here with `tokens` appended (before they are): the token its shadow row made if that is
-        what its next token is, for a lease that decides (None otherwise). Counts the return for `continue_p`."""
+        """`seq` is back here with `tokens` (called before they are appended): the token its shadow row made if that
+        is its next token (None otherwise; whether its lease lets it commit without a step, the caller decides).
+        Counts the return for `continue_p`."""
         shadow, seq.shadow = seq.shadow, None
         empty = not tokens
         if seq.shadow_ok and seq.in_run:
