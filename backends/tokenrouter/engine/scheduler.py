@@ -101,7 +101,7 @@ class Scheduler:
         # Blocks the running sequences still need for the tokens they hold (the rest of a chunked prompt, a suffix
         # beyond this step's budget): promised to them, not free for a newcomer. (Summed only where one waits: every
         # step of a model passes here.)
-        owed = sum(self.bm.blocks_needed(s, s.num_tokens) for s in self.running) if self.waiting else 0
+        owed = self.blocks_owed() if self.waiting else 0
         live: set[int] | None = None  # blocks of the requests in the system (kv_budget), once one needs them
         owing = 0  # and the blocks they still need for the tokens they hold
         self.waiting_for_kv = False
@@ -145,6 +145,10 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
         return chunks
+
+    def blocks_owed(self, ahead: int = 0) -> int:
+        """New blocks the running sequences need for the tokens they hold, and for `ahead` more tokens each."""
+        return sum(self.bm.blocks_needed(s, s.num_tokens + ahead) for s in self.running)
 
     def _wait_for_graph(self, chunks: list[ScheduledChunk], seq: Sequence, cached: int, n: int, budget: int) -> bool:
         """Whether `seq` (the head of the queue, `n` new tokens after `cached`; `budget`: this step's tokens left)

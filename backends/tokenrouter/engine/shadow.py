@@ -83,8 +83,7 @@ class ShadowDecoder:
             need = bm.blocks_needed(seq, seq.num_tokens)
             if need:  # a block of its own: only one no running request needs, and never while requests wait
                 if spare is None:
-                    owed = sum(bm.blocks_needed(s, s.num_tokens + 1) for s in sched.running)
-                    spare = 0 if sched.waiting else bm.num_free_blocks - owed
+                    spare = 0 if sched.waiting else bm.num_free_blocks - sched.blocks_owed(ahead=1)
                 if need > spare or not bm.ensure(seq, seq.num_tokens):
                     continue
                 spare -= need

@@ -512,7 +512,8 @@ class Subserver:
                     self.block_manager.uncache(c.seq)
             tokens_dev, tokens, finite = tokens_dev[:n], tokens[:n], finite[:n]
             values = None if values is None else values[:n]
-            out = ForwardOutput(out.logits[:n], out.hidden[:n], out.greedy[:n])
+            out = ForwardOutput(*(None if t is None else t[:n]
+                                  for t in (out.logits, out.hidden, out.greedy, out.step_values, out.finite)))
         if sampling:
             self._route_and_commit(sampling, out, tokens_dev, tokens, values, finite)
             if self._handed_off:  # (defer_events) a handoff leaves now, with what was emitted before it
