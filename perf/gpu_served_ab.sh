@@ -15,7 +15,8 @@
 #   bash perf/gpu_served_ab.sh OUT_DIR CONFIG NAME=TREE[,VAR=VALUE...] ...
 #   bash perf/gpu_served_ab.sh $OUT config/random/qwen3-0.6b_qwen3-32b.yaml new=. base=.baseline \
 #     nopdl=.,TOKENROUTER_PDL=0 green=.,CONFIG=config/random/other.yaml
-# PROMPT_LEN: prompt tokens per request (default 100).
+# PROMPT_LEN: prompt tokens per request (default 100); OUTPUT_LEN: output tokens (default 256); NUM_REQUESTS: per
+# measured run (default: bench_served's max(16, 4 x C)); POINT_TIMEOUT: seconds a point may take (default 150).
 # Results: OUT_DIR/results_served_ab.tgz (served_NAME_c{8,1,16}.{json,md}, timeline_NAME_c8/, serve_NAME.log,
 # metrics_NAME.txt: the server's Prometheus metrics after its points).
 set -uo pipefail
@@ -26,7 +27,6 @@ archive=results_served_ab.tgz
 bundle=${BUNDLE:-.gpu}
 source perf/gpu_env.sh  # (also: work, res, step, envflag, serve, stop_server)
 sp=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-load=(--config "$cfg" --prompt-len ${PROMPT_LEN:-100} --output-len 256)
 t_start=$(date +%s)
 first=${FIRST:-0}
 
@@ -40,7 +40,7 @@ for variant in "$@"; do
   env_settings=()
   for s in "${settings[@]}"; do if [[ $s == CONFIG=* ]]; then vcfg=${s#CONFIG=}; else env_settings+=("$s"); fi; done
   settings=("${env_settings[@]}")
-  load=(--config "$vcfg" --prompt-len ${PROMPT_LEN:-100} --output-len 256)
+  load=(--config "$vcfg" --prompt-len ${PROMPT_LEN:-100} --output-len ${OUTPUT_LEN:-256})
   if [ $(( $(date +%s) - t_start )) -gt ${BUDGET_S:-400} ]; then step "$name skipped: past ${BUDGET_S:-400} s"; continue; fi
   # The stubs import tokenrouter through the interpreter's path: this variant's tree, for every process.
   echo "$tree/backends" > "$sp/tokenrouter-checkout.pth"
@@ -63,8 +63,10 @@ for variant in "$@"; do
     first=0
   fi
   for point in ${POINTS:-8:5 1:1 16:1}; do
-    timeout 150 python3 perf/bench_served.py --url 127.0.0.1:8001 "${load[@]}" --concurrency ${point%:*} \
-      --repeat ${point#*:} --out $res/served_${name}_c${point%:*} 2>&1 | grep "^C="
+    timeout ${POINT_TIMEOUT:-150} python3 perf/bench_served.py --url 127.0.0.1:8001 "${load[@]}" \
+      --concurrency ${point%:*} --num-requests ${NUM_REQUESTS:-0} --repeat ${point#*:} \
+      --out $res/served_${name}_c${point%:*} 2>&1 | grep "^C="
+    echo "C=${point%:*} exit ${PIPESTATUS[0]}"
   done
   if [ "${SOAK:-0}" -gt 0 ] && [ "$name" = "${1%%=*}" ]; then
     timeout 200 python3 perf/soak.py --url 127.0.0.1:8001 --metrics-url http://127.0.0.1:8002/metrics \

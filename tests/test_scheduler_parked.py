@@ -1,7 +1,7 @@
 """The scheduler keeps a parked request's KV (it is in flight on another model and comes back) rather than
-giving it to a newcomer, while anything runs here: under a pool smaller than the working set, evicting it
-makes every return a whole re-prefill that evicts the next (a review saw 8 long prompts stall the served
-default). With nothing running, a newcomer takes parked blocks (no progress otherwise)."""
+giving it to a newcomer: under a pool smaller than the working set, evicting it makes every return a whole
+re-prefill that evicts the next (a review saw 8 long prompts stall the served default). Only an older request
+(Sequence.age) takes a parked one's blocks (tests/test_kv_age_order.py); a new request never does."""
 
 from __future__ import annotations
 
@@ -38,16 +38,23 @@ def test_newcomer_waits_for_running_requests_instead_of_evicting_a_parked_one() 
     assert newcomer.status.value == "running" and parked.block_table
 
 
-def test_with_nothing_running_a_newcomer_takes_parked_blocks() -> None:
+def test_with_nothing_running_an_older_request_takes_parked_blocks_a_younger_one_waits() -> None:
     bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
-    parked, newcomer = _seq("parked", 12), _seq("new", 12)
+    parked, younger = _seq("parked", 12), _seq("younger", 12)
     sched.add(parked)
     _run(sched)
     sched.park(parked)
-    sched.add(newcomer)
+    sched.add(younger)
     _run(sched)
-    assert newcomer.status.value == "running" and not parked.block_table
+    assert younger.status.value == "waiting" and parked.block_table and sched.num_reclaims == 0
+    sched.finish(younger)
+
+    older = _seq("older", 12)
+    older.arrival = 0  # (the router's number; `parked` has none: it ranks after every numbered request)
+    sched.add(older)
+    _run(sched)
+    assert older.status.value == "running" and not parked.block_table
     assert sched.num_reclaims == 1 and sched.num_preemptions == 0  # counted apart: the parked one was not running
 
 
@@ -147,7 +154,9 @@ def test_a_return_that_must_prefill_again_goes_ahead_of_new_requests_the_budget_
     sched.add(back, new_request=True)
     _run(sched)
     sched.park(back)
-    sched._reclaim_parked()  # (taken for another: it holds no blocks now, 6 still to compute on return)
+    older = _seq("older", 4)
+    older.arrival = 0
+    assert sched._reclaim_parked(older)  # (taken for an older one: it holds no blocks now, 6 to compute on return)
     back.num_computed_tokens = 0
     new = [_seq(f"new{i}", 12) for i in range(2)]
     for s in new:

@@ -2,12 +2,18 @@
 
 Never touches a tensor. Every scheduled sequence runs a chunk `token_ids[num_computed : num_computed + n]`:
 a whole prompt (prefill), its next piece (chunked prefill), a suffix appended from elsewhere (extend) or
-the last sampled token (decode). Running sequences go first, in arrival order; then waiting ones are
+the last sampled token (decode). Running sequences go first, oldest first; then waiting ones are
 admitted while the token budget, the sequence cap and the KV pool allow (room for a newcomer's whole prompt beside
 what the running sequences still need; a new request, held by no model yet, waits rather than take the blocks of
-requests parked here). When the pool runs dry a running
-sequence first takes the blocks of the longest-parked request (in flight on another model; it re-prefills
-on return), then the most recently admitted sequence is preempted (its blocks freed, recomputed later).
+requests parked here).
+
+Age order under KV pressure. A request's age is its place in the router's arrival order (`Sequence.age`), the same
+on every model. When the pool runs dry, a request takes blocks only from younger ones: first from the youngest
+request parked here (in flight on another model; it prefills again on return), then by preempting the youngest
+running sequence (its blocks freed, recomputed later), which may be itself. So the oldest request in the system
+always progresses on every model, and younger ones wait for it. Before (parked blocks taken by whoever ran out),
+requests that together outgrew a pool took each other's blocks on every return and each re-prefilled the other:
+four long greedy requests on two 2,048-token pools crawled at ~5 tokens/s each with ~9 reclaims/s per model.
 
 Graph-aware admission (`graph_fits`, set where a model's eager steps cost more than its graph replays): when a
 newcomer would turn a step that a CUDA graph holds into one that runs eagerly (too many tokens or sequences for
@@ -19,13 +25,17 @@ step it replays two graphs (perf/results/graph_admission_h200_2026-12-03).
 
 from __future__ import annotations
 
+from bisect import insort
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from itertools import islice
+from itertools import count, islice
+from operator import attrgetter
 
 from tokenrouter.engine.block_manager import BlockManager
 from tokenrouter.engine.sequence import SeqStatus, Sequence
 from tokenrouter.runner.forward_batch import ScheduledChunk
+
+_AGE = attrgetter("age")
 
 
 class Scheduler:
@@ -33,10 +43,13 @@ class Scheduler:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # In-system requests (preempted, returned without blocks, first visits from another model) oldest first, then
+        # new requests in arrival order.
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        # Requests decoding elsewhere, oldest first: their blocks are the first to go under pressure.
+        self.running: list[Sequence] = []  # oldest first
+        # Requests decoding elsewhere, longest parked first.
         self.parked: OrderedDict[str, Sequence] = OrderedDict()
+        self._order = count()  # Sequence.order_here
         self.num_preemptions = 0  # running sequences whose blocks were freed (recomputed later)
         self.num_reclaims = 0  # parked requests whose blocks were taken back (prefilled again on return)
         # (number of sequences, number of tokens) -> whether a step of them replays a CUDA graph; None: admission
@@ -52,15 +65,20 @@ class Scheduler:
     def add(self, seq: Sequence, new_request: bool = False) -> None:
         """`new_request`: held by no model yet (a request's first arrival at the entry model), which makes its
         admission wait for room rather than take parked requests' blocks."""
+        if seq.order_here < 0:
+            seq.order_here = next(self._order)
         seq.new_request = new_request
         seq.status = SeqStatus.WAITING
         if new_request:
             self.waiting.append(seq)
-            return
-        # A request in the system (a return whose blocks were taken back, a first visit from another model) goes
-        # ahead of every new request: a new one at the head that the budget holds back must not stop it, for the
-        # budget waits on exactly such requests to finish (a deadlock a hostile trial found, 2026-12-06).
-        i = next((i for i, s in enumerate(self.waiting) if s.new_request), len(self.waiting))
+        else:
+            self._queue_in_system(seq)
+
+    def _queue_in_system(self, seq: Sequence) -> None:
+        """Queue a request in the system by age, ahead of every new request: a new one at the head that the budget
+        holds back must not stop it, for the budget waits on exactly such requests to finish (a deadlock a hostile
+        trial found, 2026-12-06)."""
+        i = next((i for i, s in enumerate(self.waiting) if s.new_request or s.age > seq.age), len(self.waiting))
         self.waiting.insert(i, seq)
 
     def has_work(self) -> bool:
@@ -82,7 +100,7 @@ class Scheduler:
         del self.parked[seq.request_id]
         if seq.block_table:
             seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            insort(self.running, seq, key=_AGE)
         else:  # its blocks were reclaimed while parked: prefill again
             self.add(seq)
 
@@ -110,15 +128,15 @@ class Scheduler:
             prefix = self.bm.match_prefix(seq.token_ids) if not seq.block_table else []
             cached = len(prefix) * self.bm.block_size
             n = min(seq.num_tokens - cached, budget)
-            # Parked requests are in flight on another model and come back: evicting one for a newcomer makes it
-            # re-prefill on return, and with a pool smaller than the working set every return then evicts another
-            # (thrash: a whole prompt per handoff). So a newcomer waits for running requests to free blocks, and
-            # reclaims parked blocks only when nothing runs here (no progress otherwise; and requests parked on
-            # each model while waiting for the other could wait for ever). A new request, held nowhere yet, never
-            # does: it waits while the requests in the system finish (they progress without it), so the entry
-            # model admits no more requests than its pool holds, and those are all that any model then holds.
+            # A request in the system takes the blocks of younger parked requests (by age: the oldest progresses;
+            # a younger one waits for it, and evicts nothing older on its return, so no two requests take each
+            # other's blocks in turn). A new request, held nowhere yet, takes none: it waits while the requests in
+            # the system finish (they progress without it), so the entry model admits no more requests than its pool
+            # holds, and those are all that any model then holds.
+            # (Only where all that it may take makes room: blocks taken for nothing would cost their owners a prefill.)
             while not self._room_for(seq, prefix, cached + n, owed):
-                if self.running or seq.new_request or not self._reclaim_parked():
+                if (seq.new_request or not self._room_for(seq, prefix, cached + n, owed, self._reclaimable(seq))
+                        or not self._reclaim_parked(seq)):
                     break
             if not self._room_for(seq, prefix, cached + n, owed):
                 self.waiting_for_kv = True
@@ -140,7 +158,7 @@ class Scheduler:
             ok = self.bm.ensure(seq, seq.num_computed_tokens + n)
             assert ok
             seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            insort(self.running, seq, key=_AGE)
             owed += self.bm.blocks_needed(seq, seq.num_tokens)
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
@@ -188,12 +206,13 @@ class Scheduler:
         return True
 
     def _grow(self, seq: Sequence, n: int) -> bool:
-        """Blocks for `n` more tokens of `seq`, preempting from the back of the running list if needed.
+        """Blocks for `n` more tokens of `seq`: taken from younger parked requests, then by preempting from the back
+        of the running list (the youngest).
 
-        The back holds sequences not yet scheduled this step (running is walked front to back), so a
+        The back holds sequences not yet scheduled this step (running is walked front to back, oldest first), so a
         chunk already in the batch never loses its blocks. False if `seq` itself had to go."""
         while not self.bm.ensure(seq, seq.num_computed_tokens + n):
-            if self._reclaim_parked():
+            if self._reclaim_parked(seq):
                 continue
             victim = self.running[-1]
             self._preempt(victim)
@@ -201,17 +220,19 @@ class Scheduler:
                 return False
         return True
 
-    def _room_for(self, seq: Sequence, prefix: list[int], chunk_tokens: int, owed: int) -> bool:
-        """Whether the pool takes `seq` now, over `prefix` (cached blocks it takes over): its whole prompt, beside
+    def _room_for(self, seq: Sequence, prefix: list[int], chunk_tokens: int, owed: int, more_free: int = 0) -> bool:
+        """Whether the pool takes `seq` now (with `more_free` blocks more free), over `prefix` (cached blocks it takes
+        over): its whole prompt, beside
         the `owed` blocks the running sequences still need. Admitted on their first chunk alone, long prompts that
         could not all finish their prefill together preempted each other (in process on the CPU, 24 prompts of
         ~4,000 tokens into pools of 65,536: 10 preemptions, none with this rule; perf/results/
         kv_admission_cpu_2026-12-05). Where nothing runs here, only what this step computes (`chunk_tokens`, the
         prefix included): a prompt larger than the pool still makes progress; a new request so only where nothing
         is parked here either (it would take their blocks as its prompt grows)."""
+        free = self.bm.num_free_blocks + more_free
         if not self.running and not (seq.new_request and any(s.block_table for s in self.parked.values())):
-            return self._admission_cost(prefix, chunk_tokens) <= self.bm.num_free_blocks
-        return self._admission_cost(prefix, seq.num_tokens) + owed <= self.bm.num_free_blocks
+            return self._admission_cost(prefix, chunk_tokens) <= free
+        return self._admission_cost(prefix, seq.num_tokens) + owed <= free
 
     def _live_blocks(self) -> tuple[set[int], int]:
         """The blocks the requests in the system hold here (a prefix they share counted once, as a model caching
@@ -230,20 +251,31 @@ class Scheduler:
         new_blocks = max(0, self.bm.blocks_for(num_tokens) - len(prefix))
         return self.bm.cost_of_prefix(prefix) + new_blocks
 
-    def _reclaim_parked(self) -> bool:
-        """Free the blocks of the longest-parked request that still holds some (it re-prefills on return)."""
-        for seq in self.parked.values():
-            if seq.block_table:
-                self.bm.release(seq)
-                self.num_reclaims += 1
-                return True
-        return False
+    def _reclaimable(self, taker: Sequence) -> int:
+        """Blocks that taking back every parked request younger than `taker` would free (a block another request
+        shares stays)."""
+        holds: dict[int, int] = {}
+        for s in self.parked.values():
+            if s.age > taker.age:
+                for b in s.block_table:
+                    holds[b] = holds.get(b, 0) + 1
+        return sum(1 for b, n in holds.items() if n == self.bm.ref_count[b])
+
+    def _reclaim_parked(self, taker: Sequence) -> bool:
+        """Free the blocks of the youngest parked request younger than `taker` that holds some (it re-prefills on
+        return)."""
+        victim = max((s for s in self.parked.values() if s.block_table and s.age > taker.age), key=_AGE, default=None)
+        if victim is None:
+            return False
+        self.bm.release(victim)
+        self.num_reclaims += 1
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.release(seq)
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._queue_in_system(seq)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:

@@ -15,6 +15,11 @@ if TYPE_CHECKING:  # stop.py imports this module
     from tokenrouter.engine.stop import TextTail
 
 
+# Arrival number of a request whose router's number is unknown (a message made outside a coordinator): it ranks
+# after every numbered request.
+UNKNOWN_ARRIVAL = 1 << 62
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # admitted, no KV blocks held (new, or preempted)
     RUNNING = "running"  # holds KV blocks and is scheduled every step
@@ -54,12 +59,21 @@ class Sequence:
     waited_for_graph: bool = False  # admission held it back one step to keep a step in a CUDA graph (scheduler)
     # A new request, held by no model yet: admitting it never takes parked requests' blocks (scheduler).
     new_request: bool = False
+    # Its rank by age (`age`): the router's arrival number (Arrive.arrival), then its order of arrival here (set by
+    # the scheduler). Under KV pressure a request takes blocks only from younger ones, never the reverse.
+    arrival: int = UNKNOWN_ARRIVAL
+    order_here: int = -1
     # Shadow decoding (engine/shadow.py): it left here under a lease that decided, having committed its last token
     # here; its last arrival here brought no tokens (the model it went to sent it straight back); and the token
     # a step here decoded for it while it was away, with the number of tokens it then held.
     shadow_ok: bool = False
     in_run: bool = False
     shadow: tuple[int, int] | None = None
+
+    @property
+    def age(self) -> tuple[int, int]:
+        """Smaller is older."""
+        return self.arrival, self.order_here
 
     @property
     def num_tokens(self) -> int:
