@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -14,8 +15,9 @@ from test_routing_vs_naive import assert_all_free
 from tokenrouter import Engine
 from tokenrouter.engine.block_manager import BlockManager
 from tokenrouter.engine.scheduler import Scheduler
-from tokenrouter.engine.sequence import Sequence
+from tokenrouter.engine.sequence import UNKNOWN_ARRIVAL, Sequence
 from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.serving.subserver_model import SubserverModel
 from tokenrouter.transport.messages import Arrive, Handoff
 
 POLICY = {"name": "random", "p": 0.3, "seed": 0}
@@ -146,7 +148,8 @@ def test_a_request_in_the_system_takes_younger_parked_blocks_only_where_that_mak
 
 def test_the_arrival_number_travels_with_every_handoff(tiny_dir: Path) -> None:
     """The router numbers requests as they arrive; each model ranks a request by that number, and hands it on with
-    its handoffs. Anything but an integer off a socket ranks after every numbered request."""
+    its handoffs. A message without one ranks after every numbered request; a model refuses a malformed one off its
+    socket (that request alone fails, saying why)."""
     engine = _engine(tiny_dir, 8192)
     handoffs: list[Arrive] = []
     emit = engine._emit
@@ -162,6 +165,12 @@ def test_the_arrival_number_travels_with_every_handoff(tiny_dir: Path) -> None:
     engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
     assert handoffs and {a.arrival for a in handoffs} <= {0, 1, 2}
     small = engine.subservers["small"]
-    small.handle(Arrive("odd", [5, 6], True, 2, SamplingParams(), arrival="3"))  # type: ignore[arg-type]
-    assert small.seqs["odd"].arrival > 10**18
+    small.handle(Arrive("unnumbered", [5, 6], True, 2, SamplingParams()))
+    assert small.seqs["unnumbered"].arrival == UNKNOWN_ARRIVAL > max(a.arrival for a in handoffs)
     engine.shutdown()
+
+    model = SimpleNamespace(sub=small)  # (SubserverModel._check reads only the subserver's vocabulary)
+    for bad in ("3", -1, True, 1.5):
+        problem = SubserverModel._check(model, Arrive("r", [5, 6], True, 2, SamplingParams(), arrival=bad))
+        assert problem == f"arrival {bad!r} must be an integer >= 0"
+    assert SubserverModel._check(model, Arrive("r", [5, 6], True, 2, SamplingParams(), arrival=7)) is None

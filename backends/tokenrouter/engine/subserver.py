@@ -329,8 +329,8 @@ class Subserver:
                 # Seeded per model, so a request's draws do not depend on where else it has been.
                 gen = torch.Generator(device=self.runner.device).manual_seed(msg.params.seed)
             seq = Sequence(msg.request_id, list(msg.tokens), msg.num_prompt_tokens, msg.params, generator=gen)
-            if isinstance(msg.arrival, int) and not isinstance(msg.arrival, bool):
-                seq.arrival = msg.arrival  # (off a socket, anything else ranks as unknown)
+            if msg.arrival is not None:
+                seq.arrival = msg.arrival
             self.seqs[msg.request_id] = seq
         else:
             if seq is None or seq.status is not SeqStatus.PARKED:

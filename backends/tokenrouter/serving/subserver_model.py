@@ -147,6 +147,9 @@ class SubserverModel:
                 value = getattr(msg, name)
                 if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                     return f"{name} {value!r} must be an integer >= 1"
+            if msg.arrival is not None and (isinstance(msg.arrival, bool) or not isinstance(msg.arrival, int)
+                                            or msg.arrival < 0):
+                return f"arrival {msg.arrival!r} must be an integer >= 0"
             try:
                 msg.params.validate()
             except (ValueError, TypeError, AttributeError) as e:
