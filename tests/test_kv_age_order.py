@@ -6,6 +6,7 @@ model, none failing). Now the oldest always progresses and the younger wait for 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -63,8 +64,8 @@ def test_requests_outgrowing_the_pools_finish_without_taking_each_others_blocks(
     assert_all_free(engine)
 
 
-def _seq(rid: str, n: int, arrival: int) -> Sequence:
-    seq = Sequence(rid, list(range(1, n + 1)), n, SamplingParams(temperature=0.0))
+def _seq(rid: str, n: int, arrival: int, first: int = 1) -> Sequence:
+    seq = Sequence(rid, list(range(first, first + n)), n, SamplingParams(temperature=0.0))
     seq.arrival = arrival
     return seq
 
@@ -74,6 +75,7 @@ def _run(sched: Scheduler) -> list[str]:
     chunks = sched.schedule()
     for chunk in chunks:
         chunk.seq.num_computed_tokens += chunk.num_new_tokens
+        sched.bm.register_full_blocks(chunk.seq)
     return [c.seq.request_id for c in chunks]
 
 
@@ -108,8 +110,8 @@ def test_an_older_request_takes_the_youngest_parked_requests_blocks_first() -> N
         sched.add(s)
     _run(sched)
     assert [s.request_id for s in sched.running] == ["a", "b", "c"]  # running oldest first
-    sched.park(c)
-    sched.park(b)  # parked longest: c
+    sched.park(b)
+    sched.park(c)  # parked longest: b (older than c)
     _grow(a, 1)
     assert _run(sched) == ["a"]
     assert c.block_table == [] and b.block_table and sched.num_reclaims == 1
@@ -146,9 +148,127 @@ def test_a_request_in_the_system_takes_younger_parked_blocks_only_where_that_mak
     assert _run(sched) == ["visitor"] and young.block_table and sched.num_reclaims == 0
 
 
-def test_the_arrival_number_travels_with_every_handoff(tiny_dir: Path) -> None:
-    """The router numbers requests as they arrive; each model ranks a request by that number, and hands it on with
-    its handoffs. A message without one ranks after every numbered request; a model refuses a malformed one off its
+def test_the_youngest_goes_first_whether_parked_or_running() -> None:
+    """An older request out of blocks takes them from the youngest request younger than itself: a running one
+    (preempted) before a parked one older than it, and never itself while a younger one holds blocks."""
+    bm = BlockManager(num_blocks=9, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    g, p, y = _seq("g", 12, 0), _seq("p", 12, 1), _seq("y", 12, 2)
+    for s in (g, p, y):
+        sched.add(s)
+    _run(sched)
+    sched.park(p)
+    _grow(g, 1)  # a 4th block; y (running, youngest) goes before p (parked, older than y)
+    assert _run(sched) == ["g"]
+    assert not y.block_table and y.status.value == "waiting" and p.block_table
+    assert (sched.num_preemptions, sched.num_reclaims) == (1, 0)
+
+
+def test_queues_and_running_list_stay_in_age_order() -> None:
+    """Running oldest first (a chunk scheduled this step is never preempted for a later one), whatever the order of
+    arrival here; the requests in the system wait by age, a preempted one too."""
+    bm = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b, c = _seq("a", 4, 0), _seq("b", 4, 1), _seq("c", 4, 2)
+    sched.add(b)
+    _run(sched)
+    sched.park(b)
+    sched.add(c)
+    _run(sched)
+    sched.add(a)  # admitted after c, older than it
+    _run(sched)
+    sched.resume(b)  # back after both
+    assert [s.request_id for s in sched.running] == ["a", "b", "c"]
+
+    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    old, mid, young = _seq("old", 8, 0), _seq("mid", 8, 1), _seq("young", 8, 3)
+    for s in (old, young):
+        sched.add(s)
+    _run(sched)  # 4 blocks held, 2 free
+    sched.add(mid)  # needs 2, beside nothing owed: admitted
+    _run(sched)
+    visitor = _seq("visitor", 8, 2)  # waits: no block free
+    sched.add(visitor)
+    _grow(old, 4)  # takes a block from the youngest running: young preempted, queued behind the older visitor
+    assert _run(sched) == ["old"]
+    assert [s.request_id for s in sched.waiting] == ["visitor", "young"]
+    sched.add(_seq("early", 8, -1))  # an in-system request older than both joins the queue ahead of them
+    assert [s.request_id for s in sched.waiting] == ["early", "visitor", "young"]
+
+
+def test_requests_with_the_same_stamp_rank_alike_on_every_model() -> None:
+    """Two requests with the same stamp (two routers, or none), each running on one model with its KV parked on the
+    other: ranked by stamp then id, the same on both models, one of them takes the other's blocks and goes on.
+    Ranked by order of arrival on each model, each was older where it ran: both preempted themselves for ever."""
+    a_model = Scheduler(BlockManager(8, 4, enable_prefix_caching=True), 8, 64)
+    b_model = Scheduler(BlockManager(8, 4, enable_prefix_caching=True), 8, 64)
+    r_a, q_b = _seq("r", 16, 7), _seq("q", 16, 7, first=100)
+    a_model.add(r_a)
+    _run(a_model)
+    b_model.add(q_b)
+    _run(b_model)
+    for s, model in ((r_a, a_model), (q_b, b_model)):  # each goes to the other model, its KV kept here
+        _grow(s, 1)
+        model.park(s)
+    q_a, r_b = _seq("q", 17, 7, first=100), _seq("r", 17, 7)
+    a_model.add(q_a)
+    b_model.add(r_b)
+    progress = []
+    for _ in range(4):
+        progress += _run(a_model) + _run(b_model)
+        for s in (q_a, r_b):
+            if s.status.value == "running" and s.num_computed_tokens == s.num_tokens:
+                _grow(s, 1)
+    # q ranks older on both (the same stamp, the smaller id): it takes r's KV on the first model; r waits for it.
+    assert "q" in progress and "r" not in progress
+    assert (a_model.num_reclaims, b_model.num_reclaims) == (1, 0) and q_b.block_table
+
+
+def test_a_request_that_may_not_take_the_parked_blocks_waits_rather_than_start_again_each_step() -> None:
+    """A younger request alone on a model, whose prompt does not fit beside an older parked request's KV: admitted
+    chunk by chunk it could not grow and preempted itself every step (prefix caching off: its chunk computed again
+    each time). It waits for the older one instead."""
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=16)
+    old = _seq("old", 32, 0)
+    sched.add(old)
+    while old.num_computed_tokens < old.num_tokens:
+        _run(sched)
+    sched.park(old)  # 8 blocks kept
+    young = _seq("young", 40, 1, first=100)  # 10 blocks: 8 free
+    sched.add(young)
+    for _ in range(5):
+        assert _run(sched) == []
+    assert sched.num_preemptions == 0 and old.block_table
+    sched.resume(old)
+    sched.finish(old)
+    for _ in range(3):
+        _run(sched)
+    assert young.num_computed_tokens == 40
+
+
+def test_a_shared_prefix_is_not_counted_as_room_twice() -> None:
+    """A visitor whose cached prefix lies in a younger parked request's blocks: taking those back frees nothing
+    for it (the prefix it takes over costs as much again), so with no other room it takes nothing and waits (it
+    had taken the younger one's KV for nothing)."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    old, young = _seq("old", 20, 0, first=500), _seq("young", 12, 2)
+    for s in (old, young):
+        sched.add(s)
+    _run(sched)  # 5 + 3 blocks: none free
+    sched.park(young)
+    visitor = _seq("visitor", 15, 1)
+    visitor.token_ids[12:] = [77, 78, 79]  # its first 12 tokens are young's three blocks
+    assert bm.match_prefix(visitor.token_ids) == young.block_table
+    sched.add(visitor)
+    assert _run(sched) == [] and young.block_table and sched.num_reclaims == 0
+
+
+def test_the_arrival_stamp_travels_with_every_handoff(tiny_dir: Path) -> None:
+    """The router stamps each request as it takes it; each model ranks a request by that stamp, and hands it on with
+    its handoffs. A message without one ranks after every stamped request; a model refuses a malformed one off its
     socket (that request alone fails, saying why)."""
     engine = _engine(tiny_dir, 8192)
     handoffs: list[Arrive] = []
@@ -161,12 +281,18 @@ def test_the_arrival_number_travels_with_every_handoff(tiny_dir: Path) -> None:
 
     for sub in engine.subservers.values():
         sub.emit = spy
-    prompts = _prompts(engine, 3)
-    engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
-    assert handoffs and {a.arrival for a in handoffs} <= {0, 1, 2}
+    before = time.time_ns()
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
+           for p in _prompts(engine, 3)]
+    while engine.has_unfinished():
+        engine.step()
+    stamps = {rid: {a.arrival for a in handoffs if a.request_id == rid} for rid in ids}
+    assert all(len(v) == 1 for v in stamps.values()), stamps  # one stamp per request, on every handoff
+    firsts = [next(iter(stamps[rid])) for rid in ids]
+    assert before <= firsts[0] < firsts[1] < firsts[2] <= time.time_ns()
     small = engine.subservers["small"]
     small.handle(Arrive("unnumbered", [5, 6], True, 2, SamplingParams()))
-    assert small.seqs["unnumbered"].arrival == UNKNOWN_ARRIVAL > max(a.arrival for a in handoffs)
+    assert small.seqs["unnumbered"].arrival == UNKNOWN_ARRIVAL > max(firsts)
     engine.shutdown()
 
     model = SimpleNamespace(sub=small)  # (SubserverModel._check reads only the subserver's vocabulary)

@@ -5,14 +5,21 @@ re-prefill that evicts the next (a review saw 8 long prompts stall the served de
 
 from __future__ import annotations
 
+import itertools
+
 from tokenrouter.engine.block_manager import BlockManager
 from tokenrouter.engine.scheduler import Scheduler
 from tokenrouter.engine.sequence import Sequence
 from tokenrouter.sampling_params import SamplingParams
 
+_ARRIVALS = itertools.count()
+
 
 def _seq(rid: str, n: int) -> Sequence:
-    return Sequence(rid, list(range(1, n + 1)), n, SamplingParams(temperature=0.0))
+    """Stamped as a router would: one made later is younger."""
+    seq = Sequence(rid, list(range(1, n + 1)), n, SamplingParams(temperature=0.0))
+    seq.arrival = next(_ARRIVALS)
+    return seq
 
 
 def _run(sched: Scheduler) -> None:
@@ -51,7 +58,7 @@ def test_with_nothing_running_an_older_request_takes_parked_blocks_a_younger_one
     sched.finish(younger)
 
     older = _seq("older", 12)
-    older.arrival = 0  # (the router's number; `parked` has none: it ranks after every numbered request)
+    older.arrival = -1  # (stamped before `parked`)
     sched.add(older)
     _run(sched)
     assert older.status.value == "running" and not parked.block_table
@@ -155,7 +162,7 @@ def test_a_return_that_must_prefill_again_goes_ahead_of_new_requests_the_budget_
     _run(sched)
     sched.park(back)
     older = _seq("older", 4)
-    older.arrival = 0
+    older.arrival = -1
     assert sched._reclaim_parked(older)  # (taken for an older one: it holds no blocks now, 6 to compute on return)
     back.num_computed_tokens = 0
     new = [_seq(f"new{i}", 12) for i in range(2)]

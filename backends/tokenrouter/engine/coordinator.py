@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from transformers import PreTrainedTokenizerBase
@@ -48,7 +49,6 @@ class Coordinator:
         self.entry_policy = entry_policy
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
-        self._arrivals = itertools.count()  # Arrive.arrival: the requests' age order
         self._lock = threading.RLock()
         self._tuned: dict[str, int] | None = None
         self.num_solves = 0  # `thresholds: auto` solves that answered (the first ones come sooner: autotune.py)
@@ -152,7 +152,7 @@ class Coordinator:
             req.holders.add(self.config.entry)
             self.requests[rid] = req
             self._update_thresholds()
-            arrival = next(self._arrivals)
+            arrival = time.time_ns()  # (Arrive.arrival: its age, on every model)
         arrive = Arrive(rid, list(ids), True, len(ids), params, state, None, {}, kv_budget=self.kv_budget(),
                         arrival=arrival)
         self._deliver(self.config.entry, arrive)

@@ -7,13 +7,15 @@ admitted while the token budget, the sequence cap and the KV pool allow (room fo
 what the running sequences still need; a new request, held by no model yet, waits rather than take the blocks of
 requests parked here).
 
-Age order under KV pressure. A request's age is its place in the router's arrival order (`Sequence.age`), the same
-on every model. When the pool runs dry, a request takes blocks only from younger ones: first from the youngest
-request parked here (in flight on another model; it prefills again on return), then by preempting the youngest
-running sequence (its blocks freed, recomputed later), which may be itself. So the oldest request in the system
-always progresses on every model, and younger ones wait for it. Before (parked blocks taken by whoever ran out),
-requests that together outgrew a pool took each other's blocks on every return and each re-prefilled the other:
-four long greedy requests on two 2,048-token pools crawled at ~5 tokens/s each with ~9 reclaims/s per model.
+Age order under KV pressure. A request's age is when the router took it, then its id (`Sequence.age`): the same
+order on every model. A request takes blocks only from younger ones. Growing, it takes them from the youngest
+younger request here, parked (in flight on another model; it prefills again on return) or running (preempted,
+recomputed later), or else preempts itself. Waiting to come in (a first visit from another model, a return whose
+blocks were taken), it takes back younger parked requests' blocks where that makes room, and waits for running
+ones to free theirs. So the oldest request in the system always progresses, and younger ones wait for it. Before,
+any request out of blocks took the longest-parked request's, and requests that together outgrew a pool took each
+other's blocks on every return and each prefilled again: four long greedy requests on two 2,048-token pools
+crawled at ~5 tokens/s each with ~9 reclaims/s per model (tests/test_kv_age_order.py).
 
 Graph-aware admission (`graph_fits`, set where a model's eager steps cost more than its graph replays): when a
 newcomer would turn a step that a CUDA graph holds into one that runs eagerly (too many tokens or sequences for
@@ -26,9 +28,9 @@ step it replays two graphs (perf/results/graph_admission_h200_2026-12-03).
 from __future__ import annotations
 
 from bisect import insort
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
-from itertools import count, islice
+from itertools import islice
 from operator import attrgetter
 
 from tokenrouter.engine.block_manager import BlockManager
@@ -49,7 +51,6 @@ class Scheduler:
         self.running: list[Sequence] = []  # oldest first
         # Requests decoding elsewhere, longest parked first.
         self.parked: OrderedDict[str, Sequence] = OrderedDict()
-        self._order = count()  # Sequence.order_here
         self.num_preemptions = 0  # running sequences whose blocks were freed (recomputed later)
         self.num_reclaims = 0  # parked requests whose blocks were taken back (prefilled again on return)
         # (number of sequences, number of tokens) -> whether a step of them replays a CUDA graph; None: admission
@@ -65,8 +66,6 @@ class Scheduler:
     def add(self, seq: Sequence, new_request: bool = False) -> None:
         """`new_request`: held by no model yet (a request's first arrival at the entry model), which makes its
         admission wait for room rather than take parked requests' blocks."""
-        if seq.order_here < 0:
-            seq.order_here = next(self._order)
         seq.new_request = new_request
         seq.status = SeqStatus.WAITING
         if new_request:
@@ -134,10 +133,9 @@ class Scheduler:
             # the system finish (they progress without it), so the entry model admits no more requests than its pool
             # holds, and those are all that any model then holds.
             # (Only where all that it may take makes room: blocks taken for nothing would cost their owners a prefill.)
-            while not self._room_for(seq, prefix, cached + n, owed):
-                if (seq.new_request or not self._room_for(seq, prefix, cached + n, owed, self._reclaimable(seq))
-                        or not self._reclaim_parked(seq)):
-                    break
+            if not self._room_for(seq, prefix, cached + n, owed) and self._can_make_room(seq, prefix, cached + n, owed):
+                while not self._room_for(seq, prefix, cached + n, owed) and self._reclaim_parked(seq):
+                    pass
             if not self._room_for(seq, prefix, cached + n, owed):
                 self.waiting_for_kv = True
                 break
@@ -206,17 +204,18 @@ class Scheduler:
         return True
 
     def _grow(self, seq: Sequence, n: int) -> bool:
-        """Blocks for `n` more tokens of `seq`: taken from younger parked requests, then by preempting from the back
-        of the running list (the youngest).
+        """Blocks for `n` more tokens of `seq`, taken from the youngest request younger than it: parked here (its
+        KV taken back) or running (preempted from the back of the running list), or else `seq` itself goes.
 
         The back holds sequences not yet scheduled this step (running is walked front to back, oldest first), so a
         chunk already in the batch never loses its blocks. False if `seq` itself had to go."""
         while not self.bm.ensure(seq, seq.num_computed_tokens + n):
-            if self._reclaim_parked(seq):
+            parked, running = self._youngest_parked(seq), self.running[-1]
+            if parked is not None and parked.age > running.age:
+                self._take_back(parked)
                 continue
-            victim = self.running[-1]
-            self._preempt(victim)
-            if victim is seq:
+            self._preempt(running)
+            if running is seq:
                 return False
         return True
 
@@ -227,10 +226,12 @@ class Scheduler:
         could not all finish their prefill together preempted each other (in process on the CPU, 24 prompts of
         ~4,000 tokens into pools of 65,536: 10 preemptions, none with this rule; perf/results/
         kv_admission_cpu_2026-12-05). Where nothing runs here, only what this step computes (`chunk_tokens`, the
-        prefix included): a prompt larger than the pool still makes progress; a new request so only where nothing
-        is parked here either (it would take their blocks as its prompt grows)."""
+        prefix included): a prompt larger than the pool still makes progress; so only where no request it may not
+        take from is parked here either (it could not grow, and would start again each time; a new request takes
+        from none)."""
         free = self.bm.num_free_blocks + more_free
-        if not self.running and not (seq.new_request and any(s.block_table for s in self.parked.values())):
+        if not self.running and not any(s.block_table and (seq.new_request or s.age < seq.age)
+                                        for s in self.parked.values()):
             return self._admission_cost(prefix, chunk_tokens) <= free
         return self._admission_cost(prefix, seq.num_tokens) + owed <= free
 
@@ -251,25 +252,35 @@ class Scheduler:
         new_blocks = max(0, self.bm.blocks_for(num_tokens) - len(prefix))
         return self.bm.cost_of_prefix(prefix) + new_blocks
 
-    def _reclaimable(self, taker: Sequence) -> int:
-        """Blocks that taking back every parked request younger than `taker` would free (a block another request
-        shares stays)."""
-        holds: dict[int, int] = {}
-        for s in self.parked.values():
-            if s.age > taker.age:
-                for b in s.block_table:
-                    holds[b] = holds.get(b, 0) + 1
-        return sum(1 for b, n in holds.items() if n == self.bm.ref_count[b])
+    def _can_make_room(self, seq: Sequence, prefix: list[int], chunk_tokens: int, owed: int) -> bool:
+        """Whether taking back the parked requests younger than `seq`, a request in the system, would make room for
+        it: first a bound (their tables' sizes), then the blocks only they hold, outside `prefix` (a block of it
+        freed would cost its place in the free list again)."""
+        younger = [s for s in self.parked.values() if s.block_table and s.age > seq.age]
+        if seq.new_request or not younger or not self._room_for(
+                seq, prefix, chunk_tokens, owed, sum(len(s.block_table) for s in younger)):
+            return False
+        holds = Counter(b for s in younger for b in s.block_table)
+        ours = set(prefix)
+        freed = sum(1 for b, n in holds.items() if n == self.bm.ref_count[b] and b not in ours)
+        return self._room_for(seq, prefix, chunk_tokens, owed, freed)
+
+    def _youngest_parked(self, taker: Sequence) -> Sequence | None:
+        """The youngest request parked here, younger than `taker`, that holds blocks."""
+        return max((s for s in self.parked.values() if s.block_table and s.age > taker.age), key=_AGE, default=None)
 
     def _reclaim_parked(self, taker: Sequence) -> bool:
         """Free the blocks of the youngest parked request younger than `taker` that holds some (it re-prefills on
         return)."""
-        victim = max((s for s in self.parked.values() if s.block_table and s.age > taker.age), key=_AGE, default=None)
+        victim = self._youngest_parked(taker)
         if victim is None:
             return False
-        self.bm.release(victim)
-        self.num_reclaims += 1
+        self._take_back(victim)
         return True
+
+    def _take_back(self, parked: Sequence) -> None:
+        self.bm.release(parked)
+        self.num_reclaims += 1
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

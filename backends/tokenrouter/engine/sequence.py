@@ -15,8 +15,8 @@ if TYPE_CHECKING:  # stop.py imports this module
     from tokenrouter.engine.stop import TextTail
 
 
-# Arrival number of a request whose router's number is unknown (a message made outside a coordinator): it ranks
-# after every numbered request.
+# Arrival of a request whose router's stamp is unknown (a message made outside a coordinator): it ranks after every
+# stamped request.
 UNKNOWN_ARRIVAL = 1 << 62
 
 
@@ -59,10 +59,8 @@ class Sequence:
     waited_for_graph: bool = False  # admission held it back one step to keep a step in a CUDA graph (scheduler)
     # A new request, held by no model yet: admitting it never takes parked requests' blocks (scheduler).
     new_request: bool = False
-    # Its rank by age (`age`): the router's arrival number (Arrive.arrival), then its order of arrival here (set by
-    # the scheduler). Under KV pressure a request takes blocks only from younger ones, never the reverse.
+    # When the router took it (Arrive.arrival). Under KV pressure a request takes blocks only from younger ones.
     arrival: int = UNKNOWN_ARRIVAL
-    order_here: int = -1
     # Shadow decoding (engine/shadow.py): it left here under a lease that decided, having committed its last token
     # here; its last arrival here brought no tokens (the model it went to sent it straight back); and the token
     # a step here decoded for it while it was away, with the number of tokens it then held.
@@ -71,9 +69,10 @@ class Sequence:
     shadow: tuple[int, int] | None = None
 
     @property
-    def age(self) -> tuple[int, int]:
-        """Smaller is older."""
-        return self.arrival, self.order_here
+    def age(self) -> tuple[int, str]:
+        """Smaller is older; the same order on every model (a request's id is unique on each), so that no two
+        requests each rank older on the model where the other runs (each would wait for the other for ever)."""
+        return self.arrival, self.request_id
 
     @property
     def num_tokens(self) -> int:

@@ -41,9 +41,10 @@ class Arrive:
     # another model's pool could not go back there. Stamped by the served router on every Arrive it sends (in
     # process the engine sets each model's limit itself).
     max_len: int | None = None
-    # The request's number in the router's arrival order (smaller: older), carried on every visit. Under KV pressure
-    # a model lets a request take blocks only from younger ones, so the oldest always progresses (scheduler).
-    # None: unknown (a message made outside a coordinator), ranked after every numbered request.
+    # When the router took the request (time.time_ns(): comparable across routers and machines, to their clocks'
+    # skew), carried on every visit. Under KV pressure a model lets a request take blocks only from younger ones,
+    # so the oldest always progresses (scheduler). None: unknown (a message made outside a coordinator), ranked
+    # after every stamped request.
     arrival: int | None = None
 
 
