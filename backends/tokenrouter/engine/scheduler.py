@@ -221,14 +221,13 @@ class Scheduler:
 
     def _room_for(self, seq: Sequence, prefix: list[int], chunk_tokens: int, owed: int, more_free: int = 0) -> bool:
         """Whether the pool takes `seq` now (with `more_free` blocks more free), over `prefix` (cached blocks it takes
-        over): its whole prompt, beside
-        the `owed` blocks the running sequences still need. Admitted on their first chunk alone, long prompts that
-        could not all finish their prefill together preempted each other (in process on the CPU, 24 prompts of
-        ~4,000 tokens into pools of 65,536: 10 preemptions, none with this rule; perf/results/
-        kv_admission_cpu_2026-12-05). Where nothing runs here, only what this step computes (`chunk_tokens`, the
-        prefix included): a prompt larger than the pool still makes progress; so only where no request it may not
-        take from is parked here either (it could not grow, and would start again each time; a new request takes
-        from none)."""
+        over): its whole prompt, beside the `owed` blocks the running sequences still need. Admitted on their first
+        chunk alone, long prompts that could not all finish their prefill together preempted each other (in process
+        on the CPU, 24 prompts of ~4,000 tokens into pools of 65,536: 10 preemptions, none with this rule;
+        perf/results/kv_admission_cpu_2026-12-05). Where nothing runs here, only what this step computes
+        (`chunk_tokens`, the prefix included): a prompt larger than the pool still makes progress; so only where no
+        request it may not take from is parked here either (it could not grow, and would start again each time; a
+        new request takes from none)."""
         free = self.bm.num_free_blocks + more_free
         if not self.running and not any(s.block_table and (seq.new_request or s.age < seq.age)
                                         for s in self.parked.values()):
@@ -254,8 +253,8 @@ class Scheduler:
 
     def _can_make_room(self, seq: Sequence, prefix: list[int], chunk_tokens: int, owed: int) -> bool:
         """Whether taking back the parked requests younger than `seq`, a request in the system, would make room for
-        it: first a bound (their tables' sizes), then the blocks only they hold, outside `prefix` (a block of it
-        freed would cost its place in the free list again)."""
+        it: first a bound (their tables' sizes), then the blocks only they hold, outside `prefix` (a block of its own
+        cached prefix, freed, it would take again at once: no room)."""
         younger = [s for s in self.parked.values() if s.block_table and s.age > seq.age]
         if seq.new_request or not younger or not self._room_for(
                 seq, prefix, chunk_tokens, owed, sum(len(s.block_table) for s in younger)):
