@@ -79,6 +79,15 @@ def _run(sched: Scheduler) -> list[str]:
     return [c.seq.request_id for c in chunks]
 
 
+def _loaded(num_blocks: int, *seqs: Sequence, caching: bool = False) -> Scheduler:
+    """A scheduler over a pool of `num_blocks` blocks of 4 tokens, `seqs` added (in that order) and one step run."""
+    sched = Scheduler(BlockManager(num_blocks, 4, enable_prefix_caching=caching), 8, 64)
+    for s in seqs:
+        sched.add(s)
+    _run(sched)
+    return sched
+
+
 def _grow(seq: Sequence, n: int) -> None:
     seq.token_ids.extend([7] * n)
 
@@ -86,12 +95,8 @@ def _grow(seq: Sequence, n: int) -> None:
 def test_a_younger_request_preempts_itself_rather_than_take_an_older_ones_blocks() -> None:
     """The near-stall's step: a running request out of blocks took the parked (older) request's; now it goes back
     to the queue itself, and the older one finds its KV on return."""
-    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
     older, younger = _seq("older", 12, 0), _seq("younger", 12, 1)
-    for s in (older, younger):
-        sched.add(s)
-    _run(sched)
+    sched = _loaded(6, older, younger)
     sched.park(older)
     _grow(younger, 1)  # needs a 4th block: none free
     assert _run(sched) == []
@@ -103,12 +108,8 @@ def test_a_younger_request_preempts_itself_rather_than_take_an_older_ones_blocks
 
 
 def test_an_older_request_takes_the_youngest_parked_requests_blocks_first() -> None:
-    bm = BlockManager(num_blocks=9, block_size=4, enable_prefix_caching=False)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
     a, b, c = _seq("a", 12, 0), _seq("b", 12, 1), _seq("c", 12, 2)
-    for s in (c, b, a):  # (added youngest first: the order of arrival here is not the age)
-        sched.add(s)
-    _run(sched)
+    sched = _loaded(9, c, b, a)  # (added youngest first: the order of arrival here is not the age)
     assert [s.request_id for s in sched.running] == ["a", "b", "c"]  # running oldest first
     sched.park(b)
     sched.park(c)  # parked longest: b (older than c)
@@ -121,23 +122,15 @@ def test_a_request_in_the_system_takes_younger_parked_blocks_only_where_that_mak
     """A request in the system waiting for blocks (a first visit from another model, a return whose blocks were
     taken) takes the blocks of younger parked requests, even while others run here; but none where all it may take
     would still not make room (blocks taken for nothing would cost their owners a prefill)."""
-    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
     oldest, young = _seq("oldest", 12, 0), _seq("young", 12, 2)
-    for s in (oldest, young):
-        sched.add(s)
-    _run(sched)
+    sched = _loaded(8, oldest, young)
     sched.park(young)  # 3 + 3 blocks held, 2 free
     visitor = _seq("visitor", 12, 1)  # needs 3
     sched.add(visitor)
     assert _run(sched) == ["visitor"] and not young.block_table and sched.num_reclaims == 1
 
-    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
     oldest, mid, young = _seq("oldest", 12, 0), _seq("mid", 12, 1), _seq("young", 4, 3)
-    for s in (oldest, mid, young):
-        sched.add(s)
-    _run(sched)
+    sched = _loaded(8, oldest, mid, young)
     sched.park(mid)
     sched.park(young)  # 3 + 3 + 1 held, 1 free
     visitor = _seq("visitor", 12, 2)  # needs 3: 1 free + young's 1 is not enough, and mid is older
@@ -151,12 +144,8 @@ def test_a_request_in_the_system_takes_younger_parked_blocks_only_where_that_mak
 def test_the_youngest_goes_first_whether_parked_or_running() -> None:
     """An older request out of blocks takes them from the youngest request younger than itself: a running one
     (preempted) before a parked one older than it, and never itself while a younger one holds blocks."""
-    bm = BlockManager(num_blocks=9, block_size=4, enable_prefix_caching=False)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
     g, p, y = _seq("g", 12, 0), _seq("p", 12, 1), _seq("y", 12, 2)
-    for s in (g, p, y):
-        sched.add(s)
-    _run(sched)
+    sched = _loaded(9, g, p, y)
     sched.park(p)
     _grow(g, 1)  # a 4th block; y (running, youngest) goes before p (parked, older than y)
     assert _run(sched) == ["g"]
@@ -167,11 +156,8 @@ def test_the_youngest_goes_first_whether_parked_or_running() -> None:
 def test_queues_and_running_list_stay_in_age_order() -> None:
     """Running oldest first (a chunk scheduled this step is never preempted for a later one), whatever the order of
     arrival here; the requests in the system wait by age, a preempted one too."""
-    bm = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
     a, b, c = _seq("a", 4, 0), _seq("b", 4, 1), _seq("c", 4, 2)
-    sched.add(b)
-    _run(sched)
+    sched = _loaded(64, b)
     sched.park(b)
     sched.add(c)
     _run(sched)
@@ -180,12 +166,8 @@ def test_queues_and_running_list_stay_in_age_order() -> None:
     sched.resume(b)  # back after both
     assert [s.request_id for s in sched.running] == ["a", "b", "c"]
 
-    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
     old, mid, young = _seq("old", 8, 0), _seq("mid", 8, 1), _seq("young", 8, 3)
-    for s in (old, young):
-        sched.add(s)
-    _run(sched)  # 4 blocks held, 2 free
+    sched = _loaded(6, old, young)  # 4 blocks held, 2 free
     sched.add(mid)  # needs 2, beside nothing owed: admitted
     _run(sched)
     visitor = _seq("visitor", 8, 2)  # waits: no block free
@@ -201,13 +183,8 @@ def test_requests_with_the_same_stamp_rank_alike_on_every_model() -> None:
     """Two requests with the same stamp (two routers, or none), each running on one model with its KV parked on the
     other: ranked by stamp then id, the same on both models, one of them takes the other's blocks and goes on.
     Ranked by order of arrival on each model, each was older where it ran: both preempted themselves for ever."""
-    a_model = Scheduler(BlockManager(8, 4, enable_prefix_caching=True), 8, 64)
-    b_model = Scheduler(BlockManager(8, 4, enable_prefix_caching=True), 8, 64)
     r_a, q_b = _seq("r", 16, 7), _seq("q", 16, 7, first=100)
-    a_model.add(r_a)
-    _run(a_model)
-    b_model.add(q_b)
-    _run(b_model)
+    a_model, b_model = _loaded(8, r_a, caching=True), _loaded(8, q_b, caching=True)
     for s, model in ((r_a, a_model), (q_b, b_model)):  # each goes to the other model, its KV kept here
         _grow(s, 1)
         model.park(s)
@@ -252,16 +229,12 @@ def test_a_shared_prefix_is_not_counted_as_room_twice() -> None:
     """A visitor whose cached prefix lies in a younger parked request's blocks: taking those back frees nothing
     for it (the prefix it takes over costs as much again), so with no other room it takes nothing and waits (it
     had taken the younger one's KV for nothing)."""
-    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
     old, young = _seq("old", 20, 0, first=500), _seq("young", 12, 2)
-    for s in (old, young):
-        sched.add(s)
-    _run(sched)  # 5 + 3 blocks: none free
+    sched = _loaded(8, old, young, caching=True)  # 5 + 3 blocks: none free
     sched.park(young)
     visitor = _seq("visitor", 15, 1)
     visitor.token_ids[12:] = [77, 78, 79]  # its first 12 tokens are young's three blocks
-    assert bm.match_prefix(visitor.token_ids) == young.block_table
+    assert sched.bm.match_prefix(visitor.token_ids) == young.block_table
     sched.add(visitor)
     assert _run(sched) == [] and young.block_table and sched.num_reclaims == 0
 
