@@ -179,6 +179,42 @@ def test_queues_and_running_list_stay_in_age_order() -> None:
     assert [s.request_id for s in sched.waiting] == ["early", "visitor", "young"]
 
 
+def test_a_request_that_cannot_grow_even_taking_all_younger_ones_takes_nothing() -> None:
+    """Back with a suffix longer than all it may take beside an older request's KV: it goes back to the queue alone.
+    Taken one by one, the younger requests' KV all went for nothing, and they then waited behind it in the queue."""
+    o, s, y1, y2, p = (_seq("o", 16, 0), _seq("s", 8, 1, 100), _seq("y1", 8, 2, 200), _seq("y2", 8, 3, 300),
+                       _seq("p", 4, 4, 400))
+    sched = _loaded(12, o, s, y1, y2, p)  # 4 + 2 + 2 + 2 + 1 blocks, 1 free
+    for parked in (o, s, p):
+        sched.park(parked)
+    _grow(s, 28)  # 7 more blocks; all it may take: 1 free + p's 1 + y1's 2 + y2's 2
+    sched.resume(s)
+    assert _run(sched) == []
+    assert (sched.num_preemptions, sched.num_reclaims) == (1, 0) and not s.block_table
+    assert y1.block_table and y2.block_table and p.block_table and o.block_table
+    _grow(y1, 1)
+    assert _run(sched) == ["y1"]  # the younger ones go on; `s` waits for the older one
+
+
+def test_nothing_is_taken_back_for_a_request_that_then_waits_for_a_cuda_graph() -> None:
+    """A request in the system that would take a younger parked request's KV, but waits a step to keep this step in
+    a CUDA graph: it takes nothing before it goes in (the parked one may come back meanwhile)."""
+    sched = Scheduler(BlockManager(10, 4, enable_prefix_caching=False), 8, 64)
+    sched.graph_fits = lambda num_seqs, num_tokens: num_tokens <= 16
+    r, p = _seq("r", 4, 0), _seq("p", 16, 5, 200)
+    for s in (r, p):
+        sched.add(s)
+    _run(sched)
+    sched.park(p)  # r 1 block, p 4, 5 free
+    _grow(r, 1)
+    sched.add(_seq("w", 8, 1, 100))  # 2 blocks; r's growth takes 1: 2 free after
+    visitor = _seq("v", 12, 2, 300)  # 3 blocks: p's would make room, but 9 + 12 tokens are out of every graph
+    sched.add(visitor)
+    assert _run(sched) == ["r", "w"]
+    assert sched.num_graph_waits == 1 and sched.num_reclaims == 0 and p.block_table
+    assert _run(sched) == ["v"] and sched.num_reclaims == 1  # next step it goes in, whatever the graphs
+
+
 def test_requests_with_the_same_stamp_rank_alike_on_every_model() -> None:
     """Two requests with the same stamp (two routers, or none), each running on one model with its KV parked on the
     other: ranked by stamp then id, the same on both models, one of them takes the other's blocks and goes on.

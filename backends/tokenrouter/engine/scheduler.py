@@ -12,10 +12,11 @@ order on every model. A request takes blocks only from younger ones. Growing, it
 younger request here, parked (in flight on another model; it prefills again on return) or running (preempted,
 recomputed later), or else preempts itself. Waiting to come in (a first visit from another model, a return whose
 blocks were taken), it takes back younger parked requests' blocks where that makes room, and waits for running
-ones to free theirs. So the oldest request in the system always progresses, and younger ones wait for it. Before,
-any request out of blocks took the longest-parked request's, and requests that together outgrew a pool took each
-other's blocks on every return and each prefilled again: four long greedy requests on two 2,048-token pools
-crawled at ~5 tokens/s each with ~9 reclaims/s per model (tests/test_kv_age_order.py).
+ones to free theirs. So the oldest request is never starved: it waits at most for younger requests running here to
+hand off, finish or fill the pool. Before, any request out of blocks took the longest-parked request's, and
+requests that together outgrew a pool took each other's blocks on every return and each prefilled again: of four
+long greedy requests on two 2,048-token pools, two crawled at ~5 tokens/s with ~9 reclaims/s per model (in
+process; perf/results/kv_age_order_2026-12-06, tests/test_kv_age_order.py).
 
 Graph-aware admission (`graph_fits`, set where a model's eager steps cost more than its graph replays): when a
 newcomer would turn a step that a CUDA graph holds into one that runs eagerly (too many tokens or sequences for
@@ -132,13 +133,14 @@ class Scheduler:
             # other's blocks in turn). A new request, held nowhere yet, takes none: it waits while the requests in
             # the system finish (they progress without it), so the entry model admits no more requests than its pool
             # holds, and those are all that any model then holds.
-            # (Only where all that it may take makes room: blocks taken for nothing would cost their owners a prefill.)
-            if not self._room_for(seq, prefix, cached + n, owed) and self._can_make_room(seq, prefix, cached + n, owed):
-                while not self._room_for(seq, prefix, cached + n, owed) and self._reclaim_parked(seq):
-                    pass
+            # (Only where all that it may take makes room, and once it goes in this step: blocks taken for nothing,
+            # or before a wait for a CUDA graph, would cost their owners a prefill.)
+            take_back = False
             if not self._room_for(seq, prefix, cached + n, owed):
-                self.waiting_for_kv = True
-                break
+                take_back = self._can_make_room(seq, prefix, cached + n, owed)
+                if not take_back:
+                    self.waiting_for_kv = True
+                    break
             if seq.new_request and self.kv_budget is not None:
                 if live is None:
                     live, owing = self._live_blocks()
@@ -150,6 +152,8 @@ class Scheduler:
                 owing += need
             if self._wait_for_graph(chunks, seq, cached, n, budget):
                 break
+            while take_back and not self._room_for(seq, prefix, cached + n, owed):
+                take_back = self._reclaim_parked(seq)
             self.waiting.popleft()
             seq.waited_for_graph = seq.new_request = False  # (in the system now: preempted, it may reclaim)
             self.bm.allocate_prefix(seq, prefix)
@@ -208,7 +212,16 @@ class Scheduler:
         KV taken back) or running (preempted from the back of the running list), or else `seq` itself goes.
 
         The back holds sequences not yet scheduled this step (running is walked front to back, oldest first), so a
-        chunk already in the batch never loses its blocks. False if `seq` itself had to go."""
+        chunk already in the batch never loses its blocks. False if `seq` itself had to go: at once where all that
+        it may take would not make room (a suffix longer than that, beside an older request's KV; taken one by one,
+        they all went for nothing, and then waited behind it in the queue)."""
+        need = self.bm.blocks_needed(seq, seq.num_computed_tokens + n)
+        if need > self.bm.num_free_blocks:
+            younger = [s for s in self.parked.values() if s.block_table and s.age > seq.age]
+            younger += self.running[self.running.index(seq) + 1:]
+            if need > self.bm.num_free_blocks + self._held_only_by(younger):
+                self._preempt(seq)
+                return False
         while not self.bm.ensure(seq, seq.num_computed_tokens + n):
             parked, running = self._youngest_parked(seq), self.running[-1]
             if parked is not None and parked.age > running.age:
@@ -259,10 +272,12 @@ class Scheduler:
         if seq.new_request or not younger or not self._room_for(
                 seq, prefix, chunk_tokens, owed, sum(len(s.block_table) for s in younger)):
             return False
-        holds = Counter(b for s in younger for b in s.block_table)
-        ours = set(prefix)
-        freed = sum(1 for b, n in holds.items() if n == self.bm.ref_count[b] and b not in ours)
-        return self._room_for(seq, prefix, chunk_tokens, owed, freed)
+        return self._room_for(seq, prefix, chunk_tokens, owed, self._held_only_by(younger, set(prefix)))
+
+    def _held_only_by(self, seqs: list[Sequence], but: set[int] = frozenset()) -> int:
+        """Blocks that releasing `seqs` would free (a block another request shares stays), outside `but`."""
+        holds = Counter(b for s in seqs for b in s.block_table)
+        return sum(1 for b, k in holds.items() if k == self.bm.ref_count[b] and b not in but)
 
     def _youngest_parked(self, taker: Sequence) -> Sequence | None:
         """The youngest request parked here, younger than `taker`, that holds blocks."""
