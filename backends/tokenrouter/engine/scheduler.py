@@ -274,7 +274,7 @@ class Scheduler:
             return False
         return self._room_for(seq, prefix, chunk_tokens, owed, self._held_only_by(younger, set(prefix)))
 
-    def _held_only_by(self, seqs: list[Sequence], but: set[int] = frozenset()) -> int:
+    def _held_only_by(self, seqs: list[Sequence], but: frozenset[int] | set[int] = frozenset()) -> int:
         """Blocks that releasing `seqs` would free (a block another request shares stays), outside `but`."""
         holds = Counter(b for s in seqs for b in s.block_table)
         return sum(1 for b, k in holds.items() if k == self.bm.ref_count[b] and b not in but)
