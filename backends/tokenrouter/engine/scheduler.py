@@ -41,6 +41,12 @@ from tokenrouter.runner.forward_batch import ScheduledChunk
 _AGE = attrgetter("age")
 
 
+def _may_take(taker: Sequence, holder: Sequence) -> bool:
+    """Whether `taker` may take `holder`'s blocks: only a younger request's, and a new request (held by no model yet)
+    none."""
+    return not taker.new_request and holder.age > taker.age
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.bm = block_manager
@@ -217,8 +223,7 @@ class Scheduler:
         they all went for nothing, and then waited behind it in the queue)."""
         need = self.bm.blocks_needed(seq, seq.num_computed_tokens + n)
         if need > self.bm.num_free_blocks:
-            younger = [s for s in self.parked.values() if s.block_table and s.age > seq.age]
-            younger += self.running[self.running.index(seq) + 1:]
+            younger = self._takeable_parked(seq) + self.running[self.running.index(seq) + 1:]
             if need > self.bm.num_free_blocks + self._held_only_by(younger):
                 self._preempt(seq)
                 return False
@@ -242,8 +247,7 @@ class Scheduler:
         request it may not take from is parked here either (it could not grow, and would start again each time; a
         new request takes from none)."""
         free = self.bm.num_free_blocks + more_free
-        if not self.running and not any(s.block_table and (seq.new_request or s.age < seq.age)
-                                        for s in self.parked.values()):
+        if not self.running and not any(s.block_table and not _may_take(seq, s) for s in self.parked.values()):
             return self._admission_cost(prefix, chunk_tokens) <= free
         return self._admission_cost(prefix, seq.num_tokens) + owed <= free
 
@@ -268,8 +272,8 @@ class Scheduler:
         """Whether taking back the parked requests younger than `seq`, a request in the system, would make room for
         it: first a bound (their tables' sizes), then the blocks only they hold, outside `prefix` (a block of its own
         cached prefix, freed, it would take again at once: no room)."""
-        younger = [s for s in self.parked.values() if s.block_table and s.age > seq.age]
-        if seq.new_request or not younger or not self._room_for(
+        younger = self._takeable_parked(seq)
+        if not younger or not self._room_for(
                 seq, prefix, chunk_tokens, owed, sum(len(s.block_table) for s in younger)):
             return False
         return self._room_for(seq, prefix, chunk_tokens, owed, self._held_only_by(younger, set(prefix)))
@@ -279,9 +283,13 @@ class Scheduler:
         holds = Counter(b for s in seqs for b in s.block_table)
         return sum(1 for b, k in holds.items() if k == self.bm.ref_count[b] and b not in but)
 
+    def _takeable_parked(self, taker: Sequence) -> list[Sequence]:
+        """The requests parked here holding blocks that `taker` may take back."""
+        return [s for s in self.parked.values() if s.block_table and _may_take(taker, s)]
+
     def _youngest_parked(self, taker: Sequence) -> Sequence | None:
-        """The youngest request parked here, younger than `taker`, that holds blocks."""
-        return max((s for s in self.parked.values() if s.block_table and s.age > taker.age), key=_AGE, default=None)
+        """The youngest request parked here holding blocks that `taker` may take back."""
+        return max(self._takeable_parked(taker), key=_AGE, default=None)
 
     def _reclaim_parked(self, taker: Sequence) -> bool:
         """Free the blocks of the youngest parked request younger than `taker` that holds some (it re-prefills on

@@ -43,7 +43,7 @@ class Arrive:
     max_len: int | None = None
     # When the router took the request (time.time_ns(): comparable across routers and machines, to their clocks'
     # skew), carried on every visit. Under KV pressure a model lets a request take blocks only from younger ones,
-    # so the oldest always progresses (scheduler). None: unknown (a message made outside a coordinator), ranked
+    # so the oldest is never starved (scheduler). None: unknown (a message made outside a coordinator), ranked
     # after every stamped request.
     arrival: int | None = None
 
