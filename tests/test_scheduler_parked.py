@@ -74,6 +74,7 @@ def test_a_new_request_waits_for_parked_requests_to_come_back_and_finish() -> No
     bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
     parked, new = _seq("parked", 12), _seq("new", 12)
+    new.arrival = -1  # (even stamped before it: another router, whose clock runs behind)
     sched.add(parked, new_request=True)
     _run(sched)
     sched.park(parked)  # 3 blocks kept; 1 free: room for the new request's first chunk, not its prompt
