@@ -239,12 +239,12 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
             row = {"batch": batch, "context": context, "graph_ms": g and g * 1e3, "eager_ms": e * 1e3,
                    "replay_ms": r and r * 1e3, "graph_x_floor": g and g / floor, "eager_x_floor": e / floor,
                    "weights_kv_floor_ms": kv_floor * 1e3, "graph_x_weights_kv_floor": g and g / kv_floor}
+            if profile:
+                row["profile"] = profile_decode(runner, bm, batch, context)
             out["decode"].append(row)
             print(f"{name} decode b={batch:3d} ctx={context:5d}: graph {_ms(g)} ms ({row['graph_x_floor'] or 0:.2f}x "
                   f"floor; replay alone {_ms(r)} ms), eager {_ms(e)} ms", flush=True)
     decode8 = next((d for d in out["decode"] if d["batch"] == 8 and d["context"] == 1024), None)
-    if profile:
-        out["profile_b8"] = profile_decode(runner, bm, batch=8, context=1024)
     # Suffixes a returning request brings: 1..64 tokens for one request, and 8 requests x 1..10 tokens.
     suffixes = extends or ((1, 2), (1, 4), (1, 8), (1, 16), (1, 32), (1, 64), (8, 2), (8, 4), (8, 8), (8, 10))
     for batch, new in () if decode_only else suffixes:
@@ -387,12 +387,16 @@ def markdown(results: dict) -> str:
             lines.append(f"| {d['batch']} | {d['context']} | {_f(d['graph_ms'])} | {_f(d['graph_x_floor'])} | "
                          f"{_f(d['replay_ms'])} | {_f(d['graph_x_weights_kv_floor'])} | "
                          f"{d['eager_ms']:.2f} | {d['eager_x_floor']:.2f} | {_f(ratio)} |")
-        p = m.get("profile_b8")
-        if p:
-            groups = ", ".join(f"{g} {t:.2f}" for g, t in p["groups_ms"].items())
-            lines += ["", f"Kernels of one b{p['batch']} decode replay ({p['context']} context): {p['kernels']:.0f} "
-                          f"kernels, {p['kernel_ms']:.2f} ms ({groups} ms); longest: "
-                          + "; ".join(f"{k['name'][:40]} {k['us']:.0f} us x{k['launches']:.0f}" for k in p["top"][:3])]
+        profiles = [d["profile"] for d in m["decode"] if d.get("profile")]
+        if profiles:
+            lines += ["", "Kernels of one decode replay per case (torch.profiler): count, kernel time and its groups, "
+                          "the longest kernels:", "",
+                      "| batch | context | kernels | kernel ms | groups ms | longest (us per step x launches) |",
+                      "|---|---|---|---|---|---|"]
+            lines += [f"| {p['batch']} | {p['context']} | {p['kernels']:.0f} | {p['kernel_ms']:.2f} | "
+                      + ", ".join(f"{g} {t:.2f}" for g, t in p["groups_ms"].items()) + " | "
+                      + "; ".join(f"{k['name'][:40]} {k['us']:.0f} x{k['launches']:.0f}" for k in p["top"][:3]) + " |"
+                      for p in profiles]
         lines += ["", "| extend (requests x suffix) | context | tokens | graph of tokens (carved) | graph ms "
                       "| eager ms | graph / decode b8 |",
                   "|---|---|---|---|---|---|---|"]
@@ -461,7 +465,7 @@ def main() -> int:
     ap.add_argument("--carve-max-tokens", type=int, metavar="N",
                     help="carve graphs of up to N tokens out (the runner: model_runner.CARVEOUT_MAX_TOKENS)")
     ap.add_argument("--profile", action="store_true",
-                    help="also the kernel breakdown of each model's b8 1k decode step (torch.profiler)")
+                    help="also the kernel breakdown of each decode case (torch.profiler)")
     ap.add_argument("--out", default=str(ROOT / "perf" / "results" / "runner.json"))
     args = ap.parse_args()
     pdl_modes = list(dict.fromkeys(args.pdl.split(",")))  # each setting once
