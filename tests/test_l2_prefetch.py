@@ -63,7 +63,8 @@ class _Recorder(l2_prefetch.WeightPrefetcher):
 
 
 def _skinny_model(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> ModelRunner:
-    """The tiny model with every decode on the skinny path (it is in no tuned table)."""
+    """The tiny model with every decode on the skinny path (it is in no tuned table), the prefetch on."""
+    monkeypatch.setattr(l2_prefetch, "MODE", "last")
     monkeypatch.setattr(sg, "max_rows", lambda shapes, device, dtype=None: sg.MAX_M)
     monkeypatch.setattr(sg, "config_for", lambda n, k, m, device, dtype=None: sg.GemmConfig(16, 16, 1))
     return _runner(tiny_dir)
@@ -134,7 +135,6 @@ def test_only_weights_that_fit_the_l2(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a CUDA GPU and compiled kernels")
 def test_captured_steps_equal_without_prefetch(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Graphs captured with the prefetch forks replay to the same logits, hidden states and KV, bit for bit."""
-    monkeypatch.setattr(l2_prefetch, "MODE", "last")
     with_pf = _skinny_model(tiny_dir, monkeypatch)
     with_pf.setup_step(None)
     assert with_pf.model.prefetcher is not None and with_pf.graphs is not None and with_pf.graphs.graphs

@@ -13,8 +13,9 @@ matmul would add to them), weights of at most a third of the L2 each (the 0.6B's
 an H100's or H200's 50 MB; the 32B's do not fit and stream at ~3.8 TB/s anyway). The results are unchanged bit for
 bit: a prefetch moves no data anyone reads, it only warms the cache.
 
-`TOKENROUTER_L2_PREFETCH`: `last` (default: the lines are kept ahead of others, so that the attention's stream of
-K/V does not push them out before their matmul runs), `normal` (plain priority) or `off`.
+`TOKENROUTER_L2_PREFETCH`: `off` (default until a GPU measures it faster), `last` (the lines are kept ahead of
+others, so that the attention's stream of K/V or another model's matmuls do not push them out before their matmul
+runs) or `normal` (plain priority).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 
 MODES = ("last", "normal", "off")
-MODE = os.environ.get("TOKENROUTER_L2_PREFETCH", "last").strip().lower()
+MODE = os.environ.get("TOKENROUTER_L2_PREFETCH", "off").strip().lower()
 if MODE not in MODES:
     raise ValueError(f"TOKENROUTER_L2_PREFETCH must be one of {', '.join(MODES)}, got {MODE!r}")
 LINE_BYTES = 128  # an L2 cache line
