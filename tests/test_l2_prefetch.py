@@ -148,7 +148,7 @@ def test_captured_steps_equal_without_prefetch(tiny_dir: Path, monkeypatch: pyte
     for toks in ([[], [], []], [[5], [6], [7]], [[8, 9], [10], [11, 12, 13]], [[14], [15], [16]]):
         ours, ref = a.step(toks), b.step(toks)
         for x, y in zip(ours, ref):
-            assert torch.equal(x, y)
+            assert (x is None and y is None) or torch.equal(x, y)  # (step values: None without a step hook)
     assert torch.equal(with_pf.kv_cache, without.kv_cache)
     a.release()
     b.release()
