@@ -10,7 +10,7 @@ no graph), so the ratio is side by side. At the end the three models are loaded 
     python perf/bench_runner.py --out perf/results/runner_h200.json [--models qwen3-0.6b,qwen3-32b] [--quick]
 
 `--pdl on,off` runs each model once per setting of programmatic dependent launch (runner/pdl.py), side by side in
-one process; `--l2-prefetch last,off` likewise per setting of the weights' L2 prefetch (runner/l2_prefetch.py).
+one process.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "backends"))
 from tokenrouter.config import ModelConfig  # noqa: E402
 from tokenrouter.engine.block_manager import BlockManager  # noqa: E402
 from tokenrouter.engine.sequence import Sequence  # noqa: E402
-from tokenrouter.runner import cuda_graph, l2_prefetch, model_runner, pdl  # noqa: E402
+from tokenrouter.runner import cuda_graph, model_runner, pdl  # noqa: E402
 from tokenrouter.runner.arch import ArchConfig  # noqa: E402
 from tokenrouter.runner.forward_batch import ScheduledChunk  # noqa: E402
 from tokenrouter.runner.model_runner import ModelRunner, carves  # noqa: E402
@@ -199,11 +199,9 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
     runner.setup_step(None)
     capture_s = time.perf_counter() - t0
     num_graphs = len(runner.graphs.graphs) if runner.graphs is not None else 0
-    # what the captured steps do: the mode asked for where the model's weights fit the L2, else off
-    prefetch = l2_prefetch.MODE if runner.model.prefetcher is not None else "off"
     print(f"{name}: loaded in {load_s:.1f} s, {num_graphs} CUDA graphs captured in {capture_s:.1f} s, skinny matmuls "
           f"{'up to ' + str(runner.model.skinny_max_m) + ' rows' if runner.skinny_gemm else 'off'}, PDL {pdl_mode}, "
-          f"L2 prefetch {prefetch}, cuBLAS SM carve-out {carveout}",
+          f"cuBLAS SM carve-out {carveout}",
           flush=True)
     bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
     arch = runner.arch
@@ -212,7 +210,6 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
     iters = 5 if quick else 20
     out: dict = {"model": name, "attention": runner.attn_backend.name, "weight_read_floor_ms": floor * 1e3,
                  "skinny_gemm": runner.skinny_gemm, "skinny_max_m": runner.model.skinny_max_m, "pdl": pdl_mode,
-                 "l2_prefetch": prefetch,
                  "cublas_sm_carveout": carveout, "carve_max_tokens": model_runner.CARVEOUT_MAX_TOKENS,
                  "extend_token_steps": list(cuda_graph._EXTEND_TOKEN_STEPS),
                  "pdl_active": pdl.enabled(runner.device),  # "on" is only asked for: pre-Hopper GPUs run without
@@ -374,8 +371,7 @@ def markdown(results: dict) -> str:
         matmuls = f"skinny matmuls up to {m['skinny_max_m']} rows" if m.get("skinny_gemm") else "cuBLAS matmuls"
         carve = (f" (in graphs of up to {m.get('carve_max_tokens', 128)} tokens through cuBLASLt, "
                  f"{m['cublas_sm_carveout']} SMs carved out)" if m.get("cublas_sm_carveout") else "")
-        lines += [f"## {m['model']}, {matmuls}{carve}, PDL {m.get('pdl', 'on')}, L2 prefetch "
-                  f"{m.get('l2_prefetch', 'off')} (attention: {m['attention']}, "
+        lines += [f"## {m['model']}, {matmuls}{carve}, PDL {m.get('pdl', 'on')} (attention: {m['attention']}, "
                   f"weight-read floor {m['weight_read_floor_ms']:.2f} ms, {m['num_graphs']} graphs captured in "
                   f"{m['capture_s']:.1f} s)",
                   "",
@@ -445,9 +441,6 @@ def main() -> int:
     ap.add_argument("--pdl", default="on",
                     help="comma list of on, off: programmatic dependent launch settings, each model run once per "
                          "setting (the first one's runs set --layer-caps)")
-    ap.add_argument("--l2-prefetch", default=l2_prefetch.MODE,
-                    help=f"comma list of {', '.join(l2_prefetch.MODES)}: the small models' weight prefetch into L2 "
-                         "(runner/l2_prefetch.py), each model run once per setting")
     ap.add_argument("--cublas-sm-carveout", default="0",
                     help="comma list of the models' cublas_sm_carveout settings, each model run once per setting "
                          "(graphs of up to 112 tokens captured through cuBLASLt with that many SMs carved out; 0: "
@@ -472,9 +465,6 @@ def main() -> int:
     carveouts = [int(c) for c in dict.fromkeys(args.cublas_sm_carveout.split(","))]
     if set(pdl_modes) - set(PDL_MODES):
         ap.error(f"--pdl takes a comma list of {', '.join(PDL_MODES)}, got {args.pdl!r}")
-    prefetch_modes = list(dict.fromkeys(args.l2_prefetch.split(",")))
-    if set(prefetch_modes) - set(l2_prefetch.MODES):
-        ap.error(f"--l2-prefetch takes a comma list of {', '.join(l2_prefetch.MODES)}, got {args.l2_prefetch!r}")
     if args.layer_caps and len(carveouts) > 1:
         ap.error("--layer-caps takes one --cublas-sm-carveout setting (the caps are for one)")
     if args.layer_caps and not args.caps_from and args.skinny_gemm != "both":
@@ -508,9 +498,8 @@ def main() -> int:
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.skinny_gemm]
     for name in args.models.split(","):
         with_router = name == "qwen3-0.6b" and not args.no_router
-        for pdl_mode, prefetch_mode in ((p, f) for p in pdl_modes for f in prefetch_modes):
+        for pdl_mode in pdl_modes:
             set_pdl(pdl_mode)
-            l2_prefetch.MODE = prefetch_mode
             for skinny in modes:
                 for carve in carveouts:
                     results["models"].append(bench_model(name, bw, args.attention, args.quick, with_router, skinny,
@@ -519,7 +508,6 @@ def main() -> int:
                                                          tuple(int(c) for c in args.contexts.split(","))))
                     Path(args.out).write_text(json.dumps(results, indent=2))
     set_pdl(pdl_modes[0])
-    l2_prefetch.MODE = prefetch_modes[0]
     if args.colocate:
         pairs = [(p.split(":")[0], float(p.split(":")[1])) for p in args.colocate.split(",")]
         results["colocate"] = colocate(pairs)

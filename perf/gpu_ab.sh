@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A runner change side by side with a baseline on one GPU, one device call, in parts (PARTS, default "runner corun
 # tests"):
-#   runner: each model's steps (perf/bench_runner.py --profile: steps and the b8 decode kernel breakdown; this
+#   runner: each model's steps (perf/bench_runner.py --profile: steps and each decode case's kernel breakdown; this
 #           checkout's copy of the benchmark against each tree's runner);
 #   corun:  the small model stepping beside the large one (perf/bench_corun.py plain and small_high, likewise);
 #   engine: routed in process (perf/bench_engine.py, POINTS, default C=8 three times, C=16, C=1), base first;
@@ -31,9 +31,9 @@ for name in base new; do
   for f in bench_runner bench_corun; do cp perf/$f.py "$root/perf/${f}_run.py"; done
   if part runner; then
     step "steps, $name"
-    (cd "$root" && env $vars timeout 150 python3 perf/bench_runner_run.py --models ${MODELS:-qwen3-0.6b} --quick \
+    (cd "$root" && env $vars timeout 200 python3 perf/bench_runner_run.py --models ${MODELS:-qwen3-0.6b} --quick \
       --no-router --colocate '' --profile --out $res/runner_$name.json) > $res/runner_$name.log 2>&1
-    grep -E "captured|decode b=  [18] ctx= 1024|extend 8x10|kernels" $res/runner_$name.log | cut -c1-150
+    grep -E "captured|decode b=  [18] ctx= 1024|extend 8x10|^\| [18] \| 1024 \| [0-9]+ \|" $res/runner_$name.log | cut -c1-150
   fi
   if part corun; then
     step "the small model beside the large one, $name"

@@ -8,7 +8,6 @@ takes a decode step from ~60 kernels per layer to ~9, which matters even inside 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,7 +19,6 @@ from tokenrouter.runner.forward_batch import ForwardBatch
 from tokenrouter.runner.layers import RMSNorm, RotaryEmbedding, SwiGLU
 
 if TYPE_CHECKING:
-    from tokenrouter.runner.l2_prefetch import WeightPrefetcher
     from tokenrouter.runner.skinny_gemm import QKRope, SplitKWorkspace
 
 
@@ -127,11 +125,6 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
-    def matmul_weights(self) -> list[torch.Tensor]:
-        """The weights of `forward_stream`'s matmuls, in the order it runs them."""
-        attn, mlp = self.self_attn, self.mlp
-        return [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
-
     def forward_stream(
         self,
         stream: torch.Tensor,  # [T, hidden] residual stream: the previous layer's output plus its residual
@@ -140,34 +133,23 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         workspace: SplitKWorkspace,
         qk_rope: bool = False,
-        before: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # the next residual stream
         """The layer for a few tokens: four skinny matmuls with the norms, q/k-norm + RoPE + the KV write,
         SwiGLU's activation and the residual adds fused into them, so the layer is six kernels (attention's split
         and reduce included; seven without the qkv epilogue, `qk_rope` False; eleven on cuBLAS). Same roundings as
-        `forward`: the stream is what `forward`'s norms compute as x + residual. `before(k)` is called just before
-        the layer's k-th matmul (in `layer_matmuls`' order) is launched."""
+        `forward`: the stream is what `forward`'s norms compute as x + residual."""
         from tokenrouter.runner.skinny_gemm import skinny_linear
 
-        before = before or _nothing
         attn, mlp = self.self_attn, self.mlp
-        before(0)
         qkv = skinny_linear(stream, attn.qkv_proj.weight, workspace, prologue="rms_norm",
                             norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps,
                             qk_rope=attn.qk_rope(batch, rope) if qk_rope else None)
         o = attn.attend(qkv, batch, rope, backend, roped=qk_rope)
-        before(1)
         stream = skinny_linear(o, attn.o_proj.weight, workspace, residual=stream)
-        before(2)
         gate_up = skinny_linear(stream, mlp.gate_up_proj.weight, workspace, prologue="rms_norm",
                                 norm_weight=self.post_attention_layernorm.weight,
                                 eps=self.post_attention_layernorm.eps)
-        before(3)
         return skinny_linear(gate_up, mlp.down_proj.weight, workspace, prologue="silu_mul", residual=stream)
-
-
-def _nothing(k: int) -> None:
-    pass
 
 
 class DecoderModel(nn.Module):
@@ -199,8 +181,6 @@ class CausalLM(nn.Module):
         self.qk_rope_qkv: tuple[int, int, int] | None = None
         # Why `use_skinny_gemm` kept the matmuls on cuBLAS, in words for the log ("" when it did not).
         self.skinny_off = ""
-        # Asks the L2 for the next matmul's weight while one runs, in captured skinny steps (`use_skinny_gemm`).
-        self.prefetcher: WeightPrefetcher | None = None
 
     def use_skinny_gemm(self, device: torch.device) -> bool:
         """Route batches of up to `skinny_max_m` tokens (skinny_gemm.max_rows: what the tuned table measured faster
@@ -221,11 +201,6 @@ class CausalLM(nn.Module):
         if skinny_gemm.QKRope.supports(a.head_dim, a.qk_norm, a.qk_norm):
             self.qk_rope_qkv = (shapes[0][0], shapes[0][1], a.head_dim)
         self.workspace = skinny_gemm.workspace_for(shapes, self.skinny_max_m, device, dtype, self.qk_rope_qkv)
-        from tokenrouter.runner import l2_prefetch
-
-        weights = [w for layer in self.model.layers for w in layer.matmul_weights()]
-        if l2_prefetch.MODE != "off" and l2_prefetch.fits(weights, device):
-            self.prefetcher = l2_prefetch.WeightPrefetcher(weights, device)
         return True
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:  # [T, hidden]
@@ -236,15 +211,8 @@ class CausalLM(nn.Module):
             # Decided once a step: every layer has the same qkv shape.
             qk = self.qk_rope_qkv
             qk_rope = qk is not None and qk_rope_pays(qk[0], qk[1], h.shape[0], h.device, h.dtype)
-            pf = self.prefetcher
-            if pf is not None:
-                pf.begin()
-            for i, layer in enumerate(self.model.layers):
-                # the layer's first matmul in the prefetcher's order (matmul_weights: four a layer)
-                before = None if pf is None else (lambda k, first=4 * i: pf.before(first + k))
-                h = layer.forward_stream(h, batch, self.model.rotary_emb, backend, self.workspace, qk_rope, before)
-            if pf is not None:
-                pf.join()
+            for layer in self.model.layers:
+                h = layer.forward_stream(h, batch, self.model.rotary_emb, backend, self.workspace, qk_rope)
             return self.model.norm(h)
         residual = None
         for layer in self.model.layers:
