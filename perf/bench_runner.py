@@ -239,7 +239,7 @@ def bench_model(name: str, bandwidth: float, attention: str, quick: bool, with_r
             out["decode"].append(row)
             print(f"{name} decode b={batch:3d} ctx={context:5d}: graph {_ms(g)} ms ({row['graph_x_floor'] or 0:.2f}x "
                   f"floor; replay alone {_ms(r)} ms), eager {_ms(e)} ms", flush=True)
-    if profile:  # after the decode timings (none is timed after a profiler session), on the graphs without the router
+    if profile:  # after the decode timings (no decode case follows a profiler session); graphs without router
         for row in out["decode"]:
             row["profile"] = profile_decode(runner, bm, row["batch"], row["context"])
     decode8 = next((d for d in out["decode"] if d["batch"] == 8 and d["context"] == 1024), None)
