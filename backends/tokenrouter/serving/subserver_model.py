@@ -143,13 +143,10 @@ class SubserverModel:
                 return f"num_prompt_tokens {n!r} does not fit the request"
             if msg.threshold is not None and (not isinstance(msg.threshold, int) or msg.threshold < 1):
                 return f"threshold {msg.threshold!r} must be an integer >= 1"
-            for name in ("kv_budget", "max_len"):
+            for name, least in (("kv_budget", 1), ("max_len", 1), ("arrival", 0)):
                 value = getattr(msg, name)
-                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                    return f"{name} {value!r} must be an integer >= 1"
-            if msg.arrival is not None and (isinstance(msg.arrival, bool) or not isinstance(msg.arrival, int)
-                                            or msg.arrival < 0):
-                return f"arrival {msg.arrival!r} must be an integer >= 0"
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                    return f"{name} {value!r} must be an integer >= {least}"
             try:
                 msg.params.validate()
             except (ValueError, TypeError, AttributeError) as e:
