@@ -334,7 +334,9 @@ def test_openai_frontend_api_key_in_front_of_the_server(served: Served, tiny_dir
     threading.Thread(target=http.serve_forever, args=(0.05,), daemon=True).start()
     url = f"http://127.0.0.1:{http.server_address[1]}"
     try:
-        body = json.dumps({"model": "tokenrouter", "prompt": "def main():", "max_tokens": 4}).encode()
+        # (ignore_eos, as _GENERATE: a sampled end-of-sequence token would end it before its fourth token)
+        body = json.dumps({"model": "tokenrouter", "prompt": "def main():", "max_tokens": 4,
+                           "ignore_eos": True}).encode()
         for auth, expected in ((None, 401), ("Bearer nope", 401), ("Bearer sk-test-key", 200)):
             headers = {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
             req = urllib.request.Request(f"{url}/v1/completions", body, headers)
